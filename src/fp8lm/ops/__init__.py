@@ -1,0 +1,1 @@
+"""Kernels: the saturating cast and the FP8 GEMM dispatcher."""

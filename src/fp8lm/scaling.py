@@ -1,0 +1,103 @@
+"""Scale factors: power-of-two scales from amax, and the per-tensor scaling state.
+
+Convention (MS-AMP, Transformer Engine, torchao): ``fp8 = cast(x * scale)``, ``x ~ fp8 * scale_inv``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .formats import Format
+
+__all__ = ["compute_scale", "ScalingMeta"]
+
+
+def compute_scale(
+    amax: torch.Tensor | float, fmt: Format, margin: int = 0, previous: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Power-of-two scale ``2**(floor(log2(fmt.max / amax)) - margin)`` as a float32 tensor.
+
+    A power of two makes the multiplication by the scale exact. An amax of 0, NaN or inf carries
+    no information, so it keeps ``previous`` (1 when there is none). Works elementwise on a tensor
+    of amaxes.
+    """
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    if previous is None:
+        previous = torch.ones_like(amax)
+    else:
+        previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
+    valid = torch.isfinite(amax) & (amax > 0)
+    safe = torch.where(valid, amax, torch.ones_like(amax))
+    exp = torch.floor(torch.log2(fmt.max / safe)) - margin
+    # float32 exponents stop at +-126 for normal numbers; clamp so the scale stays finite and non-zero.
+    scale = torch.exp2(exp.clamp(-126.0, 126.0))
+    return torch.where(valid, scale, previous)
+
+
+@dataclass
+class ScalingMeta:
+    """Scaling state of one tensor stream (an input, an output gradient, ...).
+
+    ``history_len`` > 0 is delayed scaling: the scale for this step comes from the max over the
+    last ``history_len`` amaxes, which were recorded by earlier steps. ``history_len == 0`` is
+    current (just-in-time) scaling: the scale comes from the tensor itself.
+    """
+
+    fmt: Format
+    history_len: int = 16
+    margin: int = 0
+    scale: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.float32))
+    amax_history: torch.Tensor = field(init=False)
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.history_len < 0:
+            raise ValueError(f"history_len must be >= 0 (0 = current scaling), got {self.history_len}")
+        self.amax_history = torch.zeros(max(self.history_len, 1), dtype=torch.float32, device=self.scale.device)
+
+    @property
+    def delayed(self) -> bool:
+        return self.history_len > 0
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return self.scale.reciprocal()
+
+    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The scale to quantize ``x`` with, and record its amax in the history."""
+        amax = x.detach().abs().amax().float()
+        if self.amax_history.device != amax.device:
+            self.to(amax.device)
+        if not self.delayed:
+            self.scale = compute_scale(amax, self.fmt, self.margin, self.scale)
+            self.amax_history[0] = amax
+            return self.scale
+        if self.step == 0:
+            # No history yet: the first step scales just in time so it does not overflow.
+            self.scale = compute_scale(amax, self.fmt, self.margin, self.scale)
+        scale = self.scale
+        self.amax_history = torch.roll(self.amax_history, 1)
+        self.amax_history[0] = amax
+        self.scale = compute_scale(self.amax_history.amax(), self.fmt, self.margin, self.scale)
+        self.step += 1
+        return scale
+
+    def to(self, device: torch.device | str) -> "ScalingMeta":
+        self.scale = self.scale.to(device)
+        self.amax_history = self.amax_history.to(device)
+        return self
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["amax_history"].shape != self.amax_history.shape:
+            raise ValueError(
+                f"amax history of length {state['amax_history'].numel()} does not fit this layer's "
+                f"history_len={self.history_len}; build the model with the same history length"
+            )
+        self.scale = state["scale"].to(self.scale.device, torch.float32).clone()
+        self.amax_history = state["amax_history"].to(self.amax_history.device, torch.float32).clone()
+        self.step = int(state["step"])

@@ -1,0 +1,252 @@
+"""`ScalingTensor`: a low-precision payload with a per-tensor scale, as a real `torch.Tensor`.
+
+A ScalingTensor presents itself as a tensor of its high-precision dtype (``.dtype``, shape,
+strides, device) while storing only ``payload`` (FP8 or FP16) and a float32 ``scale`` with
+``value = payload / scale``. Because it is a wrapper subclass with `__torch_dispatch__`:
+
+- views, copies, ``detach``, ``split``, ``cat`` of equally scaled tensors, ``.to(device)``,
+  ``clone``, ``deepcopy`` and ``torch.save`` keep the payload and the scale;
+- every other op sees the dequantized values, so code that does not know about fp8lm
+  (torch.optim, clip_grad_norm_, loss functions) computes with the right numbers;
+- an in-place op on a ScalingTensor (``p.add_(u)``, ``grad += g``) dequantizes, applies the op
+  and requantizes with a fresh scale from the result's amax, in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .formats import E4M3, Format, format_of
+from .ops.cast import amax as _amax
+from .ops.cast import saturating_cast
+from .scaling import compute_scale
+
+__all__ = ["ScalingTensor", "quantize"]
+
+aten = torch.ops.aten
+
+# Ops that move or re-view elements without changing values: applied to the payload, the
+# result keeps the scale. Views share the scale tensor (so an in-place requantize of the base is
+# seen by its views); copies get their own.
+_VIEW_OPS = {
+    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.slice.Tensor,
+    aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.expand.default, aten.as_strided.default, aten.narrow.default, aten.chunk.default,
+}
+_COPY_OPS = {aten.clone.default}
+
+
+class ScalingTensor(torch.Tensor):
+    """A tensor stored as ``payload`` (e.g. float8_e4m3fn) with ``value = payload / scale``."""
+
+    _data: torch.Tensor
+    _scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            payload.shape,
+            strides=payload.stride(),
+            storage_offset=payload.storage_offset(),
+            dtype=dtype,
+            device=payload.device,
+            requires_grad=False,
+        )
+
+    def __init__(self, payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        format_of(payload.dtype)  # raises on a payload dtype that is not a known format
+        if not dtype.is_floating_point:
+            raise TypeError(f"a ScalingTensor presents a floating-point dtype, got {dtype}")
+        self._data = payload
+        self._scale = torch.as_tensor(scale, dtype=torch.float32, device=payload.device)
+
+    # -- public accessors -------------------------------------------------------------------
+    @property
+    def payload(self) -> torch.Tensor:
+        """The stored low-precision values (``value * scale``)."""
+        return self._data
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """float32 scale: ``payload = cast(value * scale)``."""
+        return self._scale
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return self._scale.reciprocal()
+
+    @property
+    def fmt(self) -> Format:
+        return format_of(self._data.dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values as a plain tensor of ``dtype``."""
+        return (self._data.to(torch.float32) / self._scale).to(dtype)
+
+    def requantize_(self, value: torch.Tensor) -> "ScalingTensor":
+        """Store ``value`` in place, with a scale fitted to its amax (just-in-time scaling)."""
+        scale = compute_scale(_amax(value), self.fmt, previous=self._scale)
+        self._data.copy_(saturating_cast(value, scale, self.fmt))
+        self._scale.copy_(scale)
+        return self
+
+    def __repr__(self) -> str:  # must not dispatch: keep to the payload and scale
+        return (
+            f"ScalingTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}, scale={self._scale.item():g})"
+        )
+
+    # -- subclass protocol (torch.compile, FSDP2, DCP) --------------------------------------
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, dtype, outer_size, outer_stride):
+        return ScalingTensor(inner_tensors["_data"], inner_tensors["_scale"], dtype)
+
+    def __reduce_ex__(self, protocol):
+        # Pickle (torch.save, deepcopy, multiprocessing) as payload + scale + dtype.
+        return (_rebuild, (self._data, self._scale, self.dtype))
+
+    def __deepcopy__(self, memo):
+        out = ScalingTensor(self._data.clone(), self._scale.clone(), self.dtype)
+        memo[id(self)] = out
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _VIEW_OPS or func in _COPY_OPS:
+            return _payload_op(func, args, kwargs, copy=func in _COPY_OPS)
+        if func is aten._to_copy.default:
+            return _to_copy(args[0], **kwargs)
+        if func is aten.copy_.default:
+            return _copy_into(args[0], args[1])
+        if func is aten.cat.default:
+            out = _cat_payloads(*args, **kwargs)
+            if out is not None:
+                return out
+        if func._schema.is_mutable:
+            return _inplace(func, args, kwargs)
+        args, kwargs = tree_map(_dequantize_leaf, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _rebuild(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> ScalingTensor:
+    return ScalingTensor(payload, scale, dtype)
+
+
+def _dequantize_leaf(x):
+    return x.dequantize(x.dtype) if isinstance(x, ScalingTensor) else x
+
+
+def _the_scaling_tensor(args) -> ScalingTensor:
+    return next(a for a in tree_flatten(args)[0] if isinstance(a, ScalingTensor))
+
+
+def _payload_op(func, args, kwargs, copy: bool):
+    src = _the_scaling_tensor(args)
+    out = func(*tree_map(lambda x: x._data if isinstance(x, ScalingTensor) else x, args), **kwargs)
+    scale = src._scale.clone() if copy else src._scale
+    return tree_map(lambda t: ScalingTensor(t, scale, src.dtype) if isinstance(t, torch.Tensor) else t, out)
+
+
+def _to_copy(x: ScalingTensor, dtype=None, device=None, **kwargs):
+    if dtype is None or dtype == x.dtype:
+        device = x.device if device is None else device
+        return ScalingTensor(x._data.to(device, copy=True), x._scale.to(device, copy=True), x.dtype)
+    return x.dequantize(dtype).to(device if device is not None else x.device)
+
+
+def _copy_into(dst, src):
+    if isinstance(dst, ScalingTensor):
+        if isinstance(src, ScalingTensor) and src._data.dtype == dst._data.dtype:
+            dst._data.copy_(src._data)
+            dst._scale.copy_(src._scale)
+        else:
+            dst.requantize_(_dequantize_leaf(src))
+        return dst
+    return dst.copy_(src.dequantize(dst.dtype))
+
+
+def _cat_payloads(tensors, dim=0):
+    """cat of ScalingTensors sharing a payload dtype and a scale value stays quantized."""
+    if not all(isinstance(t, ScalingTensor) for t in tensors):
+        return None
+    first = tensors[0]
+    same = all(
+        t._data.dtype == first._data.dtype and t.dtype == first.dtype and torch.equal(t._scale, first._scale)
+        for t in tensors[1:]
+    )
+    if not same:
+        return None
+    return ScalingTensor(torch.cat([t._data for t in tensors], dim), first._scale.clone(), first.dtype)
+
+
+def _inplace(func, args, kwargs):
+    """Run a mutating op on dequantized copies of the ScalingTensors it writes, then requantize."""
+    written: dict[int, ScalingTensor] = {}
+    flat, spec = tree_flatten((args, kwargs))
+    schema_args = func._schema.arguments
+    write_positions = {i for i, a in enumerate(schema_args) if a.alias_info is not None and a.alias_info.is_write}
+    write_names = {schema_args[i].name for i in write_positions}
+    # Which flat leaves are written: the leaves under written positional args or kwargs.
+    written_ids = set()
+    for i, a in enumerate(args):
+        if i in write_positions:
+            written_ids.update(id(t) for t in tree_flatten(a)[0] if isinstance(t, ScalingTensor))
+    for k, v in kwargs.items():
+        if k in write_names:
+            written_ids.update(id(t) for t in tree_flatten(v)[0] if isinstance(t, ScalingTensor))
+    temps = {}
+    new_flat = []
+    for leaf in flat:
+        if isinstance(leaf, ScalingTensor):
+            tmp = leaf.dequantize(leaf.dtype)
+            if id(leaf) in written_ids:
+                temps[id(tmp)] = (tmp, leaf)
+                written[id(leaf)] = leaf
+            new_flat.append(tmp)
+        else:
+            new_flat.append(leaf)
+    new_args, new_kwargs = tree_unflatten(new_flat, spec)
+    out = func(*new_args, **new_kwargs)
+    for tmp, target in temps.values():
+        target.requantize_(tmp)
+    return tree_map(lambda t: temps[id(t)][1] if isinstance(t, torch.Tensor) and id(t) in temps else t, out)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Format = E4M3,
+    scale: torch.Tensor | float | None = None,
+    margin: int = 0,
+) -> ScalingTensor:
+    """Quantize a floating-point tensor to ``fmt`` with a per-tensor power-of-two scale.
+
+    ``scale`` (``fp8 = cast(x * scale)``) is computed from ``x``'s amax when None. The result is a
+    `ScalingTensor` of ``x``'s dtype; values beyond the format's range saturate to +-max.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if isinstance(x, ScalingTensor):
+        x = x.dequantize(x.dtype)
+    if not x.dtype.is_floating_point:
+        raise TypeError(
+            f"quantize expects a floating-point tensor, got {x.dtype}; convert it first, e.g. x.float()"
+        )
+    fmt = format_of(fmt)
+    if scale is None:
+        scale = compute_scale(_amax(x.detach()), fmt, margin)
+    else:
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        if scale.numel() != 1 or not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+            raise ValueError(f"scale must be one finite positive number, got {scale}")
+        scale = scale.reshape(())
+    return ScalingTensor(saturating_cast(x.detach(), scale, fmt), scale, x.dtype)
