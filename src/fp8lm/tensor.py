@@ -95,9 +95,11 @@ class ScalingTensor(torch.Tensor):
         return self
 
     def __repr__(self) -> str:  # must not dispatch: keep to the payload and scale
+        scale = self._scale.item()  # a symbolic float while torch.compile traces
+        scale = f"{scale:g}" if isinstance(scale, float) else str(scale)
         return (
             f"ScalingTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"device={self.device}, scale={self._scale.item():g})"
+            f"device={self.device}, scale={scale})"
         )
 
     # -- subclass protocol (torch.compile, FSDP2, DCP) --------------------------------------
@@ -140,6 +142,10 @@ class ScalingTensor(torch.Tensor):
 
 def _rebuild(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> ScalingTensor:
     return ScalingTensor(payload, scale, dtype)
+
+
+# Saved ScalingTensors load with torch.load(weights_only=True).
+torch.serialization.add_safe_globals([ScalingTensor, _rebuild])
 
 
 def _dequantize_leaf(x):

@@ -1,0 +1,71 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import fp8lm
+from fp8lm import ScalingMeta, compute_scale
+
+
+def test_compute_scale_examples():
+    assert compute_scale(10.0, fp8lm.E4M3).item() == 32.0
+    assert compute_scale(10000.0, fp8lm.E4M3).item() == 1 / 32
+    assert compute_scale(10.0, fp8lm.E4M3, margin=1).item() == 16.0
+    assert compute_scale(448.0, fp8lm.E4M3).item() == 1.0
+
+
+@pytest.mark.parametrize("amax", [0.0, float("inf"), float("-inf"), float("nan")])
+def test_compute_scale_keeps_previous_on_uninformative_amax(amax):
+    assert compute_scale(amax, fp8lm.E4M3, previous=torch.tensor(8.0)).item() == 8.0
+    assert compute_scale(amax, fp8lm.E4M3).item() == 1.0
+
+
+def test_compute_scale_elementwise():
+    amax = torch.tensor([10.0, 0.0, 10000.0])
+    out = compute_scale(amax, fp8lm.E4M3, previous=torch.tensor([1.0, 4.0, 1.0]))
+    assert out.tolist() == [32.0, 4.0, 1 / 32]
+
+
+@given(st.floats(min_value=1e-30, max_value=1e30), st.sampled_from([fp8lm.E4M3, fp8lm.E5M2, fp8lm.FP16]))
+def test_compute_scale_is_power_of_two_fitting_amax(amax, fmt):
+    scale = compute_scale(amax, fmt).item()
+    exp = math.log2(scale)
+    assert exp == int(exp)
+    if -126 < exp < 126:  # away from the clamp, the scale is the largest power of two that fits
+        assert amax * scale <= fmt.max
+        assert amax * scale * 2 > fmt.max
+
+
+def test_delayed_scaling_uses_history_of_earlier_steps():
+    meta = ScalingMeta(fp8lm.E4M3, history_len=3)
+    # First step: no history, so the scale fits the tensor itself.
+    assert meta.scale_for(torch.tensor([10.0])).item() == 32.0
+    # Second step: scale from the history (amax 10), not from this tensor's amax 100.
+    assert meta.scale_for(torch.tensor([100.0])).item() == 32.0
+    # Third: history max is now 100.
+    assert meta.scale_for(torch.tensor([1.0])).item() == 4.0
+    meta.scale_for(torch.tensor([1.0]))
+    meta.scale_for(torch.tensor([1.0]))
+    # The amax of 100 has left the window of 3.
+    assert meta.scale_for(torch.tensor([1.0])).item() == 256.0
+
+
+def test_current_scaling_uses_the_tensor_itself():
+    meta = ScalingMeta(fp8lm.E5M2, history_len=0)
+    assert meta.scale_for(torch.tensor([1.0])).item() == 32768.0
+    assert meta.scale_for(torch.tensor([1000.0])).item() == 32.0
+
+
+def test_scaling_meta_state_dict_round_trip_and_mismatch():
+    meta = ScalingMeta(fp8lm.E4M3, history_len=4)
+    for v in (1.0, 5.0, 2.0):
+        meta.scale_for(torch.tensor([v]))
+    other = ScalingMeta(fp8lm.E4M3, history_len=4)
+    other.load_state_dict(meta.state_dict())
+    assert torch.equal(other.amax_history, meta.amax_history) and torch.equal(other.scale, meta.scale)
+    assert other.step == meta.step
+    with pytest.raises(ValueError, match="history_len=2"):
+        ScalingMeta(fp8lm.E4M3, history_len=2).load_state_dict(meta.state_dict())
+    with pytest.raises(ValueError, match="history_len must be >= 0"):
+        ScalingMeta(fp8lm.E4M3, history_len=-1)

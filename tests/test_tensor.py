@@ -1,0 +1,209 @@
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fp8lm
+from fp8lm import ScalingTensor, quantize
+
+MIN_NORMAL = {fp8lm.E4M3: 2.0**-6, fp8lm.E5M2: 2.0**-14}
+REL_BOUND = {fp8lm.E4M3: 2.0**-4, fp8lm.E5M2: 2.0**-3}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    magnitude=st.floats(min_value=1e-6, max_value=1e6),
+    values=st.lists(st.floats(min_value=-1.0, max_value=1.0, allow_subnormal=False), min_size=1, max_size=64),
+    fmt=st.sampled_from([fp8lm.E4M3, fp8lm.E5M2]),
+)
+def test_round_trip_relative_error_of_in_range_values(magnitude, values, fmt):
+    x = torch.tensor(values, dtype=torch.float64) * magnitude
+    q = quantize(x.float(), fmt)
+    back = q.dequantize(torch.float64)
+    scaled = (x.abs() * q.scale.double())
+    in_range = scaled >= MIN_NORMAL[fmt]  # normal after scaling: no subnormal or underflow
+    rel = ((back - x).abs() / x.abs())[in_range]
+    # float32 input rounding adds ~2^-24, far below the FP8 bounds.
+    assert rel.numel() == 0 or rel.max().item() <= REL_BOUND[fmt] + 2.0**-20
+    # The scale fits the tensor: the largest value never saturates.
+    assert scaled.max() <= fmt.max
+
+
+def test_quantize_fields_and_dtype():
+    x = torch.randn(32, 16, dtype=torch.bfloat16)
+    q = quantize(x, fp8lm.E5M2)
+    assert isinstance(q, torch.Tensor) and isinstance(q, ScalingTensor)
+    assert q.dtype == torch.bfloat16 and q.shape == x.shape
+    assert q.payload.dtype == torch.float8_e5m2 and q.fmt is fp8lm.E5M2
+    assert q.scale.dtype == torch.float32 and q.scale.shape == ()
+    assert torch.equal(q.scale_inv * q.scale, torch.tensor(1.0))
+    assert q.dequantize().dtype == torch.float32
+
+
+def test_explicit_scale_and_saturation():
+    x = torch.tensor([1e6, -1e6, float("inf"), float("-inf"), 1.0, 0.0])
+    q = quantize(x, fp8lm.E4M3, scale=1.0)
+    assert q.dequantize().tolist() == [448.0, -448.0, 448.0, -448.0, 1.0, 0.0]
+    q = quantize(x, fp8lm.E5M2, scale=torch.tensor(2.0))
+    assert q.dequantize().tolist() == [28672.0, -28672.0, 28672.0, -28672.0, 1.0, 0.0]
+    assert not torch.isnan(q.dequantize()).any()
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (torch.arange(4), TypeError, "floating-point tensor, got torch.int64.*x.float"),
+        ([1.0, 2.0], TypeError, "expects a torch.Tensor, got list"),
+    ],
+)
+def test_quantize_rejects_bad_input(bad, error, match):
+    with pytest.raises(error, match=match):
+        quantize(bad)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan"), torch.ones(2)])
+def test_quantize_rejects_bad_scale(scale):
+    with pytest.raises(ValueError, match="scale must be one finite positive number"):
+        quantize(torch.ones(3), scale=scale)
+
+
+def test_quantize_rejects_unknown_format():
+    with pytest.raises(ValueError, match="unknown format"):
+        quantize(torch.ones(3), "E2M1")
+
+
+def _same(a: ScalingTensor, b: ScalingTensor) -> bool:
+    return (
+        type(a) is type(b) is ScalingTensor
+        and a.dtype == b.dtype
+        and torch.equal(a.payload.view(torch.uint8), b.payload.view(torch.uint8))
+        and torch.equal(a.scale, b.scale)
+    )
+
+
+def test_save_load_including_weights_only():
+    q = quantize(torch.randn(8, 8))
+    for weights_only in (False, True):
+        buf = io.BytesIO()
+        torch.save({"q": q}, buf)
+        buf.seek(0)
+        assert _same(torch.load(buf, weights_only=weights_only)["q"], q)
+
+
+def test_deepcopy_detach_to_clone_are_independent_copies():
+    q = quantize(torch.randn(8, 8))
+    for other in (copy.deepcopy(q), q.clone(), q.to("cpu", copy=True)):
+        assert _same(other, q)
+        assert other.payload.data_ptr() != q.payload.data_ptr()
+    assert _same(q.detach(), q)
+    assert q.detach().payload.data_ptr() == q.payload.data_ptr()
+
+
+def test_to_another_dtype_dequantizes():
+    x = torch.randn(4, 4)
+    q = quantize(x)
+    h = q.to(torch.float16)
+    assert type(h) is torch.Tensor and h.dtype == torch.float16
+    assert torch.equal(h, q.dequantize(torch.float16))
+
+
+def test_views_split_and_cat_keep_payload_and_scale():
+    x = torch.randn(8, 6)
+    q = quantize(x)
+    ref = q.dequantize()
+    for view, expected in [
+        (q.t(), ref.t()), (q[2:5], ref[2:5]), (q.view(6, 8), ref.view(6, 8)),
+        (q.reshape(48), ref.reshape(48)), (q[1], ref[1]), (q.unsqueeze(0), ref.unsqueeze(0)),
+    ]:
+        assert isinstance(view, ScalingTensor)
+        assert torch.equal(view.dequantize(), expected)
+    parts = q.split(3)
+    assert all(isinstance(p, ScalingTensor) for p in parts)
+    joined = torch.cat(parts)
+    assert isinstance(joined, ScalingTensor) and _same(joined.contiguous(), q)
+    # Different scales cannot share a payload: the result is the exact dequantized values.
+    mixed = torch.cat([q, quantize(x * 1000)])
+    assert type(mixed) is torch.Tensor
+    assert torch.equal(mixed, torch.cat([ref, quantize(x * 1000).dequantize()]))
+
+
+def test_other_ops_compute_on_dequantized_values():
+    x = torch.randn(16, 16)
+    q = quantize(x)
+    ref = q.dequantize()
+    out = q @ torch.eye(16) + 1
+    assert type(out) is torch.Tensor and torch.equal(out, ref @ torch.eye(16) + 1)
+    assert torch.equal(torch.zeros_like(q), torch.zeros(16, 16)) and type(torch.zeros_like(q)) is torch.Tensor
+    assert torch.equal(q.norm(), ref.norm())
+
+
+def test_inplace_ops_requantize_with_a_fitting_scale():
+    x = torch.randn(64)
+    q = quantize(x, fp8lm.E4M3)
+    old_scale = q.scale.item()
+    expected = q.dequantize() * 100
+    assert q.mul_(100) is q
+    assert isinstance(q, ScalingTensor) and q.payload.dtype == torch.float8_e4m3fn
+    assert q.scale.item() < old_scale  # rescaled to the larger amax, not saturated
+    in_range = expected.abs() * q.scale >= 2.0**-6
+    rel = (q.dequantize() - expected).abs() / expected.abs()
+    assert rel[in_range].max() <= 2.0**-4
+
+
+def test_inplace_add_of_two_scaling_tensors_accumulates():
+    a = quantize(torch.randn(128), fp8lm.E4M3)
+    b = quantize(torch.randn(128) * 50, fp8lm.E4M3)
+    expected = a.dequantize() + b.dequantize()
+    a += b
+    assert isinstance(a, ScalingTensor)
+    err = (a.dequantize() - expected).abs() / expected.abs().max()
+    assert err.max() <= 2.0**-4
+
+
+def test_copy_into_scaling_tensor_and_out_of_it():
+    q = quantize(torch.zeros(4, 4), fp8lm.FP16)
+    src = torch.randn(4, 4)
+    q.copy_(src)
+    assert torch.allclose(q.dequantize(), src, rtol=2.0**-11, atol=0)
+    plain = torch.empty(4, 4)
+    plain.copy_(q)
+    assert torch.equal(plain, q.dequantize())
+    other = quantize(torch.randn(4, 4), fp8lm.FP16)
+    q.copy_(other)
+    assert _same(q, other)
+
+
+def test_parameter_of_scaling_tensor():
+    p = torch.nn.Parameter(quantize(torch.randn(4, 4), fp8lm.FP16))
+    assert isinstance(p, ScalingTensor) and isinstance(p, torch.nn.Parameter) and p.requires_grad
+    before = p.dequantize()
+    with torch.no_grad():
+        p.add_(1.0)
+    assert torch.allclose(p.dequantize(), before + 1, rtol=2.0**-10)
+
+
+def test_torch_compile_traces_through_scaling_tensor():
+    q = quantize(torch.randn(32, 32))
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def f(t):
+        return (t * 2).sum(dim=0)
+
+    assert torch.allclose(f(q), (q.dequantize() * 2).sum(dim=0))
+
+
+def test_quantize_matches_numpy_float64_reference():
+    """The cast is round-to-nearest-even of x*scale in the target format."""
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal(1000).astype(np.float32))
+    q = quantize(x, fp8lm.E4M3)
+    scaled = x.double() * q.scale.double()
+    # All E4M3 values: nearest representable value for each scaled input.
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    grid = grid[torch.isfinite(grid)].unique()
+    nearest_dist = (scaled[:, None] - grid[None, :]).abs().min(dim=1).values
+    got_dist = (q.payload.double() - scaled).abs()
+    assert torch.equal(got_dist, nearest_dist)
