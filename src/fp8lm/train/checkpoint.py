@@ -1,0 +1,93 @@
+"""Training checkpoints: atomic writes (temporary file, fsync, rename), keep the last k, and
+loading with ``torch.load(weights_only=True)`` (a checkpoint holds only plain tensors, numbers,
+strings, lists and dicts)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+__all__ = ["atomic_write_bytes", "atomic_torch_save", "save_checkpoint", "list_checkpoints", "load_checkpoint", "CheckpointError"]
+
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not fit the run."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic(path: Path, write) -> None:
+    """Write through ``write(file)`` so that ``path`` is either the old file or the complete new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    _atomic(Path(path), lambda f: f.write(data))
+
+
+def atomic_torch_save(obj, path: str | os.PathLike) -> None:
+    _atomic(Path(path), lambda f: torch.save(obj, f))
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in ``directory``, oldest step first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: int) -> Path:
+    """Write ``state`` as ``directory/step_<step>.pt`` atomically, then delete all but the newest ``keep``."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"step_{step:08d}.pt"
+    atomic_torch_save(state, path)
+    for old in list_checkpoints(d)[:-keep]:
+        old.unlink()
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
+    """Load a checkpoint file, or the newest checkpoint of a checkpoint folder or run folder."""
+    p = Path(path)
+    if p.is_dir():
+        found = list_checkpoints(p) or list_checkpoints(p / "checkpoints")
+        if not found:
+            raise CheckpointError(f"no checkpoint (step_*.pt) in {str(p)!r}; pass a checkpoint file or a run folder that has one")
+        p = found[-1]
+    if not p.is_file():
+        raise CheckpointError(f"checkpoint {str(p)!r} does not exist; pass a checkpoint file or a run folder")
+    try:
+        state = torch.load(p, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises several types for corrupt or foreign files
+        raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{str(p)!r} is not an fp8lm training checkpoint (no 'model' entry)")
+    state["path"] = str(p)
+    return state

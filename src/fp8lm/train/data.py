@@ -1,0 +1,230 @@
+"""Training text as byte-level tokens: corpus discovery, a deterministic train/validation split,
+packing into memory-mapped uint8 files (built once, cached, reused) and batch sampling.
+
+Corpora:
+- the default: the ``.py`` sources of the running Python's standard library
+  (``sysconfig.get_paths()['stdlib']``, about 30 MB, ``site-packages`` excluded);
+- ``--data PATH``: a text file, or a folder of text files (hidden files and binary files skipped);
+- ``--hf-dataset NAME``: the ``text`` column of a Hugging Face dataset (needs ``datasets``).
+
+Split: a document (a file, or a dataset row) goes to validation when the CRC32 of its name falls
+in the first ``val_fraction`` of the hash range, so the split is deterministic and stable when
+files are added. With fewer documents than that gives each side (e.g. a single file), the last
+``val_fraction`` of the concatenated bytes is the validation split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Document", "stdlib_documents", "path_documents", "hf_documents", "TokenSplits", "pack",
+    "BatchSampler", "eval_batches", "DataError",
+]
+
+_PACK_VERSION = 1
+_HASH_RANGE = 1 << 32
+
+
+class DataError(ValueError):
+    """The data the user pointed at cannot be used (missing, empty, too small)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One unit of the split: ``name`` decides its side, ``read()`` gives its bytes."""
+
+    name: str
+    read: Callable[[], bytes]
+    fingerprint: str  # changes when the content may have changed (size, mtime)
+
+
+def _file_document(path: Path, root: Path) -> Document:
+    st = path.stat()
+    return Document(path.relative_to(root).as_posix(), path.read_bytes, f"{st.st_size}:{st.st_mtime_ns}")
+
+
+def stdlib_documents() -> tuple[str, list[Document]]:
+    """The ``.py`` files of the running Python's standard library, site-packages excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts and p.is_file()
+    )
+    if not files:
+        raise DataError(f"no .py files found in the standard library at {root}; pass --data PATH")
+    return f"stdlib:{root}", [_file_document(p, root) for p in files]
+
+
+def _looks_binary(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\x00" in f.read(4096)
+
+
+def path_documents(path: str | os.PathLike) -> tuple[str, list[Document]]:
+    """A text file, or every non-hidden, non-binary file under a folder."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data path {str(p)!r} does not exist; pass an existing text file or folder to --data")
+    if p.is_file():
+        if p.stat().st_size == 0:
+            raise DataError(f"data file {str(p)!r} is empty; pass a file with text in it")
+        return f"path:{p.resolve()}", [_file_document(p, p.parent)]
+    files = sorted(
+        f for f in p.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        and f.stat().st_size > 0 and not _looks_binary(f)
+    )
+    if not files:
+        raise DataError(f"data folder {str(p)!r} holds no non-empty text files; put text files in it or pass another --data")
+    return f"path:{p.resolve()}", [_file_document(f, p) for f in files]
+
+
+def hf_documents(name: str, split: str = "train", column: str = "text") -> tuple[str, list[Document]]:
+    """The ``column`` of a Hugging Face dataset, one document per row."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            "--hf-dataset needs the 'datasets' package: pip install datasets (or use --data PATH)"
+        ) from None
+    ds = datasets.load_dataset(name, split=split)
+    if column not in ds.column_names:
+        raise DataError(f"dataset {name!r} has no {column!r} column (it has {ds.column_names})")
+    texts = ds[column]
+    fp = getattr(ds, "_fingerprint", str(len(texts)))
+    docs = [Document(f"{i}", lambda t=t: t.encode("utf-8"), fp) for i, t in enumerate(texts) if t]
+    if not docs:
+        raise DataError(f"dataset {name!r} has no non-empty {column!r} rows")
+    return f"hf:{name}:{split}", docs
+
+
+def is_validation(name: str, val_fraction: float) -> bool:
+    return zlib.crc32(name.encode("utf-8")) < val_fraction * _HASH_RANGE
+
+
+@dataclass
+class TokenSplits:
+    train: np.ndarray  # uint8 memmaps
+    val: np.ndarray
+    info: dict
+
+
+def _cache_key(source: str, docs: list[Document], val_fraction: float) -> str:
+    h = hashlib.sha256(f"{_PACK_VERSION}|{source}|{val_fraction!r}".encode())
+    for d in docs:
+        h.update(f"\n{d.name}|{d.fingerprint}".encode())
+    return h.hexdigest()[:16]
+
+
+def _write_stream(path: Path, chunks: Iterable[bytes]) -> int:
+    n = 0
+    with open(path, "wb") as f:
+        for c in chunks:
+            f.write(c)
+            n += len(c)
+        f.flush()
+        os.fsync(f.fileno())
+    return n
+
+
+def pack(source: str, docs: list[Document], cache_dir: str | os.PathLike, val_fraction: float = 0.05) -> TokenSplits:
+    """Byte tokens of ``docs`` split into train/validation, as memmaps under ``cache_dir``.
+
+    Packed once: a later call with the same documents (names, sizes, mtimes) and split reuses the
+    files. Files are written under temporary names and renamed, so an interrupted pack is redone.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    cache = Path(cache_dir)
+    key = _cache_key(source, docs, val_fraction)
+    meta_path = cache / f"tokens-{key}.json"
+    train_path, val_path = cache / f"tokens-{key}.train.bin", cache / f"tokens-{key}.val.bin"
+    if not meta_path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        val_docs = [d for d in docs if is_validation(d.name, val_fraction)]
+        train_docs = [d for d in docs if not is_validation(d.name, val_fraction)]
+        tmp_train, tmp_val = train_path.with_suffix(".tmp"), val_path.with_suffix(".tmp")
+        if val_docs and train_docs:
+            split = "by-document"
+            n_train = _write_stream(tmp_train, (d.read() for d in train_docs))
+            n_val = _write_stream(tmp_val, (d.read() for d in val_docs))
+        else:
+            split = "by-bytes"
+            data = b"".join(d.read() for d in docs)
+            n_val = max(1, int(len(data) * val_fraction))
+            n_train = _write_stream(tmp_train, [data[:-n_val]])
+            _write_stream(tmp_val, [data[-n_val:]])
+        meta = {
+            "source": source, "split": split, "val_fraction": val_fraction, "documents": len(docs),
+            "val_documents": len(val_docs) if split == "by-document" else 0,
+            "train_tokens": n_train, "val_tokens": n_val,
+        }
+        os.replace(tmp_train, train_path)
+        os.replace(tmp_val, val_path)
+        tmp_meta = meta_path.with_suffix(".tmp")
+        tmp_meta.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp_meta, meta_path)  # last: its presence marks a complete pack
+    meta = json.loads(meta_path.read_text())
+    return TokenSplits(_memmap(train_path), _memmap(val_path), meta)
+
+
+def _memmap(path: Path) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"the {what} split has {len(tokens)} tokens but a sequence needs {seq_len + 1}; "
+            "use more data or a shorter --seq-len"
+        )
+
+
+def _gather(tokens: np.ndarray, offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = offsets.numpy()[:, None] + np.arange(seq_len + 1)[None, :]
+    window = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+    return window[:, :-1], window[:, 1:]
+
+
+class BatchSampler:
+    """Random windows of the training split. Its whole position is a generator state, so a
+    checkpoint of ``state_dict()`` makes a resumed run draw exactly the same batches."""
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> None:
+        _check_length(tokens, seq_len, "training")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+        self.batches_drawn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        high = len(self.tokens) - self.seq_len
+        offsets = torch.randint(0, high, (self.batch_size,), generator=self.generator)
+        self.batches_drawn += 1
+        return _gather(self.tokens, offsets, self.seq_len)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.batches_drawn = int(state["batches_drawn"])
+
+
+def eval_batches(tokens: np.ndarray, num_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed validation set: windows evenly spaced over the validation split (the same for
+    every run with the same data and sizes, so validation losses compare directly)."""
+    _check_length(tokens, seq_len, "validation")
+    offsets = torch.linspace(0, len(tokens) - seq_len - 1, num_batches * batch_size).long()
+    return [_gather(tokens, o, seq_len) for o in offsets.split(batch_size)]
