@@ -1,0 +1,41 @@
+"""Real storage bytes of the tensors autograd saves for backward (activation memory)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["saved_tensor_bytes"]
+
+
+def _storages(t: torch.Tensor):
+    """(key, nbytes) of the storages under ``t``; a wrapper subclass (a ScalingTensor) is the
+    storages of its inner tensors (payload and scale), not the size it presents."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _storages(getattr(t, name))
+        return
+    s = t.untyped_storage()
+    yield (t.device, s.data_ptr()), s.nbytes()
+
+
+def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of distinct storages that autograd saves for backward while ``fn()`` runs.
+
+    Storages are counted once however many saved tensors view them. Storages of ``exclude``
+    (the model's parameters, which exist whether or not anything is saved) are not counted.
+    """
+    excluded = {key for t in exclude for key, _ in _storages(t.detach())}
+    seen: dict = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        for key, nbytes in _storages(t):
+            if key not in excluded:
+                seen[key] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
