@@ -26,7 +26,7 @@ from .data import BatchSampler, DataError, eval_batches, hf_documents, pack, pat
 from .measure import saved_tensor_bytes
 from .model import GPT, GPTConfig, preset
 
-__all__ = ["OPT_LEVELS", "TrainConfig", "train", "lr_at", "RunError", "default_device"]
+__all__ = ["OPT_LEVELS", "TrainConfig", "train", "check_output", "lr_at", "RunError", "default_device"]
 
 OPT_LEVELS = ("fp32", "bf16", "O1", "O2")
 FP8_LEVELS = ("O1", "O2")
@@ -102,7 +102,10 @@ class TrainConfig:
             raise RunError("--resume continues this run's own checkpoint; drop --init-from (it starts a new run from a checkpoint)")
         if self.amp_options and self.opt_level not in FP8_LEVELS:
             raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
-        self.model_config()  # raises on a bad preset or sizes
+        try:
+            self.model_config()
+        except ValueError as e:  # a bad preset or sizes
+            raise RunError(str(e)) from None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,20 +129,23 @@ def _documents(cfg: TrainConfig):
     return stdlib_documents()
 
 
-def _check_state_fits(model: torch.nn.Module, state: dict, where: str) -> None:
+def _check_state_fits(model: GPT, state: dict, where: str) -> None:
     """Raise one clear line when a checkpoint's weights do not fit ``model`` (a plain GPT)."""
-    ckpt_cfg = state.get("model_config")
-    own = model.state_dict()
-    missing = [k for k in own if k not in state["model"]]
-    wrong = [k for k in own if k in state["model"] and tuple(state["model"][k].shape) != tuple(own[k].shape)]
-    if missing or wrong:
-        first = (missing or wrong)[0]
-        detail = "is missing" if missing else f"has shape {tuple(state['model'][first].shape)}, the model needs {tuple(own[first].shape)}"
-        hint = f" (the checkpoint was trained with {ckpt_cfg})" if ckpt_cfg else ""
-        raise CheckpointError(
-            f"checkpoint {where} does not fit this model: {first!r} {detail}{hint}; "
-            "pass --model/--n-layer/--n-head/--n-embd/--mlp/--seq-len matching the checkpoint"
-        )
+    own, theirs = model.state_dict(), state["model"]
+    wrong = [k for k in own if k in theirs and tuple(theirs[k].shape) != tuple(own[k].shape)]
+    missing = [k for k in own if k not in theirs]
+    if not (wrong or missing):
+        return
+    first = (wrong or missing)[0]
+    detail = f"has shape {tuple(theirs[first].shape)}, this model needs {tuple(own[first].shape)}" if wrong else "is missing"
+    saved = state.get("model_config") or {}
+    diff = ", ".join(f"{k}={v} (here {getattr(model.config, k)})" for k, v in saved.items()
+                     if hasattr(model.config, k) and getattr(model.config, k) != v)
+    raise CheckpointError(
+        f"checkpoint {where} does not fit this model: {first!r} {detail}"
+        + (f"; it was trained with {diff}" if diff else "")
+        + "; pass --model/--n-layer/--n-head/--n-embd/--mlp/--seq-len to match it"
+    )
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
@@ -204,7 +210,9 @@ def _evaluate(model, batches, autocast, device) -> float:
     return total / len(batches)
 
 
-def _prepare_output(cfg: TrainConfig, out: Path) -> None:
+def check_output(cfg: TrainConfig) -> None:
+    """Refuse to start over a finished or checkpointed run (unless resuming), or to resume nothing."""
+    out = Path(cfg.out)
     if not cfg.resume and ((out / "summary.json").exists() or list_checkpoints(out / "checkpoints")):
         raise RunError(f"{str(out)!r} already holds a training run; pass --resume to continue it or choose another --out")
     if cfg.resume and not list_checkpoints(out / "checkpoints"):
@@ -219,7 +227,7 @@ def train(cfg: TrainConfig) -> dict:
     """
     cfg.validate()
     out = Path(cfg.out)
-    _prepare_output(cfg, out)
+    check_output(cfg)
     device = torch.device(cfg.device or default_device())
     mcfg = cfg.model_config()
     source, docs = _documents(cfg)

@@ -1,0 +1,139 @@
+"""The ``fp8lm`` command. One ``_add_<name>`` (its options) and one ``cmd_<name>`` (what it does)
+per subcommand, registered in `SUBCOMMANDS`; a new subcommand is one more entry."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from .train.checkpoint import CheckpointError
+from .train.compare import compare, parse_levels
+from .train.data import DataError
+from .train.loop import OPT_LEVELS, RunError, TrainConfig, train
+from .train.model import MLP_KINDS, PRESETS
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+
+# Errors that mean "the user asked for something that cannot work": one line on stderr, exit 2.
+USER_ERRORS = (DataError, CheckpointError, RunError)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by train and compare (everything but the precision level)."""
+    d = TrainConfig()
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=d.model, choices=list(PRESETS), help="size preset (default: %(default)s)")
+    m.add_argument("--n-layer", type=int, help="override the preset's number of blocks")
+    m.add_argument("--n-head", type=int, help="override the preset's attention heads")
+    m.add_argument("--n-embd", type=int, help="override the preset's width (keep it a multiple of 16 for FP8)")
+    m.add_argument("--mlp", choices=MLP_KINDS, help="MLP kind (preset default: gelu)")
+    o = p.add_argument_group("optimization")
+    o.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
+    o.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default: %(default)s)")
+    o.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step (default: %(default)s)")
+    o.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
+    o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    o.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr of the cosine decay (default: %(default)s)")
+    o.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: a tenth of --steps)")
+    o.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay of matrices (default: %(default)s)")
+    o.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm, 0 = no clipping (default: %(default)s)")
+    o.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the batch order (default: %(default)s)")
+    o.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", help="a text file or a folder of text files (default: the Python standard library's .py sources)")
+    g.add_argument("--hf-dataset", help="a Hugging Face dataset name (its 'text' column; needs the 'datasets' package)")
+    g.add_argument("--val-fraction", type=float, default=d.val_fraction, help="share of documents held out for validation (default: %(default)s)")
+    g.add_argument("--cache-dir", help="where packed tokens are cached (default: OUT/cache)")
+    r = p.add_argument_group("evaluation and output")
+    r.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps and at the end (default: %(default)s)")
+    r.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches (default: %(default)s)")
+    r.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps; the final step is always saved (default: %(default)s)")
+    r.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept (default: %(default)s)")
+    r.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    r.add_argument("--init-from", metavar="CHECKPOINT", help="start from a checkpoint's weights (fine-tuning): a step_*.pt file or a run folder")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
+    return TrainConfig(
+        model=args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, mlp=args.mlp,
+        opt_level=opt_level, steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        seq_len=args.seq_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed, device=args.device,
+        data=args.data, hf_dataset=args.hf_dataset, val_fraction=args.val_fraction, cache_dir=args.cache_dir,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, out=args.out, save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume, init_from=args.init_from,
+        progress=not args.no_progress,
+    )
+
+
+def _add_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--opt-level", default="bf16", choices=OPT_LEVELS,
+                   help="fp32; bf16 (autocast + FP32 AdamW, the baseline); O1 (FP8 GEMMs, FP8 weight gradients, "
+                        "FP16 weights); O2 (O1 + FP8AdamW) (default: %(default)s)")
+    p.add_argument("--out", default="runs/train", help="output folder (default: %(default)s)")
+    _add_run_options(p)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    summary = train(_config(args, args.opt_level))
+    keys = ("opt_level", "steps", "tokens", "train_loss", "val_loss", "tokens_per_s", "bytes_per_param")
+    print(json.dumps({k: summary[k] for k in keys}, indent=1))
+    print(f"summary: {args.out}/summary.json")
+    return 0
+
+
+def _add_compare(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--levels", default="bf16,O1,O2", help=f"comma-separated levels of {', '.join(OPT_LEVELS)} (default: %(default)s)")
+    p.add_argument("--out", default="runs/compare", help="output folder, one sub-folder per level (default: %(default)s)")
+    _add_run_options(p)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    levels = parse_levels(args.levels)
+    result = compare(_config(args, levels[0]), levels)
+    print(f"{result['steps']} steps, {result['tokens']:,} tokens per level, {result['num_params']:,} parameters, {result['device']}")
+    print(result["table"])
+    print(f"comparison: {args.out}/compare.json")
+    print(f"plot: {result['plot']}")
+    return 0
+
+
+# name -> (help, add options, run)
+SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "train": ("train a GPT on a real corpus at one precision level", _add_train, cmd_train),
+    "compare": ("train the same GPT at several precision levels and compare them", _add_compare, cmd_compare),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fp8lm", description="FP8 training for LLMs on stock PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (help_text, add, run) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add(p)
+        p.set_defaults(func=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        print(f"fp8lm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fp8lm {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
