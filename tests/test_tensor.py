@@ -221,3 +221,14 @@ def test_fused_and_eager_casts_agree_bit_for_bit():
         nan = torch.isnan(eager.float())
         assert torch.equal(nan, torch.isnan(fused.float()))  # NaN's sign bit may differ
         assert torch.equal(fused.view(torch.uint8)[~nan], eager.view(torch.uint8)[~nan])
+
+
+@pytest.mark.parametrize("numel", [100, (1 << 18) + 5])
+def test_cast_with_amax_matches_separate_passes(numel):
+    from fp8lm.ops import cast
+
+    x = torch.randn(numel, dtype=torch.bfloat16) * 7
+    scale = torch.tensor(16.0)
+    payload, got_amax = cast.saturating_cast_with_amax(x, scale, fp8lm.E4M3)
+    assert torch.equal(payload.view(torch.uint8), cast._eager_cast(x, scale, 448.0, torch.float8_e4m3fn).view(torch.uint8))
+    assert got_amax.item() == x.float().abs().max().item()

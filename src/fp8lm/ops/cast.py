@@ -15,7 +15,7 @@ import torch
 
 from ..formats import Format
 
-__all__ = ["amax", "saturating_cast", "FUSED_MIN_NUMEL"]
+__all__ = ["amax", "saturating_cast", "saturating_cast_with_amax", "FUSED_MIN_NUMEL"]
 
 FUSED_MIN_NUMEL = 1 << 18
 _fused_enabled = os.environ.get("FP8LM_FUSED_CAST", "1") != "0"
@@ -39,7 +39,28 @@ def _cast_expression(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: t
     return (x.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
 
 
+def _cast_amax_expression(x, scale, fmax: float, dtype: torch.dtype):
+    xf = x.to(torch.float32)
+    return (xf * scale).clamp(-fmax, fmax).to(dtype), xf.abs().amax()
+
+
 _fused_cast = torch.compile(_cast_expression, dynamic=True)
+_fused_cast_amax = torch.compile(_cast_amax_expression, dynamic=True)
+
+
+def _use_fused(x: torch.Tensor) -> bool:
+    return _fused_enabled and x.numel() >= FUSED_MIN_NUMEL and not torch.compiler.is_compiling()
+
+
+def _fused_or_eager(fused, eager, *args):
+    global _fused_enabled
+    if _use_fused(args[0]):
+        try:
+            return fused(*args)
+        except Exception as err:  # compilation is an optimisation: any failure falls back to eager
+            _fused_enabled = False
+            warnings.warn(f"fp8lm: fused cast unavailable ({type(err).__name__}: {err}); using eager ops", stacklevel=3)
+    return eager(*args)
 
 
 def saturating_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -48,12 +69,18 @@ def saturating_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.
     torch's own float8 casts turn out-of-range values into NaN (E4M3) or inf (E5M2), so the clamp
     is what keeps an overflowing value finite. NaN stays NaN. Rounding is to nearest even.
     """
-    global _fused_enabled
     scale = scale.to(device=x.device, dtype=torch.float32)
-    if _fused_enabled and x.numel() >= FUSED_MIN_NUMEL and not torch.compiler.is_compiling():
-        try:
-            return _fused_cast(x, scale, fmt.max, fmt.dtype)
-        except Exception as err:  # compilation is an optimisation: any failure falls back to eager
-            _fused_enabled = False
-            warnings.warn(f"fp8lm: fused cast unavailable ({type(err).__name__}: {err}); using eager ops", stacklevel=2)
-    return _eager_cast(x, scale, fmt.max, fmt.dtype)
+    return _fused_or_eager(_fused_cast, _eager_cast, x, scale, fmt.max, fmt.dtype)
+
+
+def _eager_cast_amax(x, scale, fmax: float, dtype: torch.dtype):
+    return _eager_cast(x, scale, fmax, dtype), amax(x)
+
+
+def saturating_cast_with_amax(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """`saturating_cast` with a scale known beforehand (delayed scaling), returning also the amax
+    of ``x`` for the history. Fused, both come from one read of ``x``."""
+    scale = scale.to(device=x.device, dtype=torch.float32)
+    if x.numel() == 0:
+        return _eager_cast_amax(x, scale, fmt.max, fmt.dtype)
+    return _fused_or_eager(_fused_cast_amax, _eager_cast_amax, x, scale, fmt.max, fmt.dtype)
