@@ -31,3 +31,12 @@ def test_format_of_accepts_names_dtypes_and_formats():
 def test_format_of_rejects_unknown(bad):
     with pytest.raises(ValueError, match="unknown format.*E4M3, E5M2, FP16, BF16, FP32"):
         format_of(bad)
+
+
+def test_smallest_values():
+    assert fp8lm.E4M3.min_normal == 2.0**-6 and fp8lm.E4M3.min_subnormal == 2.0**-9
+    assert fp8lm.E5M2.min_normal == 2.0**-14 and fp8lm.E5M2.min_subnormal == 2.0**-16
+    assert fp8lm.FP16.min_subnormal == 2.0**-24
+    # Half the smallest subnormal rounds (to even) to zero; just above it does not.
+    half = torch.tensor([fp8lm.E4M3.min_subnormal / 2, fp8lm.E4M3.min_subnormal * 0.51])
+    assert half.to(torch.float8_e4m3fn).float().tolist() == [0.0, fp8lm.E4M3.min_subnormal]

@@ -23,6 +23,16 @@ class Format:
     def is_fp8(self) -> bool:
         return self.bytes == 1
 
+    @property
+    def min_normal(self) -> float:
+        return torch.finfo(self.dtype).tiny
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive value; half of it and below round to zero."""
+        info = torch.finfo(self.dtype)
+        return info.tiny * info.eps
+
     def __repr__(self) -> str:
         return f"fp8lm.{self.name}"
 
