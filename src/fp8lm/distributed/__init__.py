@@ -1,0 +1,21 @@
+"""Distributed FP8: collectives with uint8 payloads and scales, byte accounting, automatic
+gradient scaling, `FP8DataParallel` and FP8 ZeRO (opt_level O3), on stock torch.distributed."""
+
+from .accounting import comm_stats, reset_comm_stats
+from .collectives import (
+    FlatLayout,
+    FP8Reduction,
+    fp8_all_gather,
+    fp8_all_reduce,
+    fp8_all_reduce_error_bound,
+    fp8_reduce_scatter,
+    shared_scale_all_reduce,
+)
+from .runtime import is_distributed, rank, setup, shutdown, world_size
+
+__all__ = [
+    "comm_stats", "reset_comm_stats",
+    "FlatLayout", "FP8Reduction", "fp8_all_gather", "fp8_all_reduce", "fp8_all_reduce_error_bound",
+    "fp8_reduce_scatter", "shared_scale_all_reduce",
+    "setup", "shutdown", "is_distributed", "rank", "world_size",
+]

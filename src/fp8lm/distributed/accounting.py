@@ -1,0 +1,54 @@
+"""Bytes sent per collective kind, by the standard algorithm cost.
+
+Every collective fp8lm issues records what *this rank* sends under the usual ring-algorithm
+costs, for a tensor of ``size`` bytes in total on ``N`` ranks:
+
+- all-reduce: ``2 (N-1)/N * size``
+- reduce-scatter, all-gather, all-to-all: ``(N-1)/N * size`` of the full (concatenated) tensor
+
+Scales travel in their own small collectives and are counted like any other bytes. The counts
+are per process, so they are comparable across runs whatever the backend actually does.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+__all__ = ["KINDS", "collective_bytes", "record", "comm_stats", "reset_comm_stats"]
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+_bytes: dict[str, float] = defaultdict(float)
+_calls: dict[str, int] = defaultdict(int)
+
+
+def collective_bytes(kind: str, full_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends for a collective of ``kind`` over a tensor of ``full_bytes`` in total."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}: use one of {', '.join(KINDS)}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    share = (world_size - 1) / world_size
+    return (2 * share if kind == "all_reduce" else share) * full_bytes
+
+
+def record(kind: str, full_bytes: float, world_size: int) -> None:
+    """Count one collective of ``kind`` over ``full_bytes`` (the whole tensor, all ranks' parts)."""
+    _bytes[kind] += collective_bytes(kind, full_bytes, world_size)
+    _calls[kind] += 1
+
+
+def comm_stats() -> dict:
+    """Bytes this rank sent since the last reset: ``total_bytes``, ``<kind>_bytes`` and
+    ``<kind>_calls`` for every kind in `KINDS`."""
+    stats: dict = {"total_bytes": sum(_bytes.values())}
+    for kind in KINDS:
+        stats[f"{kind}_bytes"] = _bytes[kind]
+        stats[f"{kind}_calls"] = _calls[kind]
+    return stats
+
+
+def reset_comm_stats() -> None:
+    """Set every count back to zero."""
+    _bytes.clear()
+    _calls.clear()

@@ -1,0 +1,69 @@
+"""Joining and leaving the process group under ``torchrun`` (or anything that sets its env vars)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["setup", "shutdown", "is_distributed", "rank", "world_size"]
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def setup(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
+    """Initialize the default process group from torchrun's environment; returns (rank, world size).
+
+    ``backend`` defaults to NCCL when CUDA is available, gloo otherwise. ``timeout_s`` bounds
+    every collective: when a rank dies, the others fail with an error instead of waiting forever.
+    Calling it again once initialized returns the current (rank, world size).
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in _ENV if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"fp8lm.distributed.setup() needs the environment torchrun sets; missing {', '.join(missing)}. "
+            "Launch with `torchrun --nproc_per_node N ...`"
+        )
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is initialized."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks (1 without a process group)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def shutdown(exit_code: int = 0) -> None:
+    """Leave the process group and end the process with ``exit_code``.
+
+    A gloo worker can abort with SIGABRT in interpreter teardown even after
+    ``destroy_process_group()``; flushing, a barrier (on success), destroying the group and
+    ``os._exit`` skips that teardown, so the exit code is the one given here.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_initialized():
+        if exit_code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    os._exit(exit_code)

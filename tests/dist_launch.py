@@ -1,0 +1,69 @@
+"""Runs a worker script on N local ranks the way torchrun would (its env vars, gloo), and
+collects what each rank saved. A rank's exit code must be 0: an abort or a crash fails the test."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(script: str, world_size: int, *args: str, timeout: float = 120.0) -> list[dict]:
+    """Start ``world_size`` processes of ``tests/<script>`` with torchrun's env vars; each gets an
+    output dir as its first argument and saves ``rank{r}.pt`` there. Returns the loaded dicts."""
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        procs = []
+        for r in range(world_size):
+            env = dict(
+                os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            )
+            procs.append(subprocess.Popen(
+                [sys.executable, str(HERE / script), out, *args],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            ))
+        logs, codes = [], []
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise AssertionError(f"{script} on {world_size} ranks did not finish in {timeout} s")
+            codes.append(p.returncode)
+        if any(codes):
+            detail = "\n".join(f"--- rank {r} (exit {c}) ---\n{log[-3000:]}" for r, (c, log) in enumerate(zip(codes, logs)))
+            raise AssertionError(f"{script} on {world_size} ranks failed:\n{detail}")
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def worker_main(checks) -> None:
+    """Worker side: join the group, run ``checks(rank, world_size) -> dict``, save it, exit cleanly."""
+    import traceback
+
+    from fp8lm.distributed import setup, shutdown
+
+    out = Path(sys.argv[1])
+    try:
+        rank, world = setup(timeout_s=60)
+        result = checks(rank, world, *sys.argv[2:])
+        torch.save(result, out / f"rank{rank}.pt")
+    except BaseException:
+        traceback.print_exc()
+        shutdown(1)
+    shutdown(0)
