@@ -1,0 +1,105 @@
+"""Swapping a model's linear layers (``nn.Linear``, GPT-2 ``Conv1D``) for `FP8Linear`, in place.
+
+Conversion is planned, built and only then applied, so a failure leaves the model untouched.
+Parameters shared between modules (GPT's tied embedding and output head) stay shared: each old
+Parameter maps to exactly one new one, and every module that held the old one is re-pointed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from .linear import FP8Linear, is_conv1d
+from .state import register_plain_state_dict
+from ..tensor import ScalingTensor
+
+__all__ = ["is_convertible", "linear_targets", "replace_modules", "replace_parameters", "convert_linears"]
+
+ModuleFilter = Callable[[str, nn.Module], bool]
+
+
+def is_convertible(module: nn.Module) -> bool:
+    """An exact ``nn.Linear`` (subclasses may override ``forward``) or a GPT-2 ``Conv1D``."""
+    return type(module) is nn.Linear or is_conv1d(module)
+
+
+def linear_targets(model: nn.Module, module_filter: ModuleFilter | None = None, multiple_of: int = 16) -> list[str]:
+    """Names of the modules `convert_linears` would swap: convertible, accepted by
+    ``module_filter(name, module)``, with in and out features multiples of ``multiple_of``
+    (FP8 GEMM kernels want multiples of 16; other layers stay in high precision)."""
+    if not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ValueError(f"multiple_of must be an int >= 1, got {multiple_of!r}")
+    names = []
+    for name, module in model.named_modules():
+        if not is_convertible(module):
+            continue
+        in_features, out_features = _linear_dims(module)
+        if in_features % multiple_of or out_features % multiple_of:
+            continue
+        if module_filter is not None and not module_filter(name, module):
+            continue
+        names.append(name)
+    return names
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear (weight (out, in)) or Conv1D (weight (in, out))."""
+    rows, cols = module.weight.shape
+    return (rows, cols) if is_conv1d(module) else (cols, rows)
+
+
+def replace_parameters(model: nn.Module, mapping: dict[int, nn.Parameter]) -> None:
+    """Re-point every module entry holding a Parameter whose ``id`` is in ``mapping`` to its new one."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in mapping:
+                module._parameters[name] = mapping[id(param)]
+        if any(isinstance(p, ScalingTensor) for p in module._parameters.values()):
+            register_plain_state_dict(module)
+
+
+def replace_modules(model: nn.Module, new_modules: dict[str, nn.Module]) -> None:
+    """Swap ``model``'s submodules by name for ``new_modules`` (all names checked first), keeping
+    parameters that the old modules shared, with each other or with other modules, shared."""
+    old_modules = dict(model.named_modules(remove_duplicate=False))
+    unknown = sorted(set(new_modules) - set(old_modules))
+    if unknown or "" in new_modules:
+        raise KeyError(f"cannot replace {unknown or ['<the model itself>']}: not submodules of the model")
+    mapping: dict[int, nn.Parameter] = {}
+    for name, new in new_modules.items():
+        old = old_modules[name]
+        for pname, old_param in old._parameters.items():
+            if old_param is None:
+                continue
+            if id(old_param) in mapping:  # tied to a module converted earlier: share its new Parameter
+                new._parameters[pname] = mapping[id(old_param)]
+            else:
+                mapping[id(old_param)] = new._parameters[pname]
+    # Re-point every parent, so a module registered under several names is swapped everywhere.
+    swaps = {id(old_modules[name]): new for name, new in new_modules.items()}
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if child is not None and id(child) in swaps:
+                parent._modules[child_name] = swaps[id(child)]
+    replace_parameters(model, mapping)
+
+
+def convert_linears(
+    model: nn.Module,
+    module_filter: ModuleFilter | None = None,
+    multiple_of: int = 16,
+    **layer_options,
+) -> dict[str, FP8Linear]:
+    """Swap the model's linear layers for `FP8Linear` in place; returns ``{name: new layer}``.
+
+    Which layers: see `linear_targets`. ``layer_options`` go to every FP8Linear (``history_len``,
+    ``scaling``, ``weight_format``, ...). Layers already FP8Linear are left as they are, so
+    converting twice changes nothing the second time.
+    """
+    names = linear_targets(model, module_filter, multiple_of)
+    modules = dict(model.named_modules())
+    new = {name: FP8Linear.from_linear(modules[name], **layer_options) for name in names}
+    replace_modules(model, new)
+    return new

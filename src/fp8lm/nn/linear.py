@@ -1,0 +1,253 @@
+"""`FP8Linear`: a drop-in `nn.Linear` whose three GEMMs run in FP8.
+
+Forward ``y = x W^T + b``: input in E4M3 (delayed scaling by default), weight in E4M3 (scaled just
+in time from its stored value). Backward: the output gradient in E5M2 (delayed scaling) feeds the
+input-gradient and weight-gradient GEMMs; the weight gradient is returned quantized (E4M3 by
+default), so it is stored at 1 byte per element and micro-batches accumulate into it with
+dequantize-add-requantize. Only the FP8 copies of input and weight are saved for backward. The
+bias stays in high precision. Under ``torch.autocast`` the output has the autocast dtype.
+
+The weight is an ``nn.Parameter`` wrapping a `ScalingTensor` with an FP16 payload by default
+(2 bytes per element, presenting as float32): optimizers, ``clip_grad_norm_`` and checkpoints see
+ordinary float values.
+
+Hook points: ``fp8_enabled = False`` runs the layer's GEMMs in high precision (BF16 under
+autocast); ``input_meta`` and ``grad_output_meta`` are the `ScalingMeta` states of the two
+delayed-scaled tensor streams.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats import E4M3, E5M2, FP16, FP32, Format, format_of
+from ..ops.cast import amax, saturating_cast
+from ..ops.gemm import BACKENDS, FP8Operand, fp8_mm
+from ..scaling import ScalingMeta, compute_scale
+from ..tensor import ScalingTensor, quantize
+from .state import dequantize_entries
+
+__all__ = ["FP8Linear", "SCALING_MODES"]
+
+SCALING_MODES = ("delayed", "current")
+
+
+def _finite_hint(amax_value: torch.Tensor) -> bool | None:
+    """Whether a tensor with this amax is finite, where asking costs no device sync (CPU)."""
+    return bool(torch.isfinite(amax_value)) if amax_value.device.type == "cpu" else None
+
+
+def _propagate_nonfinite(out: torch.Tensor, amax_value: torch.Tensor, finite: bool | None) -> torch.Tensor:
+    """The saturating cast turns inf into the format's max; make ``out`` NaN when its FP8 operand
+    came from a non-finite tensor, so non-finite checks downstream still see it."""
+    if finite is True:
+        return out
+    return out.add_((amax_value - amax_value).to(out.dtype))  # 0, or NaN for an inf/NaN amax
+
+
+def _quantize_weight(weight: torch.Tensor) -> tuple[FP8Operand, torch.Tensor]:
+    """E4M3 operand of the weight, scaled just in time; reads a ScalingTensor's payload directly
+    with one combined power-of-two scale (no float32 copy of the weight)."""
+    if isinstance(weight, ScalingTensor):
+        payload_amax = amax(weight.payload)
+        scale = compute_scale(payload_amax, E4M3)
+        data = saturating_cast(weight.payload, scale, E4M3)
+        value_amax = payload_amax / weight.scale
+        scale_inv = (scale * weight.scale).reciprocal()
+    else:
+        value_amax = amax(weight.detach())
+        scale = compute_scale(value_amax, E4M3)
+        data = saturating_cast(weight.detach(), scale, E4M3)
+        scale_inv = scale.reciprocal()
+    return FP8Operand(data, scale_inv, _finite_hint(value_amax)), value_amax
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer: "FP8Linear"):
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        x_scale = layer.input_meta.scale_for(x2)
+        x_amax = layer.input_meta.amax_history[0].clone()
+        x_op = FP8Operand(saturating_cast(x2, x_scale, E4M3), x_scale.reciprocal(), _finite_hint(x_amax))
+        w_op, w_amax = _quantize_weight(weight)
+        b = None if bias is None else bias.detach()
+        with torch.autocast(device_type, enabled=False):
+            y = fp8_mm(x_op, w_op.t(), out_dtype, bias=b, backend=layer.backend)
+        y = _propagate_nonfinite(y, torch.maximum(x_amax, w_amax), x_op.finite and w_op.finite)
+
+        ctx.layer = layer
+        ctx.out_dtype = out_dtype
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.x_finite, ctx.w_finite = x_op.finite, w_op.finite
+        ctx.save_for_backward(
+            x_op.data if need_w else None, x_op.scale_inv if need_w else None,
+            w_op.data if need_x else None, w_op.scale_inv if need_x else None,
+        )
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layer: FP8Linear = ctx.layer
+        x8, x_scale_inv, w8, w_scale_inv = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g_scale = layer.grad_output_meta.scale_for(g2)
+        g_amax = layer.grad_output_meta.amax_history[0].clone()
+        g_finite = _finite_hint(g_amax)
+        g_op = FP8Operand(saturating_cast(g2, g_scale, E5M2), g_scale.reciprocal(), g_finite)
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                w_op = FP8Operand(w8, w_scale_inv, ctx.w_finite)
+                grad_x = fp8_mm(g_op, w_op, ctx.out_dtype, backend=layer.backend)
+                grad_x = _propagate_nonfinite(grad_x, g_amax, g_finite).to(ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                x_op = FP8Operand(x8, x_scale_inv, ctx.x_finite)
+                grad_w = _propagate_nonfinite(fp8_mm(g_op.t(), x_op, ctx.out_dtype, backend=layer.backend), g_amax, g_finite)
+                grad_w = layer._store_weight_grad(grad_w, ctx.weight_dtype)
+            if ctx.needs_input_grad[2]:
+                grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class FP8Linear(nn.Module):
+    """``nn.Linear`` with FP8 GEMMs, FP8 weight gradient and a low-precision weight.
+
+    Args beyond ``nn.Linear``'s:
+        weight_format: storage of the weight. FP16 (default): a ScalingTensor with an FP16 payload
+            and a power-of-two scale; any other fp8lm format likewise; FP32: a plain parameter.
+        weight_grad_format: storage of the weight gradient: E4M3 (default) or another format;
+            FP32 gives a plain gradient of the weight's dtype.
+        history_len: amax history of the delayed input and output-gradient scaling (default 16).
+        scaling: ``"delayed"`` (default) or ``"current"`` (scale each tensor from its own amax).
+        backend: FP8 GEMM backend, see `fp8lm.ops.gemm` (``"auto"``, ``"scaled_mm"``, ``"emulated"``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        weight_format: Format | str = FP16,
+        weight_grad_format: Format | str = E4M3,
+        history_len: int = 16,
+        scaling: str = "delayed",
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if scaling not in SCALING_MODES:
+            raise ValueError(f"unknown scaling {scaling!r}: use one of {', '.join(SCALING_MODES)}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown FP8 GEMM backend {backend!r}: use one of {', '.join(BACKENDS)}")
+        if not isinstance(history_len, int) or history_len < 1:
+            raise ValueError(f"history_len must be an int >= 1 (use scaling='current' for none), got {history_len!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight_format = format_of(weight_format)
+        self.weight_grad_format = format_of(weight_grad_format)
+        self.history_len = history_len
+        self.scaling = scaling
+        self.backend = backend
+        self.fp8_enabled = True
+        # Checkpoints of a layer converted from a GPT-2 Conv1D keep Conv1D's (in, out) weight layout.
+        self.transposed_checkpoint = False
+        steps = history_len if scaling == "delayed" else 0
+        self.input_meta = ScalingMeta(E4M3, history_len=steps)
+        self.grad_output_meta = ScalingMeta(E5M2, history_len=steps)
+        factory = {"device": device, "dtype": dtype or torch.get_default_dtype()}
+        weight = torch.empty(out_features, in_features, **factory)
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        if weight.device.type != "meta":
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
+            # nn.Linear's initialization (kaiming_uniform with a=sqrt(5) is this bound for the weight).
+            nn.init.uniform_(weight, -bound, bound)
+            if self.bias is not None:
+                nn.init.uniform_(self.bias, -bound, bound)
+        self.weight = self._stored_weight(weight)
+
+    def _stored_weight(self, value: torch.Tensor) -> nn.Parameter:
+        """``value`` as this layer's weight parameter, in ``weight_format``."""
+        value = value.detach()
+        if self.weight_format == FP32 or value.device.type == "meta":
+            return nn.Parameter(value.clone() if self.weight_format == FP32 else value)
+        return nn.Parameter(quantize(value, self.weight_format))
+
+    def _store_weight_grad(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.weight_grad_format == FP32:
+            return grad.to(dtype)
+        stored = quantize(grad, self.weight_grad_format)
+        return ScalingTensor(stored.payload, stored.scale, dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, **options) -> "FP8Linear":
+        """An FP8Linear with ``linear``'s weight and bias values (an ``nn.Linear``, or a GPT-2
+        ``Conv1D``: weight of shape (in, out), attribute ``nf``, detected without importing
+        transformers). ``options`` are FP8Linear's keyword arguments."""
+        weight = linear.weight.detach()
+        conv1d = is_conv1d(linear)
+        if conv1d:
+            weight = weight.t()
+        elif not isinstance(linear, nn.Linear):
+            raise TypeError(f"FP8Linear.from_linear expects an nn.Linear or a GPT-2 Conv1D, got {type(linear).__name__}")
+        out_features, in_features = weight.shape
+        layer = cls(in_features, out_features, bias=linear.bias is not None, device="meta", dtype=weight.dtype, **options)
+        layer.weight = layer._stored_weight(weight.contiguous())
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        layer.weight.requires_grad_(linear.weight.requires_grad)
+        layer.transposed_checkpoint = conv1d
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return F.linear(x, self.weight, self.bias)
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self)
+
+    # -- checkpoints: plain tensors in the original layout ----------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if keep_vars:
+            return
+        dequantize_entries(destination, prefix, ("weight",))
+        if self.transposed_checkpoint:
+            destination[prefix + "weight"] = destination[prefix + "weight"].t().contiguous()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        key = prefix + "weight"
+        if self.transposed_checkpoint and isinstance(state_dict.get(key), torch.Tensor):
+            state_dict = {**state_dict, key: state_dict[key].t()}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"weight={self.weight_format.name}, weight_grad={self.weight_grad_format.name}, "
+            f"scaling={self.scaling}, fp8_enabled={self.fp8_enabled}"
+        )
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is laid out like GPT-2's ``transformers.pytorch_utils.Conv1D``: a linear
+    layer ``x @ weight + bias`` with weight (in, out) and ``nf == out``; found by class name and
+    layout so transformers need not be importable."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and getattr(module, "nf", None) == weight.shape[1]
+    )

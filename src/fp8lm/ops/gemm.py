@@ -1,0 +1,204 @@
+"""FP8 GEMM dispatch: ``torch._scaled_mm`` where it is the fast path, an exact emulation elsewhere.
+
+``fp8_mm(a, b, out_dtype)`` computes ``dequantize(a) @ dequantize(b)`` for two `FP8Operand`s
+(float8 payload + dequantization factor ``scale_inv``) with FP32 accumulation and one final
+rounding to ``out_dtype``. Two backends give that result:
+
+- ``"scaled_mm"``: ``torch._scaled_mm``. Used on CUDA devices of compute capability >= (8, 9)
+  (decided by capability, never by name). On CUDA it needs dims that are multiples of 16 and a
+  row-major/column-major operand pair: other shapes are zero-padded (exact) and re-laid out;
+  E5M2 x E5M2 has no kernel and is emulated.
+- ``"emulated"``: the FP8 values are upcast exactly (every FP8 value is a BF16 value) to BF16 when
+  the output is BF16, else to FP32, with the scale folded into the upcast, and multiplied by
+  torch's GEMM, which accumulates in FP32.
+
+``"auto"`` picks ``scaled_mm`` on capable GPUs and ``emulated`` on CPU, by measurement. On the
+2-core AVX-512-BF16 CPU this was written on (torch 2.13, one thread, ms per GEMM, M x K x N):
+
+==================  =====================  ==================  ================  ================
+shape               _scaled_mm -> fp32     emulated -> fp32    _scaled_mm->bf16  emulated -> bf16
+==================  =====================  ==================  ================  ================
+4096 x 384 x 1536   62                     ~46                 52                ~11
+4096 x 1536 x 384   96                     ~46                 70                ~11
+4096 x 384 x 384    16                     ~13                 16                ~3
+==================  =====================  ==================  ================  ================
+
+torch's own float8 -> bf16 conversion is scalar on CPU (19 ms for 6.3M elements, slower still
+under torch.compile); the emulation instead rebuilds the BF16 bit pattern with three int16 ops
+(`upcast`), 1.3 ms for the same tensor. ``benchmarks/gemm.py`` re-measures all of this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8Operand", "fp8_mm", "upcast", "scaled_mm_supported", "choose_backend", "BACKENDS"]
+
+BACKENDS = ("auto", "scaled_mm", "emulated")
+
+# FP8 payload bits -> BF16 bits: the magnitude bits shifted into BF16's exponent/mantissa
+# position read as a BF16 number 2**-(127 - bias) times too small, subnormals included; the sign
+# comes from sign-extending the int8 and masking the extended bits away.
+#   dtype: (shift, mask, 2**(127 - bias), smallest magnitude code that is inf/NaN)
+_BIT_LAYOUT = {
+    torch.float8_e4m3fn: (4, 0x87FF, 2.0**120, 0x7F),
+    torch.float8_e5m2: (5, 0x8FFF, 2.0**112, 0x7C),
+}
+
+
+def scaled_mm_supported(device: torch.device | str) -> bool:
+    """Whether ``torch._scaled_mm`` runs FP8 GEMMs on ``device``: CPU, or CUDA capability >= 8.9."""
+    device = torch.device(device)
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return False
+
+
+def choose_backend(device: torch.device | str, backend: str = "auto") -> str:
+    """The backend ``fp8_mm`` uses on ``device``: ``backend`` resolved (``"auto"``: see module doc)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown FP8 GEMM backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    if backend == "auto":
+        return "scaled_mm" if device.type == "cuda" and scaled_mm_supported(device) else "emulated"
+    if backend == "scaled_mm" and not scaled_mm_supported(device):
+        raise ValueError(
+            f"torch._scaled_mm has no FP8 kernel on {device} (needs CPU or CUDA capability >= 8.9); "
+            "use backend='emulated' or 'auto'"
+        )
+    return backend
+
+
+def upcast(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, finite: bool | None = None) -> torch.Tensor:
+    """``data * scale_inv`` as ``dtype`` (bfloat16 or float32), exactly, from a float8 payload.
+
+    On CPU the BF16 bit pattern is rebuilt with integer ops (see the module doc); a payload that
+    holds inf or NaN codes goes through torch's own conversion so they propagate. ``finite=True``
+    says the caller knows the payload is finite (e.g. from its amax) and skips that check.
+    """
+    scale_inv = scale_inv.to(device=data.device, dtype=torch.float32)
+    if data.device.type != "cpu" or data.dtype not in _BIT_LAYOUT:
+        return (data.to(torch.float32) * scale_inv).to(dtype)
+    shift, mask, factor, first_nonfinite = _BIT_LAYOUT[data.dtype]
+    bits = data.view(torch.int8).to(torch.int16)
+    if finite is None:
+        finite = not bool(((bits & 0x7F) >= first_nonfinite).any())
+    if not finite:
+        return (data.to(torch.float32) * scale_inv).to(dtype)
+    bits <<= shift
+    bits &= mask
+    out = bits.view(torch.bfloat16)
+    # factor * scale_inv can overflow float32 (scale_inv up to 2**126): multiply in two steps then.
+    combined = scale_inv * factor
+    if dtype == torch.bfloat16 and bool(torch.isfinite(combined)):
+        return out.mul_(combined)
+    return out.to(torch.float32).mul_(factor).mul_(scale_inv).to(dtype)
+
+
+class FP8Operand:
+    """One GEMM operand: a float8 ``data`` payload standing for ``data * scale_inv``.
+
+    The exact high-precision upcast is cached per dtype, so an operand that feeds two GEMMs (the
+    output gradient in a linear layer's backward) is converted once. ``.t()`` is a transposed
+    view that shares the cache. ``finite=True`` (known, e.g., from the quantized tensor's amax)
+    lets the upcast skip its inf/NaN check; None means unknown.
+    """
+
+    __slots__ = ("_base", "scale_inv", "_transposed", "_cache", "finite")
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, finite: bool | None = None):
+        if data.dtype not in _BIT_LAYOUT or data.dim() != 2:
+            raise TypeError(f"an FP8Operand is a 2-D float8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
+        self._base = data
+        self.scale_inv = scale_inv
+        self._transposed = False
+        self._cache: dict[torch.dtype, torch.Tensor] = {}
+        self.finite = finite
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._base.t() if self._transposed else self._base
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self._base.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._base.dtype
+
+    def t(self) -> "FP8Operand":
+        out = object.__new__(FP8Operand)
+        out._base, out.scale_inv, out._cache, out.finite = self._base, self.scale_inv, self._cache, self.finite
+        out._transposed = not self._transposed
+        return out
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The exact values as ``dtype`` (cached)."""
+        if dtype not in self._cache:
+            self._cache[dtype] = upcast(self._base, self.scale_inv, dtype, self.finite)
+        base = self._cache[dtype]
+        return base.t() if self._transposed else base
+
+
+def fp8_mm(
+    a: FP8Operand,
+    b: FP8Operand,
+    out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``dequantize(a) @ dequantize(b) (+ bias)`` as ``out_dtype``; ``a`` is (M, K), ``b`` (K, N).
+
+    FP32 accumulation on both backends; the result differs between them only by the order of the
+    FP32 summation. ``bias`` (N,) is added in ``out_dtype``.
+    """
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"fp8_mm: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8_mm: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    backend = choose_backend(a.device, backend)
+    if backend == "scaled_mm" and not (a.device.type == "cuda" and a.dtype == b.dtype == torch.float8_e5m2):
+        return _scaled_mm(a, b, out_dtype, bias)
+    compute = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    a_hp, b_hp = a.dequantize(compute), b.dequantize(compute)
+    if bias is None:
+        out = torch.mm(a_hp, b_hp)
+    else:
+        out = torch.addmm(bias.to(compute), a_hp, b_hp)
+    return out.to(out_dtype)
+
+
+def _round_up(n: int, multiple: int = 16) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _scaled_mm(a: FP8Operand, b: FP8Operand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    a_data, b_data = a.data, b.data
+    (m, k), n = a_data.shape, b_data.shape[1]
+    padded = a_data.device.type == "cuda" and any(d % 16 for d in (m, k, n))
+    if padded:
+        # cuBLASLt wants multiples of 16; zero rows/columns add exact zeros to every sum.
+        mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
+        a_data = torch.nn.functional.pad(a_data, (0, kp - k, 0, mp - m))
+        b_data = torch.nn.functional.pad(b_data, (0, np_ - n, 0, kp - k))
+    if a_data.device.type == "cuda":
+        # cuBLASLt's FP8 GEMM takes a row-major first and a column-major second operand.
+        a_data = a_data.contiguous()
+        b_data = b_data.t().contiguous().t()
+    scale_a = a.scale_inv.to(device=a_data.device, dtype=torch.float32)
+    scale_b = b.scale_inv.to(device=a_data.device, dtype=torch.float32)
+    out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    if padded:
+        out = out[:m, :n]
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out
