@@ -1,0 +1,124 @@
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from fp8lm.train.checkpoint import CheckpointError, list_checkpoints
+from fp8lm.train.loop import OPT_LEVELS, RunError, TrainConfig, lr_at, train
+from fp8lm.train.report import read_metrics
+
+TINY = dict(model="tiny", batch_size=4, seq_len=32, eval_every=4, eval_batches=2, progress=False, lr=1e-2)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tokens"))
+
+
+def cfg(tmp_path, cache, **kw):
+    return TrainConfig(**{**TINY, "out": str(tmp_path / "run"), "cache_dir": cache, **kw})
+
+
+def test_lr_schedule_warmup_then_cosine_to_the_floor():
+    lrs = [lr_at(s, 1.0, 10, 110, 0.1) for s in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    for s in range(10, 110):  # float64 reference of the cosine
+        ref = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 10) / 99))
+        assert lrs[s] == pytest.approx(ref, rel=1e-12)
+    assert lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_run_writes_metrics_summary_and_keeps_the_last_checkpoints(tmp_path, cache):
+    s = train(cfg(tmp_path, cache, steps=10, grad_accum=2, save_every=3, keep_checkpoints=2))
+    out = tmp_path / "run"
+    for key in ("train_loss", "val_loss", "tokens_per_s", "steps", "opt_level", "memory", "act_bytes_per_token"):
+        assert key in s
+    assert s["steps"] == 10 and s["tokens"] == 10 * 4 * 2 * 32 and s["opt_level"] == "bf16"
+    assert json.loads((out / "summary.json").read_text())["val_loss"] == s["val_loss"]
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 10]
+    assert s["val_loss"] == records[-1]["val_loss"]
+    assert s["train_loss"] == pytest.approx(sum(r["train_loss"] for r in records) / 10)
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_00000009.pt", "step_00000010.pt"]
+    ckpt = torch.load(out / "checkpoints" / "step_00000010.pt", weights_only=True)
+    assert ckpt["step"] == 10 and ckpt["opt_level"] == "bf16"
+    assert not list(out.rglob("*.tmp*"))
+
+
+def test_training_lowers_the_loss(tmp_path, cache):
+    s = train(cfg(tmp_path, cache, steps=40, eval_every=40))
+    first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["train_loss"]
+    assert s["val_loss"] < first - 1.0  # from ln(256) = 5.5 toward byte statistics of Python code
+
+
+@pytest.mark.parametrize("level", OPT_LEVELS)
+def test_resume_continues_bit_identically(tmp_path, cache, level):
+    whole = train(cfg(tmp_path, cache, opt_level=level, steps=8, save_every=4, keep_checkpoints=3))
+    out = tmp_path / "run"
+    resumed_out = tmp_path / "resumed"
+    shutil.copytree(out, resumed_out)
+    (resumed_out / "summary.json").unlink()
+    (resumed_out / "checkpoints" / "step_00000008.pt").unlink()
+    resumed = train(cfg(tmp_path, cache, opt_level=level, steps=8, save_every=4, out=str(resumed_out), resume=True))
+    assert (resumed_out / "metrics.jsonl").read_bytes() == (out / "metrics.jsonl").read_bytes()
+    assert resumed["val_loss"] == whole["val_loss"] and resumed["train_loss"] == whole["train_loss"]
+
+
+def test_resume_can_extend_a_finished_run(tmp_path, cache):
+    train(cfg(tmp_path, cache, steps=4))
+    s = train(cfg(tmp_path, cache, steps=6, resume=True))
+    assert s["steps"] == 6 and len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 6
+
+
+def test_fp32_saves_more_activation_bytes_than_bf16(tmp_path, cache):
+    a = train(cfg(tmp_path, cache, steps=1, opt_level="fp32", out=str(tmp_path / "a")))
+    b = train(cfg(tmp_path, cache, steps=1, opt_level="bf16", out=str(tmp_path / "b")))
+    assert b["act_bytes_per_token"] < a["act_bytes_per_token"]
+
+
+def test_init_from_starts_from_the_checkpoint_weights(tmp_path, cache):
+    base = train(cfg(tmp_path, cache, steps=30, eval_every=30))
+    fine = train(cfg(tmp_path, cache, steps=1, lr=1e-9, init_from=str(tmp_path / "run"), out=str(tmp_path / "ft")))
+    assert fine["val_loss"] == pytest.approx(base["val_loss"], abs=1e-3)
+
+
+def test_refuses_to_overwrite_a_run_and_to_resume_nothing(tmp_path, cache):
+    with pytest.raises(RunError, match="no checkpoint"):
+        train(cfg(tmp_path, cache, steps=2, resume=True))
+    train(cfg(tmp_path, cache, steps=2))
+    before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    with pytest.raises(RunError, match="already holds a training run; pass --resume"):
+        train(cfg(tmp_path, cache, steps=2))
+    with pytest.raises(RunError, match="already reached step 2"):
+        train(cfg(tmp_path, cache, steps=2, resume=True))
+    with pytest.raises(CheckpointError, match="opt level bf16, not fp32"):
+        train(cfg(tmp_path, cache, steps=3, resume=True, opt_level="fp32"))
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
+
+
+def test_checkpoint_of_another_shape_is_refused_before_any_output(tmp_path, cache):
+    train(cfg(tmp_path, cache, steps=1))
+    with pytest.raises(CheckpointError, match="n_embd=32 \\(here 64\\)"):
+        train(cfg(tmp_path, cache, steps=1, n_embd=64, init_from=str(tmp_path / "run"), out=str(tmp_path / "ft")))
+    assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(opt_level="O7"), "unknown opt level 'O7'"),
+        (dict(steps=0), "steps must be >= 1"),
+        (dict(n_embd=30, n_head=4), "divisible by n_head"),
+        (dict(data="x", hf_dataset="y"), "either --data or --hf-dataset"),
+        (dict(resume=True, init_from="x"), "drop --init-from"),
+        (dict(amp_options={"module_filter": None}), "apply to O1/O2 only"),
+    ],
+)
+def test_bad_config_is_refused_before_any_output(tmp_path, cache, kw, match):
+    with pytest.raises(RunError, match=match):
+        train(cfg(tmp_path, cache, **kw))
+    assert not (tmp_path / "run").exists()
