@@ -13,16 +13,16 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 import fp8lm
+from ..nn import load_scaling_state_dict, scaling_state_dict
 from .checkpoint import CheckpointError, atomic_write_bytes, list_checkpoints, load_checkpoint, save_checkpoint
-from .data import BatchSampler, DataError, eval_batches, hf_documents, pack, path_documents, stdlib_documents
+from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents, stdlib_documents
 from .measure import saved_tensor_bytes
 from .model import GPT, GPTConfig, preset
 
@@ -262,6 +262,7 @@ def train(cfg: TrainConfig) -> dict:
     start_step, skipped = 0, 0
     if resume is not None:
         model.load_state_dict(resume["model"])
+        load_scaling_state_dict(model, resume["scaling"])
         optimizer.load_state_dict(resume["optimizer"])
         sampler.load_state_dict(resume["sampler"])
         torch.set_rng_state(resume["rng"]["torch"])
@@ -378,6 +379,7 @@ def _save(cfg, mcfg, out, step, skipped, model, optimizer, sampler, device) -> N
         "opt_level": cfg.opt_level,
         "model_config": mcfg.to_dict(),
         "model": model.state_dict(),
+        "scaling": scaling_state_dict(model),  # FP8 amax histories: part of an exact resume
         "optimizer": optimizer.state_dict(),
         "sampler": sampler.state_dict(),
         "rng": {"torch": torch.get_rng_state(),
