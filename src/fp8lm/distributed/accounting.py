@@ -5,6 +5,7 @@ costs, for a tensor of ``size`` bytes in total on ``N`` ranks:
 
 - all-reduce: ``2 (N-1)/N * size``
 - reduce-scatter, all-gather, all-to-all: ``(N-1)/N * size`` of the full (concatenated) tensor
+- broadcast: ``(N-1)/N * size`` (pipelined ring)
 
 Scales travel in their own small collectives and are counted like any other bytes. The counts
 are per process, so they are comparable across runs whatever the backend actually does.
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-__all__ = ["KINDS", "collective_bytes", "record", "comm_stats", "reset_comm_stats"]
+__all__ = ["KINDS", "collective_bytes", "ddp_bytes", "record", "comm_stats", "reset_comm_stats"]
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 
 _bytes: dict[str, float] = defaultdict(float)
 _calls: dict[str, int] = defaultdict(int)
@@ -30,6 +31,11 @@ def collective_bytes(kind: str, full_bytes: float, world_size: int) -> float:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     share = (world_size - 1) / world_size
     return (2 * share if kind == "all_reduce" else share) * full_bytes
+
+
+def ddp_bytes(numel: int, bytes_per_element: int, world_size: int) -> float:
+    """What plain DDP sends per step to all-reduce ``numel`` gradients of that element size."""
+    return collective_bytes("all_reduce", numel * bytes_per_element, world_size)
 
 
 def record(kind: str, full_bytes: float, world_size: int) -> None:

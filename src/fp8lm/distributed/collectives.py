@@ -399,7 +399,7 @@ def shared_scale_all_reduce(
 
 
 def fp8_all_reduce_error_bound(
-    inputs: list[torch.Tensor], fmt: Format | str = E4M3, average: bool = False
+    inputs: list[torch.Tensor], fmt: Format | str = E4M3, average: bool = False, segment: int | None = None
 ) -> torch.Tensor:
     """Elementwise bound (float64) on ``|fp8_all_reduce(x) - sum_i x_i|`` for rank inputs ``inputs``.
 
@@ -408,13 +408,15 @@ def fp8_all_reduce_error_bound(
     half its smallest subnormal step. The inputs are quantized per chunk, summed in FP32 (error
     ``e32``) and the sum quantized again, so with ``E1 = sum_i (u|x_i| + 2hA_i/max) + e32``:
     ``|err| <= (1 + u) E1 + u|y| + 2h(1 + 2u)(sum_i A_i)/max``; divided by N for a mean.
+    ``segment``: elements per scaled segment, ``ceil(numel / N)`` (`fp8_all_reduce`'s chunks) by
+    default; the whole tensor for the per-tensor scales of `FP8DataParallel`.
     """
     fmt = format_of(fmt)
     fi = torch.finfo(fmt.dtype)
     u, h = fi.eps / 2, fi.smallest_normal * fi.eps / 2
     world = len(inputs)
     xs = torch.stack([x.detach().reshape(-1).to(torch.float64) for x in inputs])
-    chunk = max(1, math.ceil(xs.shape[1] / world))
+    chunk = segment or max(1, math.ceil(xs.shape[1] / world))
     abs_sum = xs.abs().sum(0)
     y = xs.sum(0)
     chunk_amax = torch.stack([a.abs().amax(1) for a in xs.split(chunk, dim=1)], 1)  # [rank, chunk]

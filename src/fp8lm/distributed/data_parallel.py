@@ -1,0 +1,209 @@
+"""`FP8DataParallel`: DDP-like data parallelism whose gradient all-reduce sends FP8.
+
+Gradients are grouped into buckets (reverse registration order, about the order backward
+produces them). A post-accumulate-grad hook marks a parameter ready; when a whole bucket is
+ready its FP8 payloads go out asynchronously (the all-to-all half of the reduction) while
+backward carries on. At the end of backward a queued callback finishes every bucket: FP32
+shard sums, agreed output scales, all-gather, and the averaged gradients written back, so when
+``loss.backward()`` returns every rank holds identical gradients.
+
+A ScalingTensor gradient already in the wire format (E4M3 from `fp8lm.nn.FP8Linear`) is sent
+as its bits with its own scale and gets its result back the same way; any other gradient
+(plain FP32 / BF16, or another payload format) is quantized per tensor for the wire and gets the
+dequantized average. Buckets are launched in the same order on every rank, whatever order the
+hooks fire in, so the collectives always match.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..formats import E4M3, Format, format_of
+from ..tensor import ScalingTensor
+from . import accounting
+from .autoscale import AutoScaler
+from .collectives import SCALINGS, FlatLayout, FP8Reduction, _check_group
+
+__all__ = ["FP8DataParallel", "broadcast_module"]
+
+
+def broadcast_module(module: nn.Module, group=None, src: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to rank ``src``'s (ScalingTensors by payload
+    and scale, so the copies are bit-identical)."""
+    world = dist.get_world_size(group)
+    for t in [*module.parameters(), *module.buffers()]:
+        parts = [t.payload, t.scale] if isinstance(t, ScalingTensor) else [t.data]
+        for part in parts:
+            accounting.record("broadcast", part.numel() * part.element_size(), world)
+            dist.broadcast(part, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+
+
+class _Bucket:
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        self.index = index
+        self.params = params
+        self.ready: set[int] = set()
+        self.reduction: FP8Reduction | None = None
+        self.autoscaler: AutoScaler | None = None
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+class FP8DataParallel(nn.Module):
+    """Wrap ``module`` so that backward averages its gradients over ``process_group`` in FP8.
+
+    ``bucket_mb``: most FP8 payload (MiB, 1 byte per element) per bucket. ``fmt``: wire format.
+    ``scaling``: ``"local"`` (each rank scales its own tensors, sums in FP32; nothing saturates)
+    or ``"shared"`` (the paper's shared scale with an automatic factor mu per bucket, see
+    `AutoScaler`; ``max_saturated_fraction`` and ``autoscale_window`` configure it).
+    Parameters and buffers are broadcast from rank 0 at construction.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        bucket_mb: float = 25,
+        *,
+        fmt: Format | str = E4M3,
+        scaling: str = "local",
+        max_saturated_fraction: float = 1e-5,
+        autoscale_window: int = 1000,
+    ):
+        super().__init__()
+        _check_group(process_group)
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        if scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+        fmt = format_of(fmt)
+        if not fmt.is_fp8:
+            raise ValueError(f"the wire format must be FP8 (E4M3 or E5M2), got {fmt}")
+        self.module = module
+        self.process_group = process_group
+        self.fmt, self.scaling = fmt, scaling
+        self.world_size = dist.get_world_size(process_group)
+        broadcast_module(module, process_group)
+        cap = bucket_mb * 2**20
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        for p in reversed(params):
+            if current and sum(q.numel() for q in current) + p.numel() > cap:
+                self._buckets.append(_Bucket(len(self._buckets), current))
+                current = []
+            current.append(p)
+        if current:
+            self._buckets.append(_Bucket(len(self._buckets), current))
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        if scaling == "shared":
+            for b in self._buckets:
+                b.autoscaler = AutoScaler(1.0, max_saturated_fraction, autoscale_window)
+        self._sync = True
+        self._callback_queued = False
+        self._next_launch = 0
+        self.last_sync: dict = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate local gradients without communicating."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # -- backward-time machinery -------------------------------------------------------------
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            self._launched_in_backward = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket = self._bucket_of[id(param)]
+        bucket.ready.add(id(param))
+        # Launch strictly in bucket order so every rank issues the same collectives.
+        while self._next_launch < len(self._buckets):
+            nxt = self._buckets[self._next_launch]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch(nxt)
+            self._launched_in_backward += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in bucket.params]
+        layout = FlatLayout.contiguous([g.numel() for g in grads], self.world_size)
+        mu = bucket.autoscaler.mu if bucket.autoscaler is not None else 1.0
+        bucket.reduction = FP8Reduction(
+            grads, layout, self.process_group, self.fmt, self.scaling, mu=mu, average=True
+        ).start()
+        self._next_launch += 1
+
+    def _finish(self) -> None:
+        try:
+            while self._next_launch < len(self._buckets):  # buckets with unused parameters
+                self._launch(self._buckets[self._next_launch])
+            for b in self._buckets:
+                b.reduction.reduce()
+                b.reduction.start_gather()
+            for b in self._buckets:
+                for p, result in zip(b.params, b.reduction.results()):
+                    _write_grad(p, result)
+                if b.autoscaler is not None:
+                    # counted: every rank's quantized inputs and the quantized sums
+                    b.autoscaler.update(b.reduction.global_saturated(), b.numel * (self.world_size + 1))
+            self.last_sync = {
+                "buckets": len(self._buckets),
+                "launched_during_backward": self._launched_in_backward,
+            }
+        finally:
+            for b in self._buckets:
+                b.ready.clear()
+                b.reduction = None
+            self._next_launch = 0
+            self._callback_queued = False
+
+    # -- telemetry and checkpoints -----------------------------------------------------------
+    def autoscale_stats(self) -> list[dict]:
+        """Per bucket: ``numel`` and, with shared scaling, ``mu``, ``clean_steps`` and
+        ``last_saturated_fraction``."""
+        return [
+            {"numel": b.numel, **(b.autoscaler.state_dict() if b.autoscaler is not None else {})}
+            for b in self._buckets
+        ]
+
+    def get_extra_state(self) -> dict:
+        return {"scaling": self.scaling, "autoscalers": [b.autoscaler.state_dict() for b in self._buckets if b.autoscaler]}
+
+    def set_extra_state(self, state: dict) -> None:
+        scalers = [b.autoscaler for b in self._buckets if b.autoscaler is not None]
+        if state.get("scaling") != self.scaling or len(state.get("autoscalers", [])) != len(scalers):
+            raise ValueError(
+                f"checkpoint has scaling={state.get('scaling')!r} with {len(state.get('autoscalers', []))} "
+                f"bucket scalers; this wrapper has scaling={self.scaling!r} with {len(scalers)}: "
+                "wrap the model with the same scaling and bucket_mb as when it was saved"
+            )
+        for scaler, s in zip(scalers, state["autoscalers"]):
+            scaler.load_state_dict(s)
+
+
+def _write_grad(param: nn.Parameter, result: ScalingTensor) -> None:
+    grad = param.grad
+    if isinstance(grad, ScalingTensor) and grad.payload.dtype == result.payload.dtype:
+        grad.payload.copy_(result.payload.view(grad.shape))
+        grad.scale.copy_(result.scale)
+    elif grad is not None:
+        grad.copy_(result.dequantize(grad.dtype).view(grad.shape))
+    else:
+        param.grad = result.dequantize(param.dtype).view(param.shape)
