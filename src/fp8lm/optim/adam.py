@@ -1,0 +1,473 @@
+"""FP8 Adam/AdamW: FP8 first moment, FP16 second moment and FP16 master weight, each with a scale.
+
+Layout per parameter (FP8-LM level 2, 6 bytes/param with an FP8 gradient):
+
+- master weight: the parameter itself when it already stores ``master_dtype`` (a ScalingTensor with
+  an FP16 payload under O2, updated in place: payload and scale), or when it is a plain tensor at
+  least as precise as the master (an FP32 parameter stays FP32: a coarser copy could only lose
+  precision and would cost memory). Otherwise (e.g. a BF16 parameter with an FP16 master, or an FP8
+  weight) the optimizer keeps ``state["master"]`` and writes the result back to the parameter.
+- ``exp_avg``: ``exp_avg_dtype`` payload (E4M3 by default) with a power-of-two scale.
+- ``exp_avg_sq``: ``exp_avg_sq_dtype`` payload (FP16 by default) with a power-of-two scale. In an
+  FP8 format it stores ``sqrt(v)`` instead of ``v``: the square root halves v's dynamic range in
+  log terms, so sqrt(v) in E4M3 spans the same range of gradient magnitudes as the E4M3 first moment.
+
+All state is plain tensors (payload ``state[k]``, float32 ``state[k + "_scale"]``), so the optimizer's
+``state_dict()`` loads with ``torch.load(weights_only=True)``.
+
+The step is fused per tensor in two passes over the low-precision state, never materializing the
+FP32 state of the model: pass 1 dequantizes, computes the updated weight and moments and reduces only
+their amaxes; the new scales follow from the amaxes; pass 2 recomputes the same values and writes them
+requantized with those scales. Pass 1 over all tensors comes first, so a non-finite gradient anywhere
+shows up as a non-finite amax before anything is written, and the step is skipped as a whole.
+Both passes are `torch.compile`-d (dynamic shapes, one graph for every tensor size) or run eagerly on
+bounded chunks (``compiled=False``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..formats import E4M3, FP16, Format, format_of
+from ..ops.cast import saturating_cast
+from ..scaling import compute_scale
+from ..tensor import ScalingTensor
+
+__all__ = ["FP8Adam", "FP8AdamW", "adam_update", "AdamSlot", "fused_adam_step_"]
+
+logger = logging.getLogger(__name__)
+
+_MASTER_FORMATS = ("FP16", "BF16", "FP32")
+# Elements per chunk of the eager path: its FP32 temporaries stay in the CPU caches and bounded.
+_EAGER_CHUNK = 1 << 16
+
+
+def adam_update(w, g, m, v, lr, beta1, beta2, eps, decay, l2, bias_correction1, bias_correction2_sqrt):
+    """One Adam step on dequantized values: returns the new ``(w, m, v)``.
+
+    ``decay = 1 - lr * weight_decay`` with ``l2 = 0`` is AdamW's decoupled decay; ``decay = 1`` with
+    ``l2 = weight_decay`` is Adam's L2 penalty. Same operation order as ``torch.optim.AdamW``.
+    Works on tensors of any float dtype (float64 in the tests) and on scalars or 0-d tensors.
+    """
+    g = g + l2 * w
+    w = w * decay
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    # Scalar reciprocals: one vector division per element (m / denom) instead of three.
+    denom = v.sqrt() * (1 / bias_correction2_sqrt) + eps
+    w = w - (lr / bias_correction1) * (m / denom)
+    return w, m, v
+
+
+def _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, v_sqrt: bool):
+    """Dequantize one tensor's state and apply `adam_update`; ``v`` comes back in its stored form."""
+    # Multiplying by 1/scale is exact (a power of two) and much cheaper than dividing.
+    v_old = v.float() * (1 / v_scale)
+    if v_sqrt:
+        v_old = v_old * v_old
+    w_new, m_new, v_new = adam_update(
+        w.float() * (1 / w_scale), g.float() * (1 / g_scale), m.float() * (1 / m_scale), v_old, *hp.unbind()
+    )
+    return w_new, m_new, (v_new.sqrt() if v_sqrt else v_new)
+
+
+def _amaxes_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, v_sqrt: bool):
+    """Pass 1: the amaxes of the new weight, first and (stored) second moment, as a (3,) tensor.
+
+    A non-finite input makes the corresponding amax non-finite (max reductions propagate NaN).
+    """
+    w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, v_sqrt)
+    return torch.stack([w_new.abs().amax(), m_new.abs().amax(), v_new.abs().amax()])
+
+
+def _write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, scales, fmts, v_sqrt: bool):
+    """Pass 2: recompute the new values and store them in place, requantized with ``scales``."""
+    w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, v_sqrt)
+    w_fmt, m_fmt, v_fmt = fmts
+    v_q = saturating_cast(v_new, scales[2], v_fmt)
+    # An element whose second moment underflowed to 0 loses its first moment too: otherwise the next
+    # step would divide a surviving m by eps alone and take a step far larger than lr.
+    m_new = torch.where(v_q.float() == 0, 0.0, m_new)
+    w.copy_(saturating_cast(w_new, scales[0], w_fmt))
+    m.copy_(saturating_cast(m_new, scales[1], m_fmt))
+    v.copy_(v_q)
+
+
+_compiled_passes: dict[Callable, Callable] = {}
+_compile_works = True
+
+
+def _compiled(fn: Callable) -> Callable:
+    if fn not in _compiled_passes:
+        _compiled_passes[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _compiled_passes[fn]
+
+
+def _call(fn: Callable, compiled: bool, *args, **kwargs):
+    """``fn`` compiled when asked and possible; where compilation fails (no C++ compiler, say),
+    warn once and run it eagerly from then on: the results are the same, only slower."""
+    global _compile_works
+    if compiled and _compile_works:
+        try:
+            return _compiled(fn)(*args, **kwargs)
+        except Exception as err:  # compilation is an optimization: any failure falls back to eager
+            _compile_works = False
+            warnings.warn(f"fp8lm: compiled optimizer step unavailable ({type(err).__name__}: {err}); using eager ops")
+    return fn(*args, **kwargs)
+
+
+@dataclass
+class AdamSlot:
+    """One tensor's optimizer state as flat (1-D, contiguous) payloads with 0-d float32 scales.
+
+    ``w`` is the master weight; ``w_scaled`` False means a plain tensor whose scale stays 1.
+    ``g_scale`` is 1 for a plain gradient. ``hp`` holds `adam_update`'s hyper-parameters in its argument order (a tensor,
+    so that a changing lr or step never recompiles).
+    ``v_sqrt``: the second moment is stored as ``sqrt(v)``. Scales are updated in place.
+    """
+
+    w: torch.Tensor
+    w_scale: torch.Tensor
+    w_scaled: bool
+    g: torch.Tensor
+    g_scale: torch.Tensor
+    m: torch.Tensor
+    m_scale: torch.Tensor
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    hp: torch.Tensor
+    v_sqrt: bool
+
+    def pass_args(self) -> tuple:
+        return (self.w, self.w_scale, self.g, self.g_scale, self.m, self.m_scale, self.v, self.v_scale, self.hp)
+
+    def formats(self) -> tuple[Format, Format, Format]:
+        return format_of(self.w.dtype), format_of(self.m.dtype), format_of(self.v.dtype)
+
+
+def fused_adam_step_(slots: list[AdamSlot], compiled: bool = True) -> bool:
+    """Update every slot in place, or nothing at all when any new value is non-finite.
+
+    Returns True when the step was applied, False when it was skipped.
+    """
+    if not slots:
+        return True
+    amaxes = torch.stack([_run(_amaxes_pass, s, compiled) for s in slots])  # (n, 3): w, m, v
+    if not bool(torch.isfinite(amaxes).all()):
+        return False
+    previous = torch.stack([torch.stack([s.w_scale, s.m_scale, s.v_scale]) for s in slots])
+    scales = previous.clone()
+    fmts = [s.formats() for s in slots]
+    for col in range(3):
+        # One compute_scale call per distinct format: a handful of vectorized calls per step.
+        for fmt in {f[col] for f in fmts}:
+            rows = [i for i, f in enumerate(fmts) if f[col] == fmt and (col or slots[i].w_scaled)]
+            if rows:
+                idx = torch.tensor(rows)
+                scales[idx, col] = compute_scale(amaxes[idx, col], fmt, previous=previous[idx, col])
+    for s, scale, f in zip(slots, scales, fmts):
+        _run(_write_pass, s, compiled, scale, f)
+        s.w_scale.copy_(scale[0])
+        s.m_scale.copy_(scale[1])
+        s.v_scale.copy_(scale[2])
+    return True
+
+
+def _run(fn: Callable, s: AdamSlot, compiled: bool, *extra):
+    """Run a pass on a whole slot (compiled) or on bounded chunks of it (eager)."""
+    w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp = s.pass_args()
+    n = w.numel()
+    if compiled and _compile_works or n <= _EAGER_CHUNK:
+        return _call(fn, compiled, w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, *extra, v_sqrt=s.v_sqrt)
+    outs = []
+    for a in range(0, n, _EAGER_CHUNK):
+        b = a + _EAGER_CHUNK
+        outs.append(fn(w[a:b], w_scale, g[a:b], g_scale, m[a:b], m_scale, v[a:b], v_scale, hp, *extra, v_sqrt=s.v_sqrt))
+    return None if outs[0] is None else torch.stack(outs).amax(dim=0)
+
+
+# -- the Optimizer classes ----------------------------------------------------------------------
+
+
+class _FP8AdamBase(torch.optim.Optimizer):
+    """Shared implementation of `FP8Adam` (L2 penalty) and `FP8AdamW` (decoupled weight decay)."""
+
+    decoupled_weight_decay: bool
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        amsgrad: bool,
+        *,
+        exp_avg_dtype: Format | str | torch.dtype,
+        exp_avg_sq_dtype: Format | str | torch.dtype,
+        master_dtype: Format | str | torch.dtype,
+        compiled: bool,
+    ):
+        name = type(self).__name__
+        if amsgrad:
+            raise ValueError(f"{name} does not support amsgrad=True; use torch.optim.{name[3:]} for AMSGrad")
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype, master_dtype=master_dtype,
+        )
+        _validate_group(name, defaults)
+        self.compiled = compiled
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its hyper-parameters and formats are validated first (formats stored as names)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"a param group must be a dict, got {type(param_group).__name__}")
+        group = {**self.defaults, **param_group}
+        group.pop("params", None)
+        _validate_group(type(self).__name__, group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            _check_param_dtype(type(self).__name__, p)
+        normalized = dict(param_group, params=params)
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype"):
+            if key in normalized:
+                normalized[key] = format_of(normalized[key]).name
+        super().add_param_group(normalized)
+
+    # -- state ----------------------------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if state:
+            return state
+        m_fmt, v_fmt, master_fmt = (format_of(group[k]) for k in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype"))
+        dev = p.device
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros(p.shape, dtype=m_fmt.dtype, device=dev)
+        state["exp_avg_scale"] = torch.ones((), dtype=torch.float32, device=dev)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=v_fmt.dtype, device=dev)
+        state["exp_avg_sq_scale"] = torch.ones((), dtype=torch.float32, device=dev)
+        if not _param_is_master(p, master_fmt):
+            value = p.detach().dequantize() if isinstance(p, ScalingTensor) else p.detach().float()
+            scale = compute_scale(value.abs().amax(), master_fmt)
+            state["master"] = saturating_cast(value, scale, master_fmt)
+            state["master_scale"] = scale
+        return state
+
+    def _slot(self, p: torch.Tensor, group: dict, state: dict, staged: list) -> AdamSlot:
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
+        if grad.shape != p.shape:
+            raise RuntimeError(f"gradient of shape {tuple(grad.shape)} does not match its parameter {tuple(p.shape)}")
+        dev = p.device
+        if isinstance(grad, ScalingTensor):
+            g, g_scale = grad.payload, grad.scale
+        else:
+            g, g_scale = grad, torch.ones((), dtype=torch.float32, device=dev)
+        if "master" in state:
+            w, w_scale, w_scaled = state["master"], state["master_scale"], True
+        elif isinstance(p, ScalingTensor):
+            w, w_scale, w_scaled = p.payload, p.scale, True
+        else:
+            w, w_scale, w_scaled = p.data, torch.ones((), dtype=torch.float32, device=dev), False
+        if not w.is_contiguous():  # updated on a contiguous copy, written back after the step
+            staged.append((w, w := w.contiguous()))
+        step = state["step"] + 1
+        beta1, beta2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        decay, l2 = (1 - lr * wd, 0.0) if self.decoupled_weight_decay else (1.0, wd)
+        hp = torch.tensor(
+            [lr, beta1, beta2, group["eps"], decay, l2, 1 - beta1**step, math.sqrt(1 - beta2**step)],
+            dtype=torch.float32, device=dev,
+        )
+        return AdamSlot(
+            w=w.view(-1), w_scale=w_scale, w_scaled=w_scaled,
+            g=g.reshape(-1), g_scale=g_scale,
+            m=state["exp_avg"].view(-1), m_scale=state["exp_avg_scale"],
+            v=state["exp_avg_sq"].view(-1), v_scale=state["exp_avg_sq_scale"],
+            hp=hp, v_sqrt=format_of(group["exp_avg_sq_dtype"]).is_fp8,
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """One fused step over all parameters with a gradient; skipped as a whole (and counted in
+        ``skipped_steps``, flagged in ``last_step_skipped``) when any gradient is non-finite."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params, slots, staged = [], [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._init_state(p, group)
+                slots.append(self._slot(p, group, state, staged))
+                params.append(p)
+        applied = fused_adam_step_(slots, compiled=self.compiled)
+        self.last_step_skipped = not applied
+        if not applied:
+            self.skipped_steps += 1
+            logger.warning(
+                "%s: non-finite gradient, step skipped (no parameter or state changed); %d skipped so far",
+                type(self).__name__, self.skipped_steps,
+            )
+            return loss
+        for original, contiguous in staged:
+            original.copy_(contiguous)
+        for p in params:
+            state = self.state[p]
+            state["step"] += 1
+            if "master" in state:
+                value = state["master"].float() / state["master_scale"]
+                p.data.copy_(value) if not isinstance(p, ScalingTensor) else p.copy_(value)
+        return loss
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors (payloads and scales separately) and numbers: loads with weights_only=True."""
+        out = super().state_dict()
+        out["skipped_steps"] = self.skipped_steps
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict`; payload dtypes are kept (torch's loader would cast them to the
+        parameter's dtype). Everything is checked before anything changes."""
+        name = type(self).__name__
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                f"{name}.load_state_dict: the checkpoint's param groups (sizes "
+                f"{[len(s['params']) for s in saved_groups]}) do not match this optimizer's "
+                f"({[len(g['params']) for g in self.param_groups]}); build the optimizer over the same parameters"
+            )
+        loaded: dict[torch.Tensor, dict] = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            _validate_group(name, {k: v for k, v in saved.items() if k != "params"})
+            for pid, p in zip(saved["params"], group["params"]):
+                if pid in state_dict["state"]:
+                    loaded[p] = _checked_state(name, state_dict["state"][pid], p, saved)
+        super().load_state_dict({**state_dict, "state": {}})
+        for p, state in loaded.items():
+            self.state[p] = state
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+
+class FP8AdamW(_FP8AdamBase):
+    """AdamW (decoupled weight decay) with FP8 first moment, FP16 second moment and FP16 master
+    weight by default; see the module docstring for the layout and `docs/optimizer.md`."""
+
+    decoupled_weight_decay = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        exp_avg_dtype: Format | str | torch.dtype = E4M3,
+        exp_avg_sq_dtype: Format | str | torch.dtype = FP16,
+        master_dtype: Format | str | torch.dtype = FP16,
+        compiled: bool = True,
+    ):
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad, exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype, master_dtype=master_dtype, compiled=compiled,
+        )
+
+
+class FP8Adam(_FP8AdamBase):
+    """Adam (weight decay as an L2 penalty on the gradient) with FP8/FP16 state like `FP8AdamW`."""
+
+    decoupled_weight_decay = False
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        exp_avg_dtype: Format | str | torch.dtype = E4M3,
+        exp_avg_sq_dtype: Format | str | torch.dtype = FP16,
+        master_dtype: Format | str | torch.dtype = FP16,
+        compiled: bool = True,
+    ):
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad, exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype, master_dtype=master_dtype, compiled=compiled,
+        )
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+def _validate_group(name: str, group: dict) -> None:
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    if isinstance(lr, torch.Tensor) or not lr >= 0:
+        raise ValueError(f"{name}: lr must be a float >= 0, got {lr!r}")
+    if not eps >= 0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps!r}")
+    if not wd >= 0:
+        raise ValueError(f"{name}: weight_decay must be >= 0, got {wd!r}")
+    betas = group["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{name}: betas must be two numbers in [0, 1), got {betas!r}")
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        format_of(group[key])  # raises a ValueError naming the valid formats
+    master = format_of(group["master_dtype"])
+    if master.name not in _MASTER_FORMATS:
+        raise ValueError(f"{name}: master_dtype must be one of {', '.join(_MASTER_FORMATS)}, got {master!r}")
+
+
+def _check_param_dtype(name: str, p: torch.Tensor) -> None:
+    if not isinstance(p, torch.Tensor) or p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        what = p.dtype if isinstance(p, torch.Tensor) else type(p).__name__
+        raise TypeError(f"{name} optimizes float32, float16 or bfloat16 parameters, got {what}")
+
+
+def _param_is_master(p: torch.Tensor, master_fmt: Format) -> bool:
+    """Whether the parameter itself can serve as the master weight (see the module docstring)."""
+    if isinstance(p, ScalingTensor):
+        return p.payload.dtype == master_fmt.dtype
+    return p.dtype == master_fmt.dtype or p.element_size() > master_fmt.bytes
+
+
+def _checked_state(name: str, saved: dict, p: torch.Tensor, group: dict) -> dict:
+    """A copy of one parameter's saved state on ``p``'s device, after checking it fits ``p``."""
+    m_fmt, v_fmt, master_fmt = (format_of(group[k]) for k in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype"))
+    expected = {"exp_avg": m_fmt.dtype, "exp_avg_sq": v_fmt.dtype}
+    if not _param_is_master(p, master_fmt):
+        expected["master"] = master_fmt.dtype
+    missing = [k for k in ("step", *expected, *(k + "_scale" for k in expected)) if k not in saved]
+    if missing:
+        raise ValueError(f"{name}.load_state_dict: parameter state lacks {missing}; is this an {name} checkpoint?")
+    for key, dtype in expected.items():
+        t = saved[key]
+        if t.dtype != dtype or t.shape != p.shape:
+            raise ValueError(
+                f"{name}.load_state_dict: state {key!r} is {t.dtype} of shape {tuple(t.shape)}, expected {dtype} "
+                f"of shape {tuple(p.shape)}; load into an optimizer over the same model with the same formats"
+            )
+    out = {"step": int(saved["step"])}
+    for key in expected:
+        out[key] = saved[key].to(p.device, copy=True)
+        out[key + "_scale"] = saved[key + "_scale"].to(p.device, torch.float32, copy=True)
+    return out
