@@ -1,0 +1,229 @@
+"""`initialize`: one call that turns a PyTorch model (and its optimizer) into an FP8 one.
+
+Everything is validated and every new module and parameter is built before the model or the
+optimizer is touched, so an error leaves both as they were.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .formats import FP16, Format
+from .nn import FP8Linear, linear_targets, replace_modules, replace_parameters
+from .policy import OPT_LEVELS, ParamPrecision, Policy, preset
+from .tensor import ScalingTensor, quantize
+
+__all__ = ["initialize"]
+
+# torch.optim.Adam/AdamW settings with no FP8 counterpart: initialize refuses them when on.
+_UNSUPPORTED_ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+# torch.optim.Adam/AdamW group keys that the FP8 optimizers do not take.
+_TORCH_ADAM_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+
+
+class QuantizeGrad:
+    """Post-accumulate-grad hook: store the parameter's gradient in ``fmt`` (a module-level class,
+    so models with the hook still pickle)."""
+
+    def __init__(self, fmt: Format):
+        self.fmt = fmt
+
+    def __call__(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None or (isinstance(grad, ScalingTensor) and grad.payload.dtype == self.fmt.dtype):
+            return
+        stored = quantize(grad.detach(), self.fmt)
+        param.grad = ScalingTensor(stored.payload, stored.scale, param.dtype)
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    opt_level: str = "O1",
+    *,
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+    policy: Policy | dict | None = None,
+    multiple_of: int = 16,
+    history_len: int = 16,
+    scaling: str = "delayed",
+    backend: str = "auto",
+    optimizer_options: dict | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Convert ``model`` in place to FP8 training at ``opt_level`` and adapt ``optimizer``.
+
+    - ``O1``: ``nn.Linear`` / GPT-2 ``Conv1D`` layers become `fp8lm.nn.FP8Linear` (FP8 GEMMs, FP16
+      scaled weights, E4M3 weight gradients); the optimizer is kept, its param groups re-pointed
+      to the new parameters (hyper-parameters and LR schedulers keep working).
+    - ``O2``: also every other parameter of 2+ dims gets an FP16 scaled weight and an E4M3
+      gradient, and ``torch.optim.Adam``/``AdamW`` is replaced by `fp8lm.optim.FP8Adam`/``FP8AdamW``
+      (same lr, betas, eps, weight decay and param groups). Create LR schedulers afterwards.
+    - ``O3``: like O2 with E4M3 weights and FP16 master weights (sharded by fp8lm.distributed).
+
+    Options: ``module_filter(name, module) -> bool`` selects linear layers to convert; layers
+    whose features are not multiples of ``multiple_of`` (16) stay high precision. ``policy``: a
+    `fp8lm.policy.Policy`, or ``{pattern: {field: format, "fp8_gemm": bool}}`` overrides of the
+    level's preset. ``history_len``, ``scaling``, ``backend`` go to every FP8Linear.
+    ``optimizer_options`` go to the FP8 optimizer under O2/O3 (e.g. ``{"compiled": False}``).
+    Returns ``(model, optimizer)``: the same model object, and the optimizer to use from now on.
+    """
+    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
+        raise ValueError(f"unknown opt_level {opt_level!r}: valid levels are {', '.join(OPT_LEVELS)}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize expects an nn.Module, got {type(model).__name__}")
+    done = getattr(model, "_fp8lm_opt_level", None)
+    if done is not None:
+        raise ValueError(
+            f"this model was already initialized by fp8lm.initialize (opt_level={done}); call it once per "
+            "model (build a fresh model to use another level)"
+        )
+    policy = _resolve_policy(policy, opt_level)
+    if optimizer is not None:
+        _check_optimizer(model, optimizer, opt_level)
+    if optimizer_options and (optimizer is None or opt_level == "O1"):
+        raise ValueError("optimizer_options apply to the FP8 optimizer that O2/O3 create; pass an optimizer and O2 or O3")
+
+    # -- build (nothing of the user's is changed yet) ------------------------------------------
+    modules = dict(model.named_modules())
+    targets = linear_targets(model, module_filter, multiple_of)
+    new_layers: dict[str, FP8Linear] = {}
+    precisions: dict[int, ParamPrecision] = {}  # id(new parameter) -> formats
+    param_map: dict[int, nn.Parameter] = {}  # id(old parameter) -> new parameter
+    for name in targets:
+        old = modules[name]
+        prec = policy.precision(f"{name}.weight", old.weight, in_linear=True)
+        layer = FP8Linear.from_linear(
+            old, weight_format=prec.weight, weight_grad_format=prec.grad,
+            history_len=history_len, scaling=scaling, backend=backend,
+        )
+        layer.fp8_enabled = policy.gemm_in_fp8(name)
+        new_layers[name] = layer
+        if id(old.weight) not in param_map:
+            param_map[id(old.weight)] = layer.weight
+            precisions[id(layer.weight)] = prec
+        if old.bias is not None:
+            bias_prec = policy.precision(f"{name}.bias", old.bias, in_linear=False)
+            layer.bias = _stored_param(old.bias, bias_prec)
+            param_map[id(old.bias)] = layer.bias
+            precisions[id(layer.bias)] = bias_prec
+    other_map: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters():
+        if id(param) in param_map:
+            continue
+        prec = policy.precision(name, param, in_linear=False)
+        new = _stored_param(param, prec)
+        if new is not param:
+            other_map[id(param)] = new
+        param_map[id(param)] = new
+        precisions[id(new)] = prec
+
+    # -- apply ----------------------------------------------------------------------------------
+    replace_modules(model, new_layers)
+    replace_parameters(model, other_map)
+    for param in {id(p): p for p in param_map.values()}.values():
+        prec = precisions[id(param)]
+        if prec.scaled_grad and param.requires_grad:
+            param.register_post_accumulate_grad_hook(QuantizeGrad(prec.grad))
+    model._fp8lm_opt_level = opt_level
+    model._fp8lm_policy = policy
+    if optimizer is None:
+        return model, None
+    if opt_level == "O1":
+        _repoint(optimizer, param_map)
+        return model, optimizer
+    return model, _fp8_optimizer(optimizer, param_map, precisions, optimizer_options or {})
+
+
+def _resolve_policy(policy: Policy | dict | None, opt_level: str) -> Policy:
+    if policy is None:
+        return preset(opt_level)
+    if isinstance(policy, Policy):
+        if policy.opt_level != opt_level:
+            raise ValueError(f"the policy is for {policy.opt_level} but opt_level is {opt_level}; pass matching ones")
+        return policy
+    if isinstance(policy, dict):
+        resolved = preset(opt_level)
+        for pattern, changes in policy.items():
+            if not isinstance(changes, dict):
+                raise ValueError(f"policy override for {pattern!r} must be a dict of fields, got {changes!r}")
+            resolved = resolved.override(pattern, **changes)
+        return resolved
+    raise TypeError(f"policy must be an fp8lm.policy.Policy or a dict of overrides, got {type(policy).__name__}")
+
+
+def _stored_param(param: nn.Parameter, prec: ParamPrecision) -> nn.Parameter:
+    """``param`` in the storage its precision asks for (the same object when it already is)."""
+    if not prec.scaled_weight or (isinstance(param, ScalingTensor) and param.payload.dtype == prec.weight.dtype):
+        return param
+    return nn.Parameter(quantize(param.detach(), prec.weight), requires_grad=param.requires_grad)
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    owned = {id(p) for p in model.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    if foreign:
+        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:5])
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) that are not in the model (shapes {shapes}); "
+            "build the optimizer from model.parameters() of the model you pass to initialize"
+        )
+    if opt_level == "O1":
+        return
+    from .optim import FP8Adam, FP8AdamW
+
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, FP8Adam, FP8AdamW)):
+        raise ValueError(
+            f"opt_level={opt_level} replaces torch.optim.Adam/AdamW by FP8 optimizers; got "
+            f"{type(optimizer).__name__}. Use Adam/AdamW, or opt_level='O1' to keep your optimizer"
+        )
+    if isinstance(optimizer, (FP8Adam, FP8AdamW)):
+        return
+    on = sorted({k for g in optimizer.param_groups for k in _UNSUPPORTED_ADAM_FLAGS if g.get(k)})
+    if on:
+        raise ValueError(f"opt_level={opt_level}: the FP8 optimizers do not support {on}; turn them off or use O1")
+    if any(isinstance(g["lr"], torch.Tensor) for g in optimizer.param_groups):
+        raise ValueError(f"opt_level={opt_level}: the FP8 optimizers take a float lr, not a tensor; pass lr as a float")
+    if any(optimizer.state.values()):
+        raise ValueError(
+            f"opt_level={opt_level} needs a fresh optimizer (this one has taken steps): call initialize "
+            "before training, and load optimizer checkpoints into the optimizer it returns"
+        )
+
+
+def _repoint(optimizer: torch.optim.Optimizer, param_map: dict[int, nn.Parameter]) -> None:
+    """Swap the optimizer's parameters for their new objects in place, moving their state."""
+    for group in optimizer.param_groups:
+        new_params = [param_map.get(id(p), p) for p in group["params"]]
+        for old, new in zip(group["params"], new_params):
+            if old is not new and old in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(old)
+        group["params"] = new_params
+
+
+def _fp8_optimizer(optimizer, param_map, precisions, options: dict) -> torch.optim.Optimizer:
+    """The FP8Adam/FP8AdamW that replaces a torch Adam/AdamW: same hyper-parameters and groups;
+    a group whose parameters need different state formats is split into one group per format."""
+    from .optim import FP8Adam, FP8AdamW
+
+    if isinstance(optimizer, (FP8Adam, FP8AdamW)):
+        _repoint(optimizer, param_map)
+        return optimizer
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay"))
+    cls = FP8AdamW if decoupled else FP8Adam
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params" and k not in _TORCH_ADAM_KEYS}
+        by_format: dict[tuple, list] = {}
+        for p in group["params"]:
+            new = param_map.get(id(p), p)
+            prec = precisions[id(new)]
+            master = prec.master or (prec.weight if prec.scaled_weight else FP16)
+            by_format.setdefault((prec.exp_avg.name, prec.exp_avg_sq.name, master.name), []).append(new)
+        for (m, v, master), params in by_format.items():
+            groups.append({**settings, "params": params, "exp_avg_dtype": m, "exp_avg_sq_dtype": v, "master_dtype": master})
+    d = optimizer.defaults
+    return cls(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"], **options)

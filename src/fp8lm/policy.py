@@ -1,0 +1,141 @@
+"""Precision policy: the storage format of every parameter's weight, gradient, master copy and
+Adam moments, and which layers run their GEMMs in FP8.
+
+Presets follow FP8-LM's levels (``preset("O1")`` ... ``preset("O3")``):
+
+=====  ==================  ========================  ===========================  ==============
+level  GEMMs               linear weight / grad      other >= 2-D params          Adam m / v
+=====  ==================  ========================  ===========================  ==============
+O1     FP8                 FP16 (scaled) / E4M3      FP32 / FP32                  FP32 / FP32
+O2     FP8                 FP16 (scaled) / E4M3      FP16 (scaled) / E4M3         E4M3 / FP16
+O3     FP8                 E4M3 / E4M3, FP16 master  E4M3 / E4M3, FP16 master     E4M3 / FP16
+=====  ==================  ========================  ===========================  ==============
+
+1-D parameters (biases, norm gains: a small share of a model) stay FP32 with FP32 gradients at
+every level; under O2/O3 their Adam moments follow the optimizer's formats. A scaled FP16 weight
+is its own master copy (the optimizer updates its payload and scale in place).
+
+Overrides by module-name pattern (``fnmatch``; matched against module and parameter names, later
+overrides win) change any of it, e.g. keep the output head in high precision::
+
+    policy = fp8lm.policy.preset("O2").override("lm_head", fp8_gemm=False, weight=fp8lm.FP32, grad=fp8lm.FP32)
+    model, opt = fp8lm.initialize(model, opt, "O2", policy=policy)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from fnmatch import fnmatchcase
+
+import torch
+
+from .formats import E4M3, FP16, FP32, Format, format_of
+
+__all__ = ["ParamPrecision", "Override", "Policy", "preset", "OPT_LEVELS"]
+
+OPT_LEVELS = ("O1", "O2", "O3")
+
+
+@dataclass(frozen=True)
+class ParamPrecision:
+    """Storage formats for one parameter. ``weight`` FP32 means a plain parameter (of the model's
+    dtype); ``master`` None means the weight itself is the master copy."""
+
+    weight: Format
+    grad: Format
+    master: Format | None
+    exp_avg: Format
+    exp_avg_sq: Format
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None or f.name != "master":
+                object.__setattr__(self, f.name, format_of(value))
+
+    @property
+    def scaled_weight(self) -> bool:
+        """Whether the weight is stored as a ScalingTensor (a low-precision payload with a scale)."""
+        return self.weight != FP32
+
+    @property
+    def scaled_grad(self) -> bool:
+        return self.grad != FP32
+
+
+_PRECISION_FIELDS = tuple(f.name for f in fields(ParamPrecision))
+
+
+@dataclass(frozen=True)
+class Override:
+    """Changes for the modules / parameters whose name matches ``pattern``."""
+
+    pattern: str
+    fp8_gemm: bool | None = None
+    formats: tuple[tuple[str, Format | None], ...] = ()
+
+    def matches(self, name: str) -> bool:
+        return fnmatchcase(name, self.pattern)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Per-parameter formats and per-layer GEMM precision; see the module docstring."""
+
+    opt_level: str
+    linear: ParamPrecision
+    matrix: ParamPrecision
+    vector: ParamPrecision
+    fp8_gemm: bool = True
+    overrides: tuple[Override, ...] = ()
+
+    def override(self, pattern: str, *, fp8_gemm: bool | None = None, **formats) -> "Policy":
+        """A copy of this policy with ``pattern`` overridden; ``formats`` are `ParamPrecision`
+        fields (``weight``, ``grad``, ``master``, ``exp_avg``, ``exp_avg_sq``)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"an override pattern is a non-empty module-name pattern, got {pattern!r}")
+        unknown = sorted(set(formats) - set(_PRECISION_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown precision field(s) {unknown}: use {', '.join(_PRECISION_FIELDS)} or fp8_gemm")
+        if fp8_gemm is not None and not isinstance(fp8_gemm, bool):
+            raise ValueError(f"fp8_gemm must be True or False, got {fp8_gemm!r}")
+        parsed = tuple((k, None if (k == "master" and v is None) else format_of(v)) for k, v in formats.items())
+        return replace(self, overrides=self.overrides + (Override(pattern, fp8_gemm, parsed),))
+
+    def _matching(self, *names: str):
+        return [o for o in self.overrides if any(o.matches(n) for n in names)]
+
+    def gemm_in_fp8(self, module_name: str) -> bool:
+        """Whether the linear layer ``module_name`` runs its GEMMs in FP8."""
+        fp8 = self.fp8_gemm
+        for o in self._matching(module_name):
+            if o.fp8_gemm is not None:
+                fp8 = o.fp8_gemm
+        return fp8
+
+    def precision(self, param_name: str, param: torch.Tensor, in_linear: bool) -> ParamPrecision:
+        """Formats for parameter ``param_name`` (``"<module>.<attr>"``); ``in_linear``: it is the
+        weight of a converted linear layer."""
+        if in_linear:
+            base = self.linear
+        else:
+            base = self.matrix if param.dim() >= 2 else self.vector
+        module_name = param_name.rpartition(".")[0]
+        for o in self._matching(module_name, param_name):
+            base = replace(base, **dict(o.formats))
+        return base
+
+
+def preset(opt_level: str) -> Policy:
+    """The policy of an FP8-LM optimization level: ``"O1"``, ``"O2"`` or ``"O3"``."""
+    if opt_level not in OPT_LEVELS:
+        raise ValueError(f"unknown opt_level {opt_level!r}: valid levels are {', '.join(OPT_LEVELS)}")
+    fp32 = ParamPrecision(FP32, FP32, None, FP32, FP32)
+    vector = ParamPrecision(FP32, FP32, None, E4M3, FP16)
+    if opt_level == "O1":
+        return Policy("O1", linear=ParamPrecision(FP16, E4M3, None, FP32, FP32), matrix=fp32, vector=fp32)
+    if opt_level == "O2":
+        scaled = ParamPrecision(FP16, E4M3, None, E4M3, FP16)
+        return Policy("O2", linear=scaled, matrix=scaled, vector=vector)
+    fp8 = ParamPrecision(E4M3, E4M3, FP16, E4M3, FP16)
+    return Policy("O3", linear=fp8, matrix=fp8, vector=vector)
