@@ -38,6 +38,8 @@ def broadcast_module(module: nn.Module, group=None, src: int = 0) -> None:
     for t in [*module.parameters(), *module.buffers()]:
         parts = [t.payload, t.scale] if isinstance(t, ScalingTensor) else [t.data]
         for part in parts:
+            if part.dtype.is_floating_point and part.element_size() == 1:
+                part = part.view(torch.uint8)  # no backend carries float8 itself
             accounting.record("broadcast", part.numel() * part.element_size(), world)
             dist.broadcast(part, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
 
