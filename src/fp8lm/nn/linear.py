@@ -117,7 +117,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_w = _propagate_nonfinite(fp8_mm(g_op.t(), x_op, ctx.out_dtype, backend=layer.backend), g_amax, g_finite)
                 grad_w = layer._store_weight_grad(grad_w, ctx.weight_dtype)
             if ctx.needs_input_grad[2]:
-                grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+                grad_b = g2.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
 
 
