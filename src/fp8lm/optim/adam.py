@@ -44,6 +44,7 @@ __all__ = ["FP8Adam", "FP8AdamW", "adam_update", "AdamSlot", "fused_adam_step_"]
 logger = logging.getLogger(__name__)
 
 _MASTER_FORMATS = ("FP16", "BF16", "FP32")
+_FORMAT_KEYS = ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype")
 # Elements per chunk of the eager path: its FP32 temporaries stay in the CPU caches and bounded.
 _EAGER_CHUNK = 1 << 16
 
@@ -222,6 +223,8 @@ class _FP8AdamBase(torch.optim.Optimizer):
             exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype, master_dtype=master_dtype,
         )
         _validate_group(name, defaults)
+        # Formats by name, so that param groups (and the state_dict) hold only plain values.
+        defaults.update({k: format_of(defaults[k]).name for k in _FORMAT_KEYS})
         self.compiled = compiled
         self.skipped_steps = 0
         self.last_step_skipped = False
@@ -239,7 +242,7 @@ class _FP8AdamBase(torch.optim.Optimizer):
         for p in params:
             _check_param_dtype(type(self).__name__, p)
         normalized = dict(param_group, params=params)
-        for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype"):
+        for key in _FORMAT_KEYS:
             if key in normalized:
                 normalized[key] = format_of(normalized[key]).name
         super().add_param_group(normalized)
@@ -249,7 +252,7 @@ class _FP8AdamBase(torch.optim.Optimizer):
         state = self.state[p]
         if state:
             return state
-        m_fmt, v_fmt, master_fmt = (format_of(group[k]) for k in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype"))
+        m_fmt, v_fmt, master_fmt = (format_of(group[k]) for k in _FORMAT_KEYS)
         dev = p.device
         state["step"] = 0
         state["exp_avg"] = torch.zeros(p.shape, dtype=m_fmt.dtype, device=dev)
@@ -452,7 +455,7 @@ def _param_is_master(p: torch.Tensor, master_fmt: Format) -> bool:
 
 def _checked_state(name: str, saved: dict, p: torch.Tensor, group: dict) -> dict:
     """A copy of one parameter's saved state on ``p``'s device, after checking it fits ``p``."""
-    m_fmt, v_fmt, master_fmt = (format_of(group[k]) for k in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype"))
+    m_fmt, v_fmt, master_fmt = (format_of(group[k]) for k in _FORMAT_KEYS)
     expected = {"exp_avg": m_fmt.dtype, "exp_avg_sq": v_fmt.dtype}
     if not _param_is_master(p, master_fmt):
         expected["master"] = master_fmt.dtype

@@ -1,0 +1,323 @@
+"""FP8AdamW / FP8Adam: numerics against torch's Adam/AdamW, state formats, skips, bad inputs."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import fp8lm
+from fp8lm.optim import FP8Adam, FP8AdamW
+from fp8lm.optim.adam import AdamSlot, adam_update, fused_adam_step_
+
+
+def _linear(seed=0, n=64):
+    torch.manual_seed(seed)
+    return nn.Linear(n, n)
+
+
+def _feed(models, steps, seed=1, scale=1.0):
+    """Yield after giving every model's parameters the same random gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for ps in zip(*(m.parameters() for m in models)):
+            g = torch.randn(ps[0].shape, generator=gen) * scale
+            for p in ps:
+                p.grad = g.clone()
+        yield
+
+
+def _state_snapshot(opt):
+    return {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for p, s in opt.state.items()}
+
+
+def _assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for pid in a:
+        assert a[pid].keys() == b[pid].keys()
+        for k in a[pid]:
+            x, y = a[pid][k], b[pid][k]
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x.float(), y.float()), k
+            else:
+                assert x == y, k
+
+
+# -- the pure update against torch, in float64 ---------------------------------------------------
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_adam_update_matches_torch_in_float64(decoupled):
+    torch.manual_seed(0)
+    w0 = torch.randn(50, dtype=torch.float64)
+    p = nn.Parameter(w0.clone())
+    lr, betas, eps, wd = 1e-2, (0.9, 0.99), 1e-8, 0.1
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    ref = cls([p], lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    w, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
+    for step in range(1, 6):
+        g = torch.randn(50, dtype=torch.float64)
+        p.grad = g.clone()
+        ref.step()
+        decay, l2 = (1 - lr * wd, 0.0) if decoupled else (1.0, wd)
+        w, m, v = adam_update(w, g, m, v, lr, *betas, eps, decay, l2, 1 - betas[0] ** step, (1 - betas[1] ** step) ** 0.5)
+    torch.testing.assert_close(w, p.detach(), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(m, ref.state[p]["exp_avg"], rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(v, ref.state[p]["exp_avg_sq"], rtol=1e-13, atol=1e-15)
+
+
+# -- the optimizer against torch ------------------------------------------------------------------
+
+
+def test_fp8adamw_vs_torch_adamw_64x64_linear_within_3e4():
+    """The issue's check: identical gradients, 4 steps, lr 1e-3, weight decay 1e-3."""
+    ours, ref = _linear(), _linear()
+    opt = FP8AdamW(ours.parameters(), lr=1e-3, weight_decay=1e-3, compiled=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-3)
+    for _ in _feed([ours, ref], 4):
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert (p.detach() - q.detach()).abs().max().item() <= 3e-4
+
+
+def test_fp8adamw_with_fp16_scaled_master_and_fp8_grads_tracks_torch():
+    """O2 layout: the ScalingTensor FP16 weight is the master; gradients arrive in E4M3."""
+    ours, ref = _linear(), _linear()
+    ours.weight = nn.Parameter(fp8lm.quantize(ours.weight.detach(), fp8lm.FP16))
+    opt = FP8AdamW(ours.parameters(), lr=1e-3, weight_decay=1e-3, compiled=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-3)
+    payload, scale = ours.weight.payload, ours.weight.scale
+    for _ in _feed([ours, ref], 4):
+        ours.weight.grad = fp8lm.quantize(ours.weight.grad, fp8lm.E4M3)
+        ref.weight.grad = ours.weight.grad.dequantize()  # the same gradient values
+        opt.step()
+        ref_opt.step()
+    assert ours.weight.payload is payload and ours.weight.scale is scale  # updated in place
+    assert isinstance(ours.weight, fp8lm.ScalingTensor) and ours.weight.payload.dtype == torch.float16
+    assert "master" not in opt.state[ours.weight]
+    err = (ours.weight.dequantize() - ref.weight.detach()).abs().max().item()
+    assert err <= 3e-4
+
+
+def test_fp8adam_is_adam_with_l2_penalty():
+    ours, ref = _linear(), _linear()
+    opt = FP8Adam(ours.parameters(), lr=1e-3, weight_decay=0.1, compiled=False)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    for _ in _feed([ours, ref], 4):
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert (p.detach() - q.detach()).abs().max().item() <= 3e-4
+    assert FP8Adam([nn.Parameter(torch.zeros(1))]).defaults["weight_decay"] == 0.0
+    assert FP8AdamW([nn.Parameter(torch.zeros(1))]).defaults["weight_decay"] == 1e-2
+
+
+def test_state_formats_and_power_of_two_scales():
+    model = _linear()
+    opt = FP8AdamW(model.parameters(), compiled=False)
+    for _ in _feed([model], 2):
+        opt.step()
+    state = opt.state[model.weight]
+    assert state["exp_avg"].dtype == torch.float8_e4m3fn and state["exp_avg_sq"].dtype == torch.float16
+    assert state["step"] == 2 and "master" not in state  # an FP32 parameter is its own master
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+        s = state[key]
+        assert s.dtype == torch.float32 and s.dim() == 0
+        assert torch.log2(s) == torch.round(torch.log2(s))
+    # The moments use their formats' range: amax * scale lands in (max / 2, max].
+    m_amax = state["exp_avg"].float().abs().max().item()
+    assert 448 / 2 < m_amax <= 448
+
+
+def test_bf16_parameter_keeps_fp16_master_in_state_and_gets_the_result():
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(32, 32).bfloat16())
+    opt = FP8AdamW([p], lr=1e-3, compiled=False)
+    p.grad = torch.randn(32, 32).bfloat16()
+    opt.step()
+    state = opt.state[p]
+    assert state["master"].dtype == torch.float16
+    master = state["master"].float() / state["master_scale"]
+    assert torch.equal(p.detach(), master.bfloat16())
+
+
+def test_second_moment_in_fp8_stores_sqrt_v():
+    ours, ref = _linear(), _linear()
+    opt = FP8AdamW(ours.parameters(), lr=1e-3, exp_avg_sq_dtype=fp8lm.E4M3, compiled=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step, _ in enumerate(_feed([ours, ref], 3)):
+        opt.step()
+        ref_opt.step()
+        if step == 0:  # one rounding so far: within E4M3's precision of sqrt(v)
+            state = opt.state[ours.weight]
+            assert state["exp_avg_sq"].dtype == torch.float8_e4m3fn
+            payload = state["exp_avg_sq"].float()
+            sqrt_v = payload / state["exp_avg_sq_scale"]
+            ref_sqrt_v = ref_opt.state[ref.weight]["exp_avg_sq"].sqrt()
+            normal = payload >= fp8lm.E4M3.min_normal
+            assert normal.float().mean() > 0.99
+            rel = ((sqrt_v - ref_sqrt_v).abs() / ref_sqrt_v)[normal]
+            assert rel.max() <= 2**-4
+    assert (ours.weight.detach() - ref.weight.detach()).abs().max() <= 5e-4
+
+
+def test_compiled_and_eager_steps_agree():
+    """The compiled kernels and the chunked eager path (a tensor larger than one chunk) compute the
+    same update: bit for bit once rounded to FP16/FP8."""
+    torch.manual_seed(0)
+    shapes = [(300, 300), (17,)]  # 90000 elements: two eager chunks
+    params = {c: [nn.Parameter(torch.randn(s) * 0.1) for s in shapes] for c in (True, False)}
+    params[True][0] = nn.Parameter(fp8lm.quantize(params[False][0].detach(), fp8lm.FP16))
+    params[False][0] = nn.Parameter(fp8lm.quantize(params[False][0].detach(), fp8lm.FP16))
+    params[True][1] = nn.Parameter(params[False][1].detach().clone())
+    opts = {c: FP8AdamW(params[c], compiled=c) for c in (True, False)}
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        grads = [fp8lm.quantize(torch.randn(s, generator=gen)) for s in shapes]
+        for c in (True, False):
+            for p, g in zip(params[c], grads):
+                p.grad = g.clone() if p.dim() > 1 else g.dequantize()
+            opts[c].step()
+    a, b = params[True][0], params[False][0]
+    assert torch.equal(a.scale, b.scale)
+    assert torch.equal(a.payload, b.payload)
+    for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+        assert torch.equal(opts[True].state[a][key].float(), opts[False].state[b][key].float())
+    # A float32 weight is not rounded to a coarser format: compiled code may differ in the last ulp.
+    torch.testing.assert_close(params[True][1], params[False][1], rtol=1e-6, atol=0)
+
+
+# -- non-finite gradients ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_skips_whole_step(bad, caplog):
+    model, clean = _linear(), _linear()
+    model.weight = nn.Parameter(fp8lm.quantize(model.weight.detach(), fp8lm.FP16))
+    clean.weight = nn.Parameter(fp8lm.quantize(clean.weight.detach(), fp8lm.FP16))
+    opt = FP8AdamW(model.parameters(), compiled=False)
+    clean_opt = FP8AdamW(clean.parameters(), compiled=False)
+    feed = _feed([model, clean], 3)
+    next(feed)
+    opt.step()
+    clean_opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = _state_snapshot(opt)
+    next(feed)
+    model.bias.grad[3] = bad  # one bad element in one tensor: the other tensor must not move either
+    with caplog.at_level(logging.WARNING, logger="fp8lm.optim.adam"):
+        opt.step()
+    assert opt.skipped_steps == 1 and opt.last_step_skipped
+    assert "skipped" in caplog.text
+    for before, p in zip(params, model.parameters()):
+        assert torch.equal(before, p.detach())
+    _assert_same_state(state, _state_snapshot(opt))
+    # The next finite step proceeds as if the bad one never happened.
+    next(feed)
+    opt.step()
+    clean_opt.step()
+    assert not opt.last_step_skipped
+    for p, q in zip(model.parameters(), clean.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    assert opt.state_dict()["skipped_steps"] == 1
+
+
+def test_nan_in_fp8_gradient_payload_skips():
+    p = nn.Parameter(fp8lm.quantize(torch.randn(8, 8), fp8lm.FP16))
+    opt = FP8AdamW([p], compiled=False)
+    g = fp8lm.quantize(torch.randn(8, 8))
+    g.payload[0, 0] = float("nan")
+    p.grad = g
+    before = p.payload.clone()
+    opt.step()
+    assert opt.skipped_steps == 1 and torch.equal(before, p.payload)
+
+
+def test_first_moment_is_dropped_where_second_moment_underflows():
+    """An element whose stored v is 0 must not keep an m that the next step would divide by eps."""
+    w = torch.zeros(2, dtype=torch.float16)
+    m = torch.tensor([100.0, 100.0]).to(torch.float8_e4m3fn)
+    v = torch.tensor([60000.0, 0.0], dtype=torch.float16)
+    one = lambda: torch.ones(())  # noqa: E731
+    hp = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 1.0, 0.0, 0.1, 0.03])
+    slot = AdamSlot(w, one(), True, torch.zeros(2), one(), m, one(), v, one(), hp, False)
+    assert fused_adam_step_([slot], compiled=False)
+    assert slot.m[0].float() != 0 and slot.m[1].float() == 0 and slot.v[1].float() == 0
+
+
+# -- groups, schedulers ---------------------------------------------------------------------------
+
+
+def test_param_groups_hyperparameters_and_lr_scheduler():
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(16, 16)), nn.Parameter(torch.randn(16))
+    ra, rb = nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())
+    groups = lambda x, y: [{"params": [x], "lr": 1e-2}, {"params": [y], "weight_decay": 0.0}]  # noqa: E731
+    opt = FP8AdamW(groups(a, b), lr=1e-3, weight_decay=0.1, compiled=False)
+    ref = torch.optim.AdamW(groups(ra, rb), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for p, q in ((a, ra), (b, rb)):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        sched.step()
+        ref_sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-4) and opt.param_groups[1]["lr"] == pytest.approx(1e-5)
+    # Tolerance: E4M3 first moment (rel. error <= 2^-4) on lr-sized steps.
+    assert (a - ra).abs().max() <= 2 * 2**-4 * 1e-2 * 5
+    assert (b - rb).abs().max() <= 2 * 2**-4 * 1e-3 * 5
+
+
+def test_add_param_group_with_its_own_formats():
+    p, q = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    opt = FP8AdamW([p], compiled=False)
+    opt.add_param_group({"params": q, "exp_avg_sq_dtype": torch.float8_e5m2, "lr": 0.0, "weight_decay": 0.0})
+    assert opt.param_groups[1]["exp_avg_sq_dtype"] == "E5M2" and opt.param_groups[0]["exp_avg_dtype"] == "E4M3"
+    p.grad, q.grad = torch.randn(4, 4), torch.randn(4, 4)
+    q0 = q.detach().clone()
+    opt.step()
+    assert opt.state[q]["exp_avg_sq"].dtype == torch.float8_e5m2
+    assert torch.equal(q.detach(), q0)  # lr 0 in its own group
+
+
+# -- bad inputs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"amsgrad": True}, "amsgrad"),
+        ({"lr": -1.0}, "lr"),
+        ({"eps": -1.0}, "eps"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"exp_avg_dtype": "E3M4"}, "unknown format"),
+        ({"master_dtype": fp8lm.E4M3}, "master_dtype"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FP8AdamW([nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_bad_group_is_rejected_without_changing_the_optimizer():
+    p = nn.Parameter(torch.zeros(2))
+    opt = FP8AdamW([p])
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": -1})
+    assert len(opt.param_groups) == 1
+
+
+def test_integer_parameters_and_sparse_gradients_are_rejected():
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        FP8AdamW([torch.zeros(2, dtype=torch.int64)])
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = FP8AdamW(emb.parameters(), compiled=False)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
