@@ -1,0 +1,275 @@
+"""FP8 ZeRO (``opt_level="O3"``): FP8 weights on every rank, master weights and Adam states
+partitioned across ranks by whole tensors.
+
+Partition (FP8-LM / MS-AMP): tensors sorted by size, largest first, each given to the rank with
+the fewest elements so far; a tensor's scale stays with it. Each step:
+
+1. gradients (FP8 ScalingTensors from FP8 layers, plain ones otherwise) are reduce-scattered in
+   FP8 to their owners (all-to-all of uint8 payloads laid out by owner, FP32 sums on the owner);
+2. each rank's optimizer updates only the tensors it owns: their FP16 master and FP8/FP16 moments
+   live only there (`fp8lm.optim.FP8AdamW` keeps the master of an FP8 weight in its state);
+3. the owners' updated weights, already FP8 with their scales, are all-gathered as bytes (a plain
+   FP32 parameter, e.g. a norm gain, travels in FP32).
+
+A non-finite gradient anywhere skips the step on every rank. Checkpoints are sharded by tensor
+name with `torch.distributed.checkpoint` (see `save_checkpoint`), so they load at any world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..tensor import ScalingTensor
+from .collectives import FlatLayout, FP8Reduction, _all_gather, _all_reduce, _check_group
+from .data_parallel import broadcast_module
+
+__all__ = ["partition_by_size", "FP8ZeroOptimizer"]
+
+
+def partition_by_size(numels: list[int], world_size: int) -> list[int]:
+    """Owner rank of each tensor: largest first, each to the rank holding the fewest elements so
+    far (the lowest rank on a tie); deterministic, so every rank computes the same answer."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    load = [0] * world_size
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += numels[i]
+    return owners
+
+
+def _storage(p: torch.Tensor) -> torch.Tensor:
+    """The bytes a parameter is stored in: a ScalingTensor's payload, or the tensor itself."""
+    return p.payload if isinstance(p, ScalingTensor) else p.data
+
+
+class FP8ZeroOptimizer(torch.optim.Optimizer):
+    """Shards ``optimizer`` (built over ``model``'s parameters, e.g. by ``fp8lm.initialize(...,
+    "O3")``) across ``process_group``.
+
+    ``optimizer`` becomes this rank's shard: its param groups keep only the tensors this rank
+    owns. This object's ``param_groups`` hold every parameter with the hyper-parameters (an LR
+    scheduler may change them); they are copied to the shard at each step. Gradients accumulate
+    locally until `step` (or `reduce_gradients`), so gradient accumulation needs no ``no_sync``.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, process_group=None):
+        self.rank, self.world_size = _check_group(process_group)
+        if any(optimizer.state.values()):
+            raise ValueError(
+                "the optimizer already has state; shard it before its first step "
+                "(fp8lm.distributed.wrap does this right after fp8lm.initialize)"
+            )
+        names = {id(p): n for n, p in model.named_parameters()}
+        params: list[nn.Parameter] = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError("the optimizer holds a parameter that is not in the model: build it over model.parameters()")
+                params.append(p)
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a parameter appears twice in the optimizer's param groups")
+        self.process_group = process_group
+        self.names = [names[id(p)] for p in params]
+        self.params = params
+        self.owners = partition_by_size([p.numel() for p in params], self.world_size)
+        self.shard = optimizer
+        self._owner_of = {id(p): o for p, o in zip(params, self.owners)}
+        super().__init__([dict(g, params=list(g["params"])) for g in optimizer.param_groups], optimizer.defaults)
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if self._owner_of[id(p)] == self.rank]
+        self._grad_layout = FlatLayout.by_owner([p.numel() for p in params], self.owners, self.world_size)
+        self._weight_layout = FlatLayout.by_owner(
+            [_storage(p).numel() * _storage(p).element_size() for p in params], self.owners, self.world_size
+        )
+        self._reduced = False
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        broadcast_module(model, process_group)  # every replica starts from rank 0's weights
+
+    @property
+    def owned(self) -> list[nn.Parameter]:
+        return [p for p, o in zip(self.params, self.owners) if o == self.rank]
+
+    # -- step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_gradients(self) -> bool:
+        """Reduce-scatter the gradients in FP8 to their owners (once per step): an owned parameter's
+        ``.grad`` becomes the FP32 mean over ranks, the others' ``.grad`` None. Returns whether every
+        reduced gradient is finite (the same answer on every rank)."""
+        if self._reduced:
+            return self._finite
+        grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in self.params]
+        red = FP8Reduction(grads, self._grad_layout, self.process_group, average=True).start()
+        shard = red.reduce()
+        for p in self.params:
+            p.grad = None
+        for s, a, b in self._grad_layout.pieces(self.rank):
+            p = self.params[s]
+            p.grad = shard[a:b].view(p.shape)
+        flag = torch.tensor([float(bool(torch.isfinite(shard).all()))])
+        self._finite = bool(_all_reduce(flag, dist.ReduceOp.MIN, self.process_group)[0] > 0)
+        self._reduced = True
+        return self._finite
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradients by their global norm (computed across the shards); returns
+        the norm before clipping. Call instead of `fp8lm.clip_grad_norm_` under O3."""
+        if norm_type != 2.0:
+            raise ValueError(f"FP8ZeroOptimizer.clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}")
+        self.reduce_gradients()
+        sq = torch.zeros(1, dtype=torch.float32)
+        for p in self.owned:
+            if p.grad is not None:
+                sq += p.grad.float().square().sum()
+        total = _all_reduce(sq, dist.ReduceOp.SUM, self.process_group).sqrt()[0]
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1:
+            for p in self.owned:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        finite = self.reduce_gradients()
+        self._reduced = False
+        self.last_step_skipped = not finite
+        if not finite:
+            self.skipped_steps += 1
+            for p in self.params:
+                p.grad = None
+            return loss
+        for mine, theirs in zip(self.param_groups, self.shard.param_groups):
+            theirs.update({k: v for k, v in mine.items() if k != "params"})
+        self.shard.step()
+        self.broadcast_weights()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        self._reduced = False
+
+    @torch.no_grad()
+    def broadcast_weights(self) -> None:
+        """All-gather the owners' weights as stored (FP8 payload bytes, or FP32) with their scales."""
+        layout = self._weight_layout
+        mine = torch.zeros(layout.chunk, dtype=torch.uint8)
+        scales = torch.zeros(len(self.params), dtype=torch.float32)
+        for s, a, b in layout.pieces(self.rank):
+            p = self.params[s]
+            mine[a:b] = _storage(p).reshape(-1).view(torch.uint8)
+            if isinstance(p, ScalingTensor):
+                scales[s] = p.scale
+        gathered = torch.empty(layout.numel, dtype=torch.uint8)
+        _all_gather(gathered, mine, self.process_group)
+        # Only the owner's entry is non-zero: a MAX all-reduce hands every scale to every rank.
+        _all_reduce(scales, dist.ReduceOp.MAX, self.process_group)
+        for s, (p, off, n) in enumerate(zip(self.params, layout.offsets, layout.lengths)):
+            if self.owners[s] == self.rank:
+                continue
+            _storage(p).reshape(-1).view(torch.uint8).copy_(gathered[off : off + n])
+            if isinstance(p, ScalingTensor):
+                p.scale.copy_(scales[s])
+
+    # -- memory ----------------------------------------------------------------------------------
+    def state_bytes(self) -> dict:
+        """Bytes of training state on this rank: ``weights`` (every parameter as stored),
+        ``master_weights``, ``exp_avg``, ``exp_avg_sq`` (this rank's shard), ``scales``,
+        ``gradients`` (held now), ``total``, ``num_params`` and ``bytes_per_param``."""
+        out = dict.fromkeys(("weights", "master_weights", "exp_avg", "exp_avg_sq", "scales", "gradients"), 0)
+        for p in self.params:
+            out["weights"] += _nbytes(_storage(p))
+            out["scales"] += 4 if isinstance(p, ScalingTensor) else 0
+            if p.grad is not None:
+                g = p.grad
+                out["gradients"] += _nbytes(_storage(g))
+                out["scales"] += 4 if isinstance(g, ScalingTensor) else 0
+        for state in self.shard.state.values():
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                kind = {"master": "master_weights", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}.get(key)
+                if kind is None:
+                    kind = "scales" if key.endswith("_scale") else None
+                if kind is None:
+                    continue
+                out[kind] += _nbytes(_storage(value))
+        out["total"] = sum(out.values())
+        out["num_params"] = sum(p.numel() for p in self.params)
+        out["bytes_per_param"] = out["total"] / max(1, out["num_params"])
+        return out
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _shard_params(self) -> list[nn.Parameter]:
+        return [p for g in self.shard.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shard keyed by parameter name, ``"<name>/<state key>"`` -> tensor (numbers
+        as 0-d tensors with a ``#int`` / ``#float`` suffix). Every key lives on exactly one rank, so
+        all ranks' shards together are the whole state, loadable at any world size."""
+        name_of = dict(zip(map(id, self.params), self.names))
+        params = self._shard_params()
+        out: dict[str, torch.Tensor] = {}
+        for index, state in self.shard.state_dict()["state"].items():
+            for key, value in state.items():
+                out.update(_encode(f"{name_of[id(params[index])]}/{key}", value))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Take the entries for the tensors this rank owns from `state_dict` (the union of the
+        shards saved at any world size; entries of other tensors are ignored)."""
+        by_name: dict[str, dict] = {}
+        for key, value in state_dict.items():
+            name, _, field = key.rpartition("/")
+            if name not in self.names:
+                raise ValueError(f"checkpoint entry {key!r} names no parameter of this model: it is from another model")
+            k, v = _decode(field, value)
+            by_name.setdefault(name, {})[k] = v
+        name_of = dict(zip(map(id, self.params), self.names))
+        sd = self.shard.state_dict()
+        sd["state"] = {
+            i: by_name[name_of[id(p)]] for i, p in enumerate(self._shard_params()) if name_of[id(p)] in by_name
+        }
+        self.shard.load_state_dict(sd)
+
+    def owned_names(self) -> list[str]:
+        """Names of the parameters whose optimizer state lives on this rank."""
+        return [n for n, o in zip(self.names, self.owners) if o == self.rank]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _encode(key: str, value) -> dict[str, torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return {key: value}
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"optimizer state {key!r} of type {type(value).__name__} cannot be checkpointed")
+    return {f"{key}#{type(value).__name__}": torch.tensor(value)}
+
+
+def _decode(field: str, value: torch.Tensor):
+    key, _, kind = field.partition("#")
+    if kind == "int":
+        return key, int(value)
+    if kind == "float":
+        return key, float(value)
+    return key, value
+
