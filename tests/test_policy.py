@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+import fp8lm
+from fp8lm.policy import OPT_LEVELS, ParamPrecision, Policy, preset
+
+W = torch.zeros(4, 4)
+V = torch.zeros(4)
+
+
+def test_presets():
+    o1, o2, o3 = (preset(level) for level in OPT_LEVELS)
+    assert o1.linear == ParamPrecision(fp8lm.FP16, fp8lm.E4M3, None, fp8lm.FP32, fp8lm.FP32)
+    assert o1.precision("wte.weight", W, in_linear=False).weight == fp8lm.FP32  # O1: only linears change
+    assert o2.linear == ParamPrecision(fp8lm.FP16, fp8lm.E4M3, None, fp8lm.E4M3, fp8lm.FP16)
+    assert o2.precision("wte.weight", W, in_linear=False) == o2.linear  # O2 covers embeddings too
+    small = o2.precision("ln.weight", V, in_linear=False)
+    assert small.weight == fp8lm.FP32 and small.grad == fp8lm.FP32 and not small.scaled_weight
+    assert o3.linear.weight == fp8lm.E4M3 and o3.linear.master == fp8lm.FP16
+    assert all(p.gemm_in_fp8("any.layer") for p in (o1, o2, o3))
+
+
+def test_unknown_level():
+    with pytest.raises(ValueError, match="O1, O2, O3"):
+        preset("O4")
+
+
+def test_overrides_by_name_pattern_later_wins():
+    policy = (
+        preset("O2")
+        .override("lm_head", fp8_gemm=False, weight=fp8lm.FP32, grad="FP32")
+        .override("blocks.*.mlp.*", exp_avg=fp8lm.FP16)
+        .override("blocks.1.mlp.fc", exp_avg_sq=torch.float32, exp_avg="BF16")
+    )
+    assert not policy.gemm_in_fp8("lm_head") and policy.gemm_in_fp8("blocks.0.attn")
+    head = policy.precision("lm_head.weight", W, in_linear=True)
+    assert head.weight == fp8lm.FP32 and head.grad == fp8lm.FP32 and head.exp_avg == fp8lm.E4M3
+    assert policy.precision("blocks.0.mlp.fc.weight", W, True).exp_avg == fp8lm.FP16
+    fc1 = policy.precision("blocks.1.mlp.fc.weight", W, True)
+    assert fc1.exp_avg == fp8lm.BF16 and fc1.exp_avg_sq == fp8lm.FP32
+    # a pattern can name a parameter too
+    bias = preset("O2").override("*.bias", weight=fp8lm.FP16).precision("blocks.0.mlp.fc.bias", V, False)
+    assert bias.scaled_weight
+    assert preset("O2").overrides == ()  # policies are immutable
+
+
+def test_bad_overrides():
+    with pytest.raises(ValueError, match="unknown precision field"):
+        preset("O1").override("lm_head", wieght=fp8lm.FP32)
+    with pytest.raises(ValueError, match="unknown format"):
+        preset("O1").override("lm_head", weight="E2M5")
+    with pytest.raises(ValueError, match="pattern"):
+        preset("O1").override("", weight=fp8lm.FP32)
+    with pytest.raises(ValueError, match="fp8_gemm"):
+        preset("O1").override("x", fp8_gemm="no")
+    with pytest.raises(ValueError, match="unknown format"):
+        ParamPrecision(fp8lm.FP16, None, None, fp8lm.E4M3, fp8lm.FP16)
+
+
+def test_policy_is_a_value():
+    assert isinstance(preset("O1"), Policy)
+    assert preset("O2") == preset("O2")
+    assert hash(preset("O2").override("x", fp8_gemm=False))
