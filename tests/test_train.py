@@ -49,13 +49,7 @@ def test_run_writes_metrics_summary_and_keeps_the_last_checkpoints(tmp_path, cac
     assert not list(out.rglob("*.tmp*"))
 
 
-def test_training_lowers_the_loss(tmp_path, cache):
-    s = train(cfg(tmp_path, cache, steps=40, eval_every=40))
-    first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["train_loss"]
-    assert s["val_loss"] < first - 1.0  # from ln(256) = 5.5 toward byte statistics of Python code
-
-
-@pytest.mark.parametrize("level", OPT_LEVELS)
+@pytest.mark.parametrize("level", [lv for lv in OPT_LEVELS if lv != "O2"])  # O2: test_train_resume.py
 def test_resume_continues_bit_identically(tmp_path, cache, level):
     whole = train(cfg(tmp_path, cache, opt_level=level, steps=8, save_every=4, keep_checkpoints=3))
     out = tmp_path / "run"

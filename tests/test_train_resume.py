@@ -20,7 +20,7 @@ def fp8lm_train(out, cache, level, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level", ["bf16", "O2"])
+@pytest.mark.parametrize("level", ["O2"])  # the level with the most state; in-process tests cover the others
 def test_kill_9_then_resume_matches_the_uninterrupted_run(tmp_path, level):
     cache = tmp_path / "cache"
     whole, killed = tmp_path / "whole", tmp_path / "killed"

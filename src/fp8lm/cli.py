@@ -11,7 +11,7 @@ from collections.abc import Callable
 from .train.checkpoint import CheckpointError
 from .train.compare import compare, parse_levels
 from .train.data import DataError
-from .train.loop import OPT_LEVELS, RunError, TrainConfig, train
+from .train.loop import OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig, train
 from .train.model import MLP_KINDS, PRESETS
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
@@ -44,6 +44,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: a tenth of --steps)")
     o.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay of matrices (default: %(default)s)")
     o.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm, 0 = no clipping (default: %(default)s)")
+    o.add_argument("--exp-avg-sq", choices=SECOND_MOMENT_FORMATS, type=str.upper,
+                   help="O2: format of Adam's second moment (default FP16; E4M3/E5M2 store it in FP8)")
     o.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the batch order (default: %(default)s)")
     o.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     g = p.add_argument_group("data")
@@ -66,7 +68,7 @@ def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
         model=args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, mlp=args.mlp,
         opt_level=opt_level, steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         seq_len=args.seq_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed, device=args.device,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, exp_avg_sq=args.exp_avg_sq, seed=args.seed, device=args.device,
         data=args.data, hf_dataset=args.hf_dataset, val_fraction=args.val_fraction, cache_dir=args.cache_dir,
         eval_every=args.eval_every, eval_batches=args.eval_batches, out=args.out, save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, init_from=args.init_from,

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-import fp8lm
+from ..amp import initialize
+from ..grad import clip_grad_norm_
+from ..memory import memory_report
 from ..nn import load_scaling_state_dict, scaling_state_dict
 from .checkpoint import CheckpointError, atomic_write_bytes, list_checkpoints, load_checkpoint, save_checkpoint
 from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents, stdlib_documents
@@ -29,6 +31,7 @@ from .model import GPT, GPTConfig, preset
 __all__ = ["OPT_LEVELS", "TrainConfig", "train", "check_output", "lr_at", "RunError", "default_device"]
 
 OPT_LEVELS = ("fp32", "bf16", "O1", "O2")
+SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
 FP8_LEVELS = ("O1", "O2")
 CHECKPOINT_FORMAT = "fp8lm.train/1"
 
@@ -79,6 +82,7 @@ class TrainConfig:
     resume: bool = False
     init_from: str | None = None
     progress: bool = True
+    exp_avg_sq: str | None = None  # O2: format of Adam's second moment (default FP16; E4M3/E5M2 = FP8)
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
     def model_config(self) -> GPTConfig:
@@ -102,6 +106,11 @@ class TrainConfig:
             raise RunError("--resume continues this run's own checkpoint; drop --init-from (it starts a new run from a checkpoint)")
         if self.amp_options and self.opt_level not in FP8_LEVELS:
             raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
+        if self.exp_avg_sq is not None:
+            if self.opt_level != "O2":
+                raise RunError(f"--exp-avg-sq sets the FP8 optimizer's second moment: use it with --opt-level O2, not {self.opt_level}")
+            if self.exp_avg_sq.upper() not in SECOND_MOMENT_FORMATS:
+                raise RunError(f"unknown --exp-avg-sq format {self.exp_avg_sq!r}: use one of {', '.join(SECOND_MOMENT_FORMATS)}")
         try:
             self.model_config()
         except ValueError as e:  # a bad preset or sizes
@@ -109,6 +118,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def initialize_options(self) -> dict:
+        """Keyword options of `fp8lm.initialize` for this run."""
+        if self.exp_avg_sq is None:
+            return self.amp_options
+        policy = {**self.amp_options.get("policy", {}), "*": {"exp_avg_sq": self.exp_avg_sq.upper()}}
+        return {**self.amp_options, "policy": policy}
 
 
 def lr_at(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -252,7 +268,7 @@ def train(cfg: TrainConfig) -> dict:
     model.to(device)
     optimizer = _build_optimizer(model, cfg)
     if cfg.opt_level in FP8_LEVELS:
-        model, optimizer = fp8lm.initialize(model, optimizer, opt_level=cfg.opt_level, **cfg.amp_options)
+        model, optimizer = initialize(model, optimizer, opt_level=cfg.opt_level, **cfg.initialize_options())
 
     splits = pack(source, docs, cfg.cache_dir or out / "cache", cfg.val_fraction)
     seq_len = mcfg.block_size
@@ -291,11 +307,13 @@ def train(cfg: TrainConfig) -> dict:
                     _, loss = model(x.to(device), y.to(device))
                 (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach()
-            grad_norm = float(_clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
+            grad_norm = float(clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
             if math.isfinite(grad_norm):
                 optimizer.step()
             else:  # an inf/NaN gradient: skip the update rather than poison the weights
                 skipped += 1
+            if step + 1 == cfg.steps:  # training state at its fullest: weights, gradients, moments
+                mem = memory_report(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
             train_loss = loss_sum.item() / cfg.grad_accum
             train_time += time.perf_counter() - t0
@@ -320,7 +338,6 @@ def train(cfg: TrainConfig) -> dict:
     x, y = val_set[0]
     act_bytes = saved_tensor_bytes(lambda: _forward_loss(model, x.to(device), y.to(device), autocast),
                                    exclude=model.parameters())
-    mem = _memory_report(model, optimizer)
     last = [r["train_loss"] for r in metrics.records[-10:]]
     summary = {
         "opt_level": cfg.opt_level,
@@ -341,23 +358,6 @@ def train(cfg: TrainConfig) -> dict:
     }
     atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=1).encode())
     return summary
-
-
-def _clip_grad_norm_(params, max_norm):
-    try:
-        from ..grad import clip_grad_norm_
-    except ImportError:
-        clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
-    return clip_grad_norm_(params, max_norm)
-
-
-def _memory_report(model, optimizer):
-    try:
-        from ..memory import memory_report
-    except ImportError:
-        n = sum(p.numel() for p in model.parameters())
-        return {"num_params": n, "bytes_per_param": None}
-    return memory_report(model, optimizer)
 
 
 def _forward_loss(model, x, y, autocast):
