@@ -423,6 +423,9 @@ class FP8Adam(_FP8AdamBase):
 
 
 def _validate_group(name: str, group: dict) -> None:
+    missing = [k for k in ("lr", "betas", "eps", "weight_decay", *_FORMAT_KEYS) if k not in group]
+    if missing:
+        raise ValueError(f"{name}: param group lacks {missing}; is this state from another optimizer?")
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     if isinstance(lr, torch.Tensor) or not lr >= 0:
         raise ValueError(f"{name}: lr must be a float >= 0, got {lr!r}")

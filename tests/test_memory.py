@@ -1,0 +1,112 @@
+"""memory_report: bytes per kind of training state, checked against the tensors alive in the process."""
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import fp8lm
+from fp8lm.memory import REPORT_KEYS
+from fp8lm.train.model import GPT, GPTConfig
+
+
+def _gpt_o2(exp_avg_sq=fp8lm.FP16):
+    """The issue's model: 4 layers, 384 wide, byte vocabulary, under O2, after one training step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=384, n_head=6, block_size=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    policy = fp8lm.policy.preset("O2").override("*", exp_avg_sq=exp_avg_sq)
+    model, opt = fp8lm.initialize(model, opt, "O2", policy=policy, optimizer_options={"compiled": False})
+    idx = torch.randint(0, 256, (2, 64))
+    _, loss = model(idx, idx)
+    loss.backward()
+    opt.step()
+    return model, opt
+
+
+def _alive_storages() -> dict:
+    """Every gc-visible plain tensor's storage, keyed by address (the tensors are kept alive, so
+    an address cannot be reused while the dict exists)."""
+    out = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and not issubclass(type(obj), fp8lm.ScalingTensor):
+            try:  # tensors without real storage (fake tensors of torch.compile caches) have no address
+                storage = obj.untyped_storage()
+                out[(obj.device, storage.data_ptr())] = (storage.nbytes(), obj)
+            except (RuntimeError, NotImplementedError):
+                continue
+    return out
+
+
+def test_o2_gpt_is_under_6_1_bytes_per_param_and_alive_tensors_agree():
+    gc.collect()
+    before = _alive_storages()
+    model, opt = _gpt_o2()
+    report = fp8lm.memory_report(model, opt)
+    # Compiled kernels keep a few example scalars of their own; they are not training state.
+    torch._dynamo.reset()
+    gc.collect()
+    alive = {k: v[0] for k, v in _alive_storages().items() if k not in before}
+    del before
+    assert sum(alive.values()) == report["total"]
+
+    n = report["num_params"]
+    assert n == sum(p.numel() for p in model.parameters())
+    assert report["bytes_per_param"] == report["total"] / n
+    assert report["bytes_per_param"] <= 6.1
+    assert report["master_weights"] == 0  # the FP16 weights are the masters
+    # Every parameter has a 1-byte first moment and a 2-byte second moment.
+    assert report["exp_avg"] == n and report["exp_avg_sq"] == 2 * n
+    assert report["total"] == sum(report[k] for k in REPORT_KEYS)
+    assert report["scales"] > 0
+
+
+def test_o2_gpt_with_fp8_second_moment_is_under_5_1_bytes_per_param():
+    model, opt = _gpt_o2(exp_avg_sq=fp8lm.E4M3)
+    report = fp8lm.memory_report(model, opt)
+    assert report["exp_avg_sq"] == report["num_params"]
+    assert report["bytes_per_param"] <= 5.1
+
+
+def test_fp32_adamw_costs_16_bytes_per_param():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    report = fp8lm.memory_report(model, opt)
+    n = report["num_params"]
+    assert report["weights"] == report["gradients"] == report["exp_avg"] == report["exp_avg_sq"] == 4 * n
+    assert report["other"] == 4 * 4  # torch's float32 step counter per parameter
+    assert report["bytes_per_param"] == pytest.approx(16, abs=0.01)
+
+
+def test_shared_storage_is_counted_once():
+    a = nn.Linear(16, 16, bias=False)
+    b = nn.Linear(16, 16, bias=False)
+    b.weight = a.weight  # tied
+    c = nn.Linear(16, 16, bias=False)
+    base = torch.zeros(2, 16, 16)
+    c.weight = nn.Parameter(base[0])
+    d = nn.Linear(16, 16, bias=False)
+    d.weight = nn.Parameter(base[1])  # two parameters viewing one storage
+    report = fp8lm.memory_report(nn.ModuleList([a, b, c, d]))
+    assert report["weights"] == 16 * 16 * 4 + base.untyped_storage().nbytes()
+
+
+def test_scaling_tensors_and_fp8_layer_state_count_as_scales():
+    layer = fp8lm.nn.FP8Linear(32, 32, bias=False)
+    layer(torch.randn(4, 32)).sum().backward()
+    report = fp8lm.memory_report(layer)
+    assert report["weights"] == 32 * 32 * 2  # FP16 payload
+    assert report["gradients"] == 32 * 32  # E4M3 payload
+    metas = [layer.input_meta, layer.grad_output_meta]
+    meta_bytes = sum(4 * (1 + m.amax_history.numel()) for m in metas)
+    assert report["scales"] == meta_bytes + 4 + 4  # + weight scale + gradient scale
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="nn.Module"):
+        fp8lm.memory_report(torch.zeros(3))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        fp8lm.memory_report(nn.Linear(2, 2), optimizer={"state": {}})
