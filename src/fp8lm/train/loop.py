@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..amp import initialize
 from ..grad import clip_grad_norm_
@@ -55,7 +56,7 @@ class TrainConfig:
     # precision
     opt_level: str = "bf16"
     # optimization
-    steps: int = 300
+    steps: int = 500
     batch_size: int = 16
     grad_accum: int = 1
     seq_len: int | None = None  # default: the preset's block_size
@@ -277,13 +278,7 @@ def train(cfg: TrainConfig) -> dict:
 
     start_step, skipped = 0, 0
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        load_scaling_state_dict(model, resume["scaling"])
-        optimizer.load_state_dict(resume["optimizer"])
-        sampler.load_state_dict(resume["sampler"])
-        torch.set_rng_state(resume["rng"]["torch"])
-        if device.type == "cuda" and resume["rng"].get("cuda"):
-            torch.cuda.set_rng_state_all(resume["rng"]["cuda"])
+        _restore(resume, model, optimizer, sampler, device)
         start_step, skipped = int(resume["step"]), int(resume["skipped_steps"])
 
     out.mkdir(parents=True, exist_ok=True)
@@ -291,7 +286,7 @@ def train(cfg: TrainConfig) -> dict:
     metrics = _Metrics(out / "metrics.jsonl", keep_until_step=start_step if resume is not None else None)
     autocast = _autocast(cfg, device)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * seq_len
-    train_time = 0.0
+    train_time, timed_steps = 0.0, 0
     warmup = cfg.steps // 10 if cfg.warmup_steps is None else cfg.warmup_steps
     bar = _progress(cfg, start_step)
     try:
@@ -316,16 +311,19 @@ def train(cfg: TrainConfig) -> dict:
                 mem = memory_report(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
             train_loss = loss_sum.item() / cfg.grad_accum
-            train_time += time.perf_counter() - t0
             done = step + 1
+            if step > start_step or done == cfg.steps:  # the first step compiles and warms up: not timed
+                timed_steps += 1
+                train_time += time.perf_counter() - t0
             record = {"step": done, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens": done * tokens_per_step}
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 record["val_loss"] = _evaluate(model, val_set, autocast, device)
                 bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}")
             metrics.write(record)
-            tok_s = (done - start_step) * tokens_per_step / train_time
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            if timed_steps:
+                bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{timed_steps * tokens_per_step / train_time:,.0f}",
+                                refresh=False)
             bar.update(1)
             if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
                 _save(cfg, mcfg, out, done, skipped, model, optimizer, sampler, device)
@@ -345,7 +343,7 @@ def train(cfg: TrainConfig) -> dict:
         "tokens": cfg.steps * tokens_per_step,
         "train_loss": sum(last) / len(last),  # mean of the last (up to) 10 steps
         "val_loss": metrics.records[-1]["val_loss"],
-        "tokens_per_s": (cfg.steps - start_step) * tokens_per_step / train_time,
+        "tokens_per_s": timed_steps * tokens_per_step / train_time,  # training steps after the first
         "act_bytes_per_token": act_bytes / x.numel(),
         "bytes_per_param": mem["bytes_per_param"],
         "memory": mem,
@@ -366,10 +364,18 @@ def _forward_loss(model, x, y, autocast):
 
 
 def _progress(cfg: TrainConfig, start_step: int):
-    from tqdm.auto import tqdm
-
     return tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, desc=f"train {cfg.opt_level}",
                 unit="step", dynamic_ncols=True)
+
+
+def _restore(state: dict, model, optimizer, sampler: BatchSampler, device: torch.device) -> None:
+    model.load_state_dict(state["model"])
+    load_scaling_state_dict(model, state["scaling"])
+    optimizer.load_state_dict(state["optimizer"])
+    sampler.load_state_dict(state["sampler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if device.type == "cuda" and state["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
 
 def _save(cfg, mcfg, out, step, skipped, model, optimizer, sampler, device) -> None:
