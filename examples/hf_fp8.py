@@ -45,10 +45,11 @@ def train(model: torch.nn.Module, opt_level: str, steps: int, sampler: BatchSamp
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     if opt_level != "bf16":
         model, optimizer = fp8lm.initialize(model, optimizer, opt_level=opt_level)
+    device = next(model.parameters()).device
     losses = []
     for _ in range(steps):
-        x, _ = sampler.next()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = sampler.next()[0].to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=x, labels=x).loss  # HF shifts the labels itself
         loss.backward()
         fp8lm.clip_grad_norm_(model.parameters(), 1.0)
@@ -64,10 +65,11 @@ def main() -> None:
     parser.add_argument("--opt-level", choices=("O1", "O2"), default="O2")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    base = build(args.model, seq_len=args.seq_len)
+    base = build(args.model, seq_len=args.seq_len).to(args.device)
     with tempfile.TemporaryDirectory() as cache:
         splits = pack(*stdlib_documents(), cache)
         for level, model in (("bf16", copy.deepcopy(base)), (args.opt_level, base)):
