@@ -174,9 +174,9 @@ def fused_adam_step_(slots: list[AdamSlot], compiled: bool = True) -> bool:
                 scales[idx, col] = compute_scale(amaxes[idx, col], fmt, previous=previous[idx, col])
     for s, scale, f in zip(slots, scales, fmts):
         _run(_write_pass, s, compiled, scale, f)
-        s.w_scale.copy_(scale[0])
-        s.m_scale.copy_(scale[1])
-        s.v_scale.copy_(scale[2])
+    # The write passes read the old scales; all of them change only now, in one multi-tensor copy.
+    old = [t for s in slots for t in (s.w_scale, s.m_scale, s.v_scale)]
+    torch._foreach_copy_(old, list(scales.reshape(-1).unbind()))
     return True
 
 
@@ -266,7 +266,7 @@ class _FP8AdamBase(torch.optim.Optimizer):
             state["master_scale"] = scale
         return state
 
-    def _slot(self, p: torch.Tensor, group: dict, state: dict, staged: list) -> AdamSlot:
+    def _slot(self, p: torch.Tensor, group: dict, state: dict, staged: list, hps: dict) -> AdamSlot:
         grad = p.grad
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
@@ -286,19 +286,21 @@ class _FP8AdamBase(torch.optim.Optimizer):
         if not w.is_contiguous():  # updated on a contiguous copy, written back after the step
             staged.append((w, w := w.contiguous()))
         step = state["step"] + 1
-        beta1, beta2 = group["betas"]
-        lr, wd = group["lr"], group["weight_decay"]
-        decay, l2 = (1 - lr * wd, 0.0) if self.decoupled_weight_decay else (1.0, wd)
-        hp = torch.tensor(
-            [lr, beta1, beta2, group["eps"], decay, l2, 1 - beta1**step, math.sqrt(1 - beta2**step)],
-            dtype=torch.float32, device=dev,
-        )
+        key = (id(group), step, dev)  # parameters of a group at the same step share one vector
+        if key not in hps:
+            beta1, beta2 = group["betas"]
+            lr, wd = group["lr"], group["weight_decay"]
+            decay, l2 = (1 - lr * wd, 0.0) if self.decoupled_weight_decay else (1.0, wd)
+            hps[key] = torch.tensor(
+                [lr, beta1, beta2, group["eps"], decay, l2, 1 - beta1**step, math.sqrt(1 - beta2**step)],
+                dtype=torch.float32, device=dev,
+            )
         return AdamSlot(
             w=w.view(-1), w_scale=w_scale, w_scaled=w_scaled,
             g=g.reshape(-1), g_scale=g_scale,
             m=state["exp_avg"].view(-1), m_scale=state["exp_avg_scale"],
             v=state["exp_avg_sq"].view(-1), v_scale=state["exp_avg_sq_scale"],
-            hp=hp, v_sqrt=format_of(group["exp_avg_sq_dtype"]).is_fp8,
+            hp=hps[key], v_sqrt=format_of(group["exp_avg_sq_dtype"]).is_fp8,
         )
 
     @torch.no_grad()
@@ -309,13 +311,13 @@ class _FP8AdamBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params, slots, staged = [], [], []
+        params, slots, staged, hps = [], [], [], {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self._init_state(p, group)
-                slots.append(self._slot(p, group, state, staged))
+                slots.append(self._slot(p, group, state, staged, hps))
                 params.append(p)
         applied = fused_adam_step_(slots, compiled=self.compiled)
         self.last_step_skipped = not applied
