@@ -1,10 +1,9 @@
-"""Worker for tests/test_distributed_collectives.py: every FP8 collective on this rank's inputs."""
+"""Checks for tests/test_distributed_collectives.py (run by dist_sync.py): every FP8 collective
+on this rank's inputs."""
 
 import math
 
 import torch
-
-from dist_launch import worker_main
 
 
 def rank_input(rank: int, n: int = 1000) -> torch.Tensor:
@@ -61,6 +60,3 @@ def checks(rank, world):
         out["int_error"] = str(e)
     return out
 
-
-if __name__ == "__main__":
-    worker_main(checks)

@@ -1,9 +1,7 @@
-"""Worker for tests/test_distributed_data_parallel.py."""
+"""Checks for tests/test_distributed_data_parallel.py (run by dist_sync.py)."""
 
 import torch
 from torch import nn
-
-from dist_launch import worker_main
 
 
 class FP8GradWeight(torch.autograd.Function):
@@ -96,6 +94,25 @@ def checks(rank, world):
     out["mlp_stats"] = comm_stats()
     out["mlp_params"] = sum(p.numel() for p in mlp.parameters())
 
+    # O2 end to end through wrap(): FP8Linear weight gradients, FP8 sync, FP8AdamW.
+    from fp8lm.distributed import wrap
+    from fp8lm.train.model import GPT, preset
+
+    torch.manual_seed(rank)
+    gpt = GPT(preset("tiny"))
+    gpt, gopt = wrap(gpt, torch.optim.AdamW(gpt.parameters(), lr=3e-3), "O2", optimizer_options={"compiled": False})
+    for step in range(2):
+        x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(10 * step + rank))
+        _, loss = gpt(x, torch.roll(x, -1, 1))
+        reset_comm_stats()
+        loss.backward()
+        out["o2_stats"] = comm_stats()
+        out["o2_grad_types"] = {n: type(p.grad).__name__ for n, p in gpt.module.named_parameters()}
+        gopt.step()
+        gopt.zero_grad()
+    out["o2_weights"] = {k: v.clone() for k, v in gpt.module.state_dict().items()}
+    out["o2_params"] = sum(p.numel() for p in gpt.parameters())
+
     # The paper's shared scale with automatic mu: equal gradients on every rank saturate the
     # FP8 sum at mu = 1.
     torch.manual_seed(0)
@@ -123,6 +140,3 @@ def checks(rank, world):
         out["bad_bucket_error"] = str(e)
     return out
 
-
-if __name__ == "__main__":
-    worker_main(checks)

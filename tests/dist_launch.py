@@ -3,6 +3,7 @@ collects what each rank saved. A rank's exit code must be 0: an abort or a crash
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -21,9 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(script: str, world_size: int, *args: str, timeout: float = 120.0) -> list[dict]:
+def launch(script: str, world_size: int, *args: str, timeout: float = 120.0) -> tuple[list[int], list[str], list]:
     """Start ``world_size`` processes of ``tests/<script>`` with torchrun's env vars; each gets an
-    output dir as its first argument and saves ``rank{r}.pt`` there. Returns the loaded dicts."""
+    output dir as its first argument and may save ``rank{r}.pt`` there. Returns the exit codes,
+    the logs and the loaded results (None where a rank saved nothing)."""
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
         procs = []
@@ -46,10 +48,24 @@ def run_workers(script: str, world_size: int, *args: str, timeout: float = 120.0
                     q.kill()
                 raise AssertionError(f"{script} on {world_size} ranks did not finish in {timeout} s")
             codes.append(p.returncode)
-        if any(codes):
-            detail = "\n".join(f"--- rank {r} (exit {c}) ---\n{log[-3000:]}" for r, (c, log) in enumerate(zip(codes, logs)))
-            raise AssertionError(f"{script} on {world_size} ranks failed:\n{detail}")
-        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        files = [Path(out) / f"rank{r}.pt" for r in range(world_size)]
+        results = [torch.load(f, weights_only=False) if f.exists() else None for f in files]
+        return codes, logs, results
+
+
+def run_workers(script: str, world_size: int, *args: str, timeout: float = 120.0) -> list[dict]:
+    """`launch`, requiring every rank to exit with 0; returns the loaded results."""
+    codes, logs, results = launch(script, world_size, *args, timeout=timeout)
+    if any(codes):
+        detail = "\n".join(f"--- rank {r} (exit {c}) ---\n{log[-3000:]}" for r, (c, log) in enumerate(zip(codes, logs)))
+        raise AssertionError(f"{script} on {world_size} ranks failed:\n{detail}")
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def run_workers_once(script: str, world_size: int) -> list[dict]:
+    """`run_workers` once per test session for a script and world size (shared by test modules)."""
+    return run_workers(script, world_size)
 
 
 def worker_main(checks) -> None:

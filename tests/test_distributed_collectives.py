@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_collectives import rank_input
-from dist_launch import run_workers
+from dist_launch import run_workers_once
 from fp8lm import E4M3, E5M2
 from fp8lm.distributed import FlatLayout, fp8_all_reduce_error_bound
 from fp8lm.distributed.accounting import collective_bytes
@@ -16,7 +16,7 @@ from fp8lm.scaling import compute_scale
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def ranks(request):
-    return run_workers("dist_collectives.py", request.param)
+    return [r["collectives"] for r in run_workers_once("dist_sync.py", request.param)]
 
 
 def exact_sum(world, n=1000):
@@ -126,7 +126,7 @@ def test_collective_bytes_formula():
     assert collective_bytes("reduce_scatter", 400, 4) == 300
     assert collective_bytes("all_gather", 400, 1) == 0
     with pytest.raises(ValueError, match="unknown collective kind"):
-        collective_bytes("broadcast", 1, 2)
+        collective_bytes("gather", 1, 2)
 
 
 def test_flat_layout_contiguous_pieces():

@@ -5,13 +5,13 @@ overlap with backward, bytes per step vs FP32 / BF16 DDP, automatic mu, checkpoi
 import pytest
 import torch
 
-from dist_launch import run_workers
+from dist_launch import run_workers_once
 from fp8lm.distributed import AutoScaler, ddp_bytes, fp8_all_reduce_error_bound
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def ranks(request):
-    return run_workers("dist_data_parallel.py", request.param)
+    return [r["data_parallel"] for r in run_workers_once("dist_sync.py", request.param)]
 
 
 def test_replicas_start_from_rank0_weights(ranks):
@@ -106,3 +106,24 @@ def test_autoscaler_state_round_trip_and_bad_values():
     with pytest.raises(ValueError, match="positive"):
         t.load_state_dict({"mu": 0.0, "clean_steps": 0, "last_saturated_fraction": 0.0})
     assert t.mu == 0.5  # a rejected state leaves the scaler as it was
+
+
+def test_dead_rank_makes_the_others_fail_fast():
+    from dist_kill import TIMEOUT_S
+    from dist_launch import launch
+
+    codes, logs, results = launch("dist_kill.py", 2, timeout=TIMEOUT_S + 60)
+    assert codes == [0, 17], logs[0][-2000:]
+    assert "gradient sync failed" in results[0]["error"] and "rank may have died" in results[0]["error"]
+    assert results[0]["seconds"] <= TIMEOUT_S + 10
+
+
+def test_o2_training_through_wrap_keeps_replicas_identical(ranks):
+    types = ranks[0]["o2_grad_types"]
+    assert types["blocks.0.mlp.c_fc.weight"] == "ScalingTensor" and types["wte.weight"] == "ScalingTensor"
+    assert types["blocks.0.ln_1.weight"] == "Tensor"
+    for r in ranks[1:]:
+        for k, v in r["o2_weights"].items():
+            assert torch.equal(v, ranks[0]["o2_weights"][k]), k
+    world, n = len(ranks), ranks[0]["o2_params"]
+    assert ranks[0]["o2_stats"]["total_bytes"] <= 0.26 * ddp_bytes(n, 4, world)

@@ -154,27 +154,35 @@ class FP8DataParallel(nn.Module):
 
     def _finish(self) -> None:
         try:
-            while self._next_launch < len(self._buckets):  # buckets with unused parameters
-                self._launch(self._buckets[self._next_launch])
-            for b in self._buckets:
-                b.reduction.reduce()
-                b.reduction.start_gather()
-            for b in self._buckets:
-                for p, result in zip(b.params, b.reduction.results()):
-                    _write_grad(p, result)
-                if b.autoscaler is not None:
-                    # counted: every rank's quantized inputs and the quantized sums
-                    b.autoscaler.update(b.reduction.global_saturated(), b.numel * (self.world_size + 1))
-            self.last_sync = {
-                "buckets": len(self._buckets),
-                "launched_during_backward": self._launched_in_backward,
-            }
+            self._reduce_all()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"FP8DataParallel gradient sync failed on rank {dist.get_rank()} (another rank may have died "
+                f"or stopped responding; see its log): {e}"
+            ) from e
         finally:
             for b in self._buckets:
                 b.ready.clear()
                 b.reduction = None
             self._next_launch = 0
             self._callback_queued = False
+
+    def _reduce_all(self) -> None:
+        while self._next_launch < len(self._buckets):  # buckets with unused parameters
+            self._launch(self._buckets[self._next_launch])
+        for b in self._buckets:
+            b.reduction.reduce()
+            b.reduction.start_gather()
+        for b in self._buckets:
+            for p, result in zip(b.params, b.reduction.results()):
+                _write_grad(p, result)
+            if b.autoscaler is not None:
+                # counted: every rank's quantized inputs and the quantized sums
+                b.autoscaler.update(b.reduction.global_saturated(), b.numel * (self.world_size + 1))
+        self.last_sync = {
+            "buckets": len(self._buckets),
+            "launched_during_backward": self._launched_in_backward,
+        }
 
     # -- telemetry and checkpoints -----------------------------------------------------------
     def autoscale_stats(self) -> list[dict]:
