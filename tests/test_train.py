@@ -116,3 +116,9 @@ def test_bad_config_is_refused_before_any_output(tmp_path, cache, kw, match):
     with pytest.raises(RunError, match=match):
         train(cfg(tmp_path, cache, **kw))
     assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_events_when_tensorboard_is_installed(tmp_path, cache):
+    pytest.importorskip("tensorboard")
+    train(cfg(tmp_path, cache, steps=2, eval_every=1))
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
