@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..formats import E4M3, Format, format_of
 from ..ops.cast import amax as _amax
 from ..ops.cast import saturating_cast
+from ..ops.gemm import upcast
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor
 from . import accounting
@@ -45,6 +46,7 @@ __all__ = [
     "fp8_all_reduce",
     "shared_scale_all_reduce",
     "fp8_all_reduce_error_bound",
+    "dequantize_payload",
     "SCALINGS",
 ]
 
@@ -152,6 +154,18 @@ def _segment_amax(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(a), a, torch.full_like(a, math.inf))
 
 
+def dequantize_payload(payload: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``payload * scale_inv`` in FP32 (exact down to BF16's smallest subnormal, 2**-133), for a
+    finite FP8 payload off the wire (a payload that may hold inf/NaN codes always travels with a
+    NaN scale, which makes the result NaN).
+
+    Goes through `fp8lm.ops.gemm.upcast`'s integer rebuild of the BF16 bits: every FP8 value
+    times a power of two is a BF16 value, and torch's own float8 conversion is scalar on CPU
+    (measured 107 ms for 10M elements to FP32, against 19 ms + a vectorized BF16 -> FP32).
+    """
+    return upcast(payload, scale_inv, torch.bfloat16, finite=True).to(torch.float32)
+
+
 # -- the reduction engine -------------------------------------------------------------------
 class FP8Reduction:
     """One FP8 reduction of a list of tensors (the segments of ``layout``), in stages so that a
@@ -222,7 +236,8 @@ class FP8Reduction:
                 dst.copy_(saturating_cast(value, scale, self.fmt))
             elif isinstance(t, ScalingTensor) and t.payload.dtype == self.fmt.dtype:
                 dst.copy_(t.payload.reshape(-1))  # already in the wire format: send as is
-                scales[s] = t.scale
+                finite = torch.isfinite(_amax(t.payload)) & torch.isfinite(t.scale)
+                scales[s] = t.scale if finite else math.nan
             else:
                 value = _as_fp32(t).reshape(-1)
                 a = _amax(value)
@@ -242,9 +257,10 @@ class FP8Reduction:
         else:
             scales = self.in_scales.expand(self.world_size, S)
         shard = torch.zeros(chunk, dtype=torch.float32)
+        inv = scales.reciprocal()
         for s, a, b in self.layout.pieces(self.rank):
             for i in range(self.world_size):  # fixed order: the same sum on every run
-                shard[a:b] += recv[i, a:b].to(torch.float32) / scales[i, s]
+                shard[a:b] += dequantize_payload(recv[i, a:b], inv[i, s])
         self._recv = None
         if self.scaling == "shared":
             shard /= self._wire_factor
@@ -270,7 +286,7 @@ class FP8Reduction:
             self.out_scales = self.in_scales
         out = torch.zeros(self.layout.chunk, dtype=self.fmt.dtype)
         for s, a, b in pieces:
-            value = self.shard[a:b] * self._wire_factor
+            value = self.shard[a:b] * self._wire_factor if self._wire_factor != 1 else self.shard[a:b]
             if self.scaling == "shared":
                 self.saturated += int((value.abs() * self.out_scales[s] > self.fmt.max).sum())
             out[a:b] = saturating_cast(value, self.out_scales[s], self.fmt)
@@ -280,18 +296,15 @@ class FP8Reduction:
         return self
 
     def results(self) -> list[ScalingTensor]:
-        """The reduced segments, identical on every rank; NaN where any rank had a non-finite value."""
+        """The reduced segments, identical on every rank; a segment in which any rank had a
+        non-finite value comes back with a NaN scale, so all its values read as NaN."""
         for w in self._works:
             w.wait()
         flat = self._gathered.view(self.fmt.dtype)
         out = []
         for s, (t, off, n) in enumerate(zip(self.tensors, self.layout.offsets, self.layout.lengths)):
-            scale = self.out_scales[s] * self._wire_factor
-            payload = flat[off : off + n].view(t.shape)
-            if not torch.isfinite(scale):
-                payload = torch.full_like(payload, math.nan)
-                scale = torch.ones((), dtype=torch.float32)
-            out.append(ScalingTensor(payload, scale.clone(), torch.float32))
+            scale = self.out_scales[s] * self._wire_factor  # NaN for a non-finite segment
+            out.append(ScalingTensor(flat[off : off + n].view(t.shape), scale.clone(), torch.float32))
         return out
 
     def global_saturated(self) -> int:
@@ -355,8 +368,8 @@ def fp8_all_gather(shard: torch.Tensor, group=None, fmt: Format | str = E4M3) ->
     scales = torch.empty(world, dtype=torch.float32)
     _all_gather(gathered, payload.contiguous().view(torch.uint8), group)
     _all_gather(scales, scale.to(torch.float32), group)
-    values = gathered.view(fmt.dtype).view(world, -1).to(torch.float32) / scales[:, None]
-    return values.reshape(-1)
+    parts = gathered.view(fmt.dtype).view(world, -1)
+    return torch.cat([dequantize_payload(parts[r], scales[r].reciprocal()) for r in range(world)])
 
 
 def fp8_all_reduce(
@@ -375,7 +388,7 @@ def fp8_all_reduce(
     red = FP8Reduction(pieces, layout, group, fmt, average=average).start()
     red.reduce()
     out = red.start_gather().results()
-    return torch.cat([p.dequantize() for p in out]).view(x.shape)
+    return torch.cat([dequantize_payload(p.payload, p.scale_inv) for p in out]).view(x.shape)
 
 
 def shared_scale_all_reduce(
@@ -395,7 +408,7 @@ def shared_scale_all_reduce(
     red = FP8Reduction([flat], layout, group, fmt, scaling="shared", mu=mu, average=average).start()
     red.reduce()
     (out,) = red.start_gather().results()
-    return out.dequantize().view(x.shape), red.global_saturated()
+    return dequantize_payload(out.payload, out.scale_inv).view(x.shape), red.global_saturated()
 
 
 def fp8_all_reduce_error_bound(

@@ -26,7 +26,7 @@ from ..formats import E4M3, Format, format_of
 from ..tensor import ScalingTensor
 from . import accounting
 from .autoscale import AutoScaler
-from .collectives import SCALINGS, FlatLayout, FP8Reduction, _check_group
+from .collectives import SCALINGS, FlatLayout, FP8Reduction, _check_group, dequantize_payload
 
 __all__ = ["FP8DataParallel", "broadcast_module"]
 
@@ -214,6 +214,6 @@ def _write_grad(param: nn.Parameter, result: ScalingTensor) -> None:
         grad.payload.copy_(result.payload.view(grad.shape))
         grad.scale.copy_(result.scale)
     elif grad is not None:
-        grad.copy_(result.dequantize(grad.dtype).view(grad.shape))
+        grad.copy_(dequantize_payload(result.payload, result.scale_inv).view(grad.shape))
     else:
-        param.grad = result.dequantize(param.dtype).view(param.shape)
+        param.grad = dequantize_payload(result.payload, result.scale_inv).view(param.shape).to(param.dtype)
