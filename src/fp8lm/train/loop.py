@@ -352,9 +352,9 @@ def train(cfg: TrainConfig) -> dict:
         "model_config": mcfg.to_dict(),
         "data": splits.info,
         "device": str(device),
-        "config": cfg.to_dict(),
+        "config": cfg.to_dict(),  # amp_options may hold callables: written as their repr
     }
-    atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=1).encode())
+    atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=1, default=repr).encode())
     return summary
 
 
