@@ -16,7 +16,7 @@ import json
 import torch
 from torch import nn
 
-from common import machine, median_time
+from common import keep_freed_memory, machine, median_time
 from gemm import parse_shapes
 
 from fp8lm.nn import FP8Linear
@@ -50,6 +50,8 @@ def linear_ms(m: int, k: int, n: int, device: str, reps: int) -> dict:
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             y = layer(x)
         y.backward(torch.ones_like(y))
+        layer.zero_grad(set_to_none=True)  # a training step: no accumulation into old gradients
+        x.grad = None
 
     out = {"bf16_linear": median_time(lambda: step(ref), reps) * 1e3, "fp8_linear": median_time(lambda: step(fp8), reps) * 1e3}
     out["fp8_over_bf16"] = out["fp8_linear"] / out["bf16_linear"]
@@ -61,7 +63,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shapes", type=parse_shapes, default=None)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--fresh-pages", action="store_true", help="let malloc return freed memory to the OS")
     args = parser.parse_args()
+    heap_reuse = False if args.fresh_pages else keep_freed_memory()
     shapes = args.shapes or (GPU_SHAPES if args.device.startswith("cuda") else CPU_SHAPES)
     results = [
         {"m": m, "k": k, "n": n, "gemm_ms": gemm_ms(m, k, n, args.device, args.reps),
@@ -70,7 +74,7 @@ def main() -> None:
     ]
     print(json.dumps({
         "benchmark": "fp8_linear", "machine": machine(), "device": args.device,
-        "auto_backend": choose_backend(args.device), "results": results,
+        "auto_backend": choose_backend(args.device), "heap_reuse": heap_reuse, "results": results,
     }, indent=2))
 
 

@@ -38,7 +38,7 @@ SCALING_MODES = ("delayed", "current")
 
 def _finite_hint(amax_value: torch.Tensor) -> bool | None:
     """Whether a tensor with this amax is finite, where asking costs no device sync (CPU)."""
-    return bool(torch.isfinite(amax_value)) if amax_value.device.type == "cpu" else None
+    return math.isfinite(amax_value.item()) if amax_value.device.type == "cpu" else None
 
 
 def _propagate_nonfinite(out: torch.Tensor, amax_value: torch.Tensor, finite: bool | None) -> torch.Tensor:

@@ -50,6 +50,9 @@ _BIT_LAYOUT = {
 }
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def scaled_mm_supported(device: torch.device | str) -> bool:
     """Whether ``torch._scaled_mm`` runs FP8 GEMMs on ``device``: CPU, or CUDA capability >= 8.9."""
     device = torch.device(device)
@@ -96,10 +99,11 @@ def upcast(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, fini
     bits <<= shift
     bits &= mask
     out = bits.view(torch.bfloat16)
-    # factor * scale_inv can overflow float32 (scale_inv up to 2**126): multiply in two steps then.
-    combined = scale_inv * factor
-    if dtype == torch.bfloat16 and bool(torch.isfinite(combined)):
-        return out.mul_(combined)
+    # Python floats (exact: powers of two) spare tiny tensor ops. factor * scale_inv can exceed
+    # float32 (scale_inv up to 2**126): multiply in two steps then.
+    scale_inv = scale_inv.item()
+    if dtype == torch.bfloat16 and factor * scale_inv <= _FLOAT32_MAX:
+        return out.mul_(factor * scale_inv)
     return out.to(torch.float32).mul_(factor).mul_(scale_inv).to(dtype)
 
 
