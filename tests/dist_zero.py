@@ -74,6 +74,7 @@ def checks(rank, world, save_dir, load_dir=None):
     out["clipped_norm"] = float(opt.clip_grad_norm_(1e9))  # already reduced and clipped
     opt.zero_grad()
     out["state_bytes"] = opt.state_bytes()
+    out["memory_report"] = fp8lm.memory_report(model, opt.shard)  # adds buffers and FP8 scaling state
     out["weights"] = weights(model)
     out["state"] = full_state(opt)
     save_checkpoint(save_dir, model, opt)
@@ -90,6 +91,17 @@ def checks(rank, world, save_dir, load_dir=None):
     before = weights(model)
     opt.step()
     out["nan_skipped"] = opt.last_step_skipped and all(torch.equal(before[k], v) for k, v in weights(model).items())
+
+    # Memory of the default ("small") preset after a step, all state counted by memory_report.
+    small = GPT(preset("small"))
+    small, small_opt = wrap(small, torch.optim.AdamW(small.parameters(), lr=1e-3), "O3",
+                            optimizer_options={"compiled": False})
+    x, y = batch(rank, 0, world)
+    small(x, y)[1].backward()
+    small_opt.step()
+    small_opt.zero_grad()
+    out["small_memory"] = fp8lm.memory_report(small, small_opt.shard)
+    out["small_state_bytes"] = small_opt.state_bytes()
 
     try:
         FP8ZeroOptimizer(model, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
