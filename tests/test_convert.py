@@ -144,3 +144,20 @@ def test_scaling_state_round_trip():
         load_scaling_state_dict(short, state)
     with pytest.raises(ValueError, match="missing"):
         load_scaling_state_dict(other, {k: v for k, v in state.items() if not k.startswith("head")})
+
+
+def test_deepcopy_and_pickle_keep_trainable_fp8_parameters():
+    import copy
+
+    model, _ = make_pair()
+    convert_linears(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        assert clone.head.weight is clone.emb.weight  # still tied
+        for p in clone.parameters():
+            assert isinstance(p, nn.Parameter) and p.requires_grad
+        clone(torch.randint(0, 256, (2, 8)))[0].sum().backward()
+        assert isinstance(clone.proj.weight.grad, ScalingTensor)
+        assert torch.equal(clone.proj.weight.payload, model.proj.weight.payload)

@@ -111,11 +111,12 @@ class ScalingTensor(torch.Tensor):
         return ScalingTensor(inner_tensors["_data"], inner_tensors["_scale"], dtype)
 
     def __reduce_ex__(self, protocol):
-        # Pickle (torch.save, deepcopy, multiprocessing) as payload + scale + dtype.
-        return (_rebuild, (self._data, self._scale, self.dtype))
+        # Pickle (torch.save, deepcopy, multiprocessing) as payload + scale + dtype; an
+        # nn.Parameter stays one (with its requires_grad), so pickled models still train.
+        return (_rebuild, (self._data, self._scale, self.dtype, *_param_flags(self)))
 
     def __deepcopy__(self, memo):
-        out = ScalingTensor(self._data.clone(), self._scale.clone(), self.dtype)
+        out = _rebuild(self._data.clone(), self._scale.clone(), self.dtype, *_param_flags(self))
         memo[id(self)] = out
         return out
 
@@ -140,8 +141,15 @@ class ScalingTensor(torch.Tensor):
         return func(*args, **kwargs)
 
 
-def _rebuild(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> ScalingTensor:
-    return ScalingTensor(payload, scale, dtype)
+def _param_flags(t: torch.Tensor) -> tuple[bool, bool]:
+    return isinstance(t, torch.nn.Parameter), t.requires_grad
+
+
+def _rebuild(
+    payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, is_param: bool = False, requires_grad: bool = False
+) -> ScalingTensor:
+    out = ScalingTensor(payload, scale, dtype)
+    return torch.nn.Parameter(out, requires_grad=requires_grad) if is_param else out.requires_grad_(requires_grad)
 
 
 # Saved ScalingTensors load with torch.load(weights_only=True).
