@@ -1,7 +1,8 @@
 """Accuracy of FP8Linear against an FP32 nn.Linear, as SQNR in dB, printed as JSON.
 
 1024 x 1024 layer, 4096 Gaussian tokens (the issue's must-show setting): output, input gradient
-and stored (E4M3) weight gradient, without autocast and under BF16 / FP16 autocast; and the weight gradient accumulated over 4 micro-batches (delayed scaling carried across them).
+and stored (E4M3) weight gradient, without autocast and under BF16 / FP16 autocast; and the
+weight gradient accumulated over 4 micro-batches (delayed scaling carried across them).
 
     python benchmarks/fp8_linear_accuracy.py [--device cpu]
 """
