@@ -321,3 +321,11 @@ def test_integer_parameters_and_sparse_gradients_are_rejected():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
+
+
+def test_empty_parameter_is_left_alone():
+    empty, full = nn.Parameter(torch.zeros(0, 4)), nn.Parameter(torch.ones(4))
+    opt = FP8AdamW([empty, full], compiled=False)
+    empty.grad, full.grad = torch.zeros(0, 4), torch.ones(4)
+    opt.step()
+    assert empty not in opt.state and opt.state[full]["step"] == 1

@@ -20,8 +20,8 @@ FP32 state of the model: pass 1 dequantizes, computes the updated weight and mom
 their amaxes; the new scales follow from the amaxes; pass 2 recomputes the same values and writes them
 requantized with those scales. Pass 1 over all tensors comes first, so a non-finite gradient anywhere
 shows up as a non-finite amax before anything is written, and the step is skipped as a whole.
-Both passes are `torch.compile`-d (dynamic shapes, one graph for every tensor size) or run eagerly on
-bounded chunks (``compiled=False``).
+Both passes are `torch.compile`-d (dynamic shapes: one graph per combination of dtypes, whatever the
+tensor sizes) or run eagerly on bounded chunks (``compiled=False``).
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ class AdamSlot:
     """One tensor's optimizer state as flat (1-D, contiguous) payloads with 0-d float32 scales.
 
     ``w`` is the master weight; ``w_scaled`` False means a plain tensor whose scale stays 1.
-    ``g_scale`` is 1 for a plain gradient. ``hp`` holds `adam_update`'s hyper-parameters in its argument order (a tensor,
-    so that a changing lr or step never recompiles).
-    ``v_sqrt``: the second moment is stored as ``sqrt(v)``. Scales are updated in place.
+    ``g_scale`` is 1 for a plain gradient. ``hp`` holds `adam_update`'s hyper-parameters in its
+    argument order (a tensor, so that a changing lr or step never recompiles). ``v_sqrt``: the
+    second moment is stored as ``sqrt(v)``. Scales are updated in place.
     """
 
     w: torch.Tensor
@@ -314,7 +314,7 @@ class _FP8AdamBase(torch.optim.Optimizer):
         params, slots, staged, hps = [], [], [], {}
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or p.numel() == 0:
                     continue
                 state = self._init_state(p, group)
                 slots.append(self._slot(p, group, state, staged, hps))
