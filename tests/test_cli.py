@@ -2,11 +2,14 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
 from fp8lm.cli import SUBCOMMANDS, build_parser, main
 
+EMAIL = str(Path(sysconfig.get_paths()["stdlib"]) / "email")  # real text, quick to scan
 TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--no-progress"]
 
 
@@ -34,7 +37,7 @@ def test_parser_has_train_and_compare_with_the_same_run_options():
 
 
 def test_train_prints_the_summary(tmp_path, cache, capsys):
-    rc, out, _ = run_main(["train", *TINY, "--steps", "3", "--out", str(tmp_path / "r"), "--cache-dir", cache], capsys)
+    rc, out, _ = run_main(["train", *TINY, "--data", EMAIL, "--steps", "3", "--out", str(tmp_path / "r"), "--cache-dir", cache], capsys)
     assert rc == 0
     printed = json.loads(out[out.index("{") : out.rindex("}") + 1])
     assert printed["steps"] == 3 and printed["opt_level"] == "bf16"
@@ -43,7 +46,7 @@ def test_train_prints_the_summary(tmp_path, cache, capsys):
 
 def test_compare_writes_compare_json_and_plot_and_prints_the_table(tmp_path, cache, capsys):
     out_dir = tmp_path / "cmp"
-    rc, out, _ = run_main(["compare", *TINY, "--levels", "bf16,fp32", "--steps", "4", "--eval-every", "2",
+    rc, out, _ = run_main(["compare", *TINY, "--data", EMAIL, "--levels", "bf16,fp32", "--steps", "4", "--eval-every", "2",
                            "--out", str(out_dir), "--cache-dir", cache], capsys)
     assert rc == 0
     result = json.loads((out_dir / "compare.json").read_text())
@@ -86,8 +89,8 @@ def test_bad_inputs_give_one_clear_line_and_leave_nothing_complete(tmp_path, cac
         assert expected in line, line
     assert not out.exists()
     # a checkpoint of another model shape
-    assert run_main(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "base"), "--cache-dir", cache], capsys)[0] == 0
-    line = one_error_line(*run_main(["train", *TINY, "--n-layer", "3", "--steps", "1", "--init-from",
+    assert run_main(["train", *TINY, "--data", EMAIL, "--steps", "1", "--out", str(tmp_path / "base"), "--cache-dir", cache], capsys)[0] == 0
+    line = one_error_line(*run_main(["train", *TINY, "--data", EMAIL, "--n-layer", "3", "--steps", "1", "--init-from",
                                      str(tmp_path / "base"), "--out", str(out), "--cache-dir", cache], capsys))
     assert "does not fit this model" in line and "n_layer=2 (here 3)" in line
     assert not out.exists()
