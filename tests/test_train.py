@@ -114,6 +114,8 @@ def test_checkpoint_of_another_shape_is_refused_before_any_output(tmp_path, cach
         (dict(hf_dataset="y"), "either --data or --hf-dataset"),
         (dict(resume=True, init_from="x"), "drop --init-from"),
         (dict(amp_options={"module_filter": None}), "apply to O1/O2 only"),
+        (dict(exp_avg_sq="E4M3"), "which only O2 has"),
+        (dict(opt_level="O2", exp_avg_sq="int4"), "unknown --exp-avg-sq format 'int4'"),
     ],
 )
 def test_bad_config_is_refused_before_any_output(tmp_path, cache, kw, match):
@@ -126,3 +128,9 @@ def test_tensorboard_events_when_tensorboard_is_installed(tmp_path, cache):
     pytest.importorskip("tensorboard")
     train(cfg(tmp_path, cache, steps=2, eval_every=1))
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_fp8_second_moment_becomes_a_policy_override_of_initialize():
+    cfg = TrainConfig(opt_level="O2", exp_avg_sq="e5m2", amp_options={"history_len": 4})
+    assert cfg.initialize_options() == {"history_len": 4, "policy": {"*": {"exp_avg_sq": "E5M2"}}}
+    assert TrainConfig(opt_level="O2").initialize_options() == {}

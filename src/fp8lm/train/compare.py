@@ -31,7 +31,9 @@ def compare(cfg: TrainConfig, levels: list[str]) -> dict:
     ``<out>/compare.json`` and ``<out>/loss.png``. Returns the comparison (with ``table`` and
     ``plot`` entries)."""
     out = Path(cfg.out)
-    runs = {level: replace(cfg, opt_level=level, out=str(out / level), cache_dir=cfg.cache_dir or str(out / "cache"))
+    # O2-only options (the second moment's format) go to the O2 run alone.
+    runs = {level: replace(cfg, opt_level=level, out=str(out / level), cache_dir=cfg.cache_dir or str(out / "cache"),
+                           exp_avg_sq=cfg.exp_avg_sq if level == "O2" else None)
             for level in levels}
     for run in runs.values():  # all levels checked before the first one trains
         run.validate()

@@ -109,7 +109,7 @@ class TrainConfig:
             raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
         if self.exp_avg_sq is not None:
             if self.opt_level != "O2":
-                raise RunError(f"--exp-avg-sq sets the FP8 optimizer's second moment: use it with --opt-level O2, not {self.opt_level}")
+                raise RunError(f"--exp-avg-sq sets the FP8 optimizer's second moment, which only O2 has (this run is {self.opt_level})")
             if self.exp_avg_sq.upper() not in SECOND_MOMENT_FORMATS:
                 raise RunError(f"unknown --exp-avg-sq format {self.exp_avg_sq!r}: use one of {', '.join(SECOND_MOMENT_FORMATS)}")
         try:
