@@ -257,3 +257,12 @@ def test_scaled_mm_backend_matches_emulation():
     ya.sum().backward()
     yb.sum().backward()
     torch.testing.assert_close(a.weight.grad.dequantize(), b.weight.grad.dequantize(), rtol=2**-3, atol=1e-6)
+
+
+def test_empty_batch():
+    layer = FP8Linear(32, 16)
+    x = torch.zeros(0, 32, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert x.grad.shape == (0, 32)

@@ -213,7 +213,7 @@ class FP8Linear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_enabled:
+        if not self.fp8_enabled or x.numel() == 0:  # an empty batch has no amax to scale by
             return F.linear(x, self.weight, self.bias)
         return _FP8LinearFunction.apply(x, self.weight, self.bias, self)
 
