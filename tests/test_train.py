@@ -115,6 +115,8 @@ def test_checkpoint_of_another_shape_is_refused_before_any_output(tmp_path, cach
         (dict(resume=True, init_from="x"), "drop --init-from"),
         (dict(amp_options={"module_filter": None}), "apply to O1/O2 only"),
         (dict(exp_avg_sq="E4M3"), "which only O2 has"),
+        (dict(val_fraction=1.5), "val_fraction must be between 0 and 1"),
+        (dict(device="tpu:x"), "unknown device 'tpu:x'"),
         (dict(opt_level="O2", exp_avg_sq="int4"), "unknown --exp-avg-sq format 'int4'"),
     ],
 )

@@ -101,6 +101,10 @@ class TrainConfig:
                 raise RunError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip >= 0):
             raise RunError(f"need lr > 0, 0 <= min_lr_ratio <= 1, grad_clip >= 0 (got {self.lr}, {self.min_lr_ratio}, {self.grad_clip})")
+        if not 0 < self.val_fraction < 1:
+            raise RunError(f"val_fraction must be between 0 and 1, got {self.val_fraction}")
+        if self.device is not None:
+            _check_device(self.device)
         if self.data and self.hf_dataset:
             raise RunError("pass either --data or --hf-dataset, not both")
         if self.resume and self.init_from:
@@ -126,6 +130,15 @@ class TrainConfig:
             return self.amp_options
         policy = {**self.amp_options.get("policy", {}), "*": {"exp_avg_sq": self.exp_avg_sq.upper()}}
         return {**self.amp_options, "policy": policy}
+
+
+def _check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RunError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"device {name!r} asked for, but torch sees no CUDA device here; use --device cpu")
 
 
 def lr_at(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
