@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -61,6 +62,16 @@ def test_compare_writes_compare_json_and_plot_and_prints_the_table(tmp_path, cac
     # rerunning into the same folder is refused before any level trains
     rc, _, err = run_main(["compare", *TINY, "--levels", "bf16,fp32", "--steps", "4", "--out", str(out_dir)], capsys)
     assert rc == 2 and "already holds a training run" in err
+    # an interrupted comparison (fp32 never started) continues with --resume: bf16 is kept as it was
+    bf16_summary = (out_dir / "bf16" / "summary.json").read_bytes()
+    shutil.rmtree(out_dir / "fp32")
+    (out_dir / "compare.json").unlink()
+    rc, _, _ = run_main(["compare", *TINY, "--data", EMAIL, "--levels", "bf16,fp32", "--steps", "4", "--eval-every", "2",
+                         "--out", str(out_dir), "--cache-dir", cache, "--resume"], capsys)
+    assert rc == 0 and (out_dir / "bf16" / "summary.json").read_bytes() == bf16_summary
+    again = json.loads((out_dir / "compare.json").read_text())["levels"]
+    assert again["bf16"] == result["levels"]["bf16"]
+    assert again["fp32"]["val_loss"] == result["levels"]["fp32"]["val_loss"]  # retrained, same seed and data
 
 
 def one_error_line(rc, out, err):

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .checkpoint import atomic_write_bytes
+from .checkpoint import atomic_write_bytes, list_checkpoints
 from .loop import OPT_LEVELS, RunError, TrainConfig, check_output, train
 from .report import format_table, plot_losses, read_metrics, rel_gap
 
@@ -26,20 +26,37 @@ def parse_levels(spec: str) -> list[str]:
     return levels
 
 
+def _level_config(cfg: TrainConfig, level: str, out: Path) -> TrainConfig:
+    run = replace(cfg, opt_level=level, out=str(out / level), cache_dir=cfg.cache_dir or str(out / "cache"),
+                  # O2-only options (the second moment's format) go to the O2 run alone
+                  exp_avg_sq=cfg.exp_avg_sq if level == "O2" else None)
+    if cfg.resume:  # a level that had not started yet when the comparison stopped starts now
+        run.resume = bool(list_checkpoints(Path(run.out) / "checkpoints"))
+    return run
+
+
+def _finished(run: TrainConfig) -> dict | None:
+    """Under --resume, the summary of a level that already completed its steps (it is not rerun)."""
+    path = Path(run.out) / "summary.json"
+    if not run.resume or not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if summary["steps"] == run.steps else None
+
+
 def compare(cfg: TrainConfig, levels: list[str]) -> dict:
     """Train ``cfg`` once per level into ``<out>/<level>/`` (sharing one token cache), then write
     ``<out>/compare.json`` and ``<out>/loss.png``. Returns the comparison (with ``table`` and
-    ``plot`` entries)."""
+    ``plot`` entries). With ``cfg.resume``, an interrupted comparison continues: finished levels
+    are kept, interrupted ones resume from their checkpoints, the others start."""
     out = Path(cfg.out)
-    # O2-only options (the second moment's format) go to the O2 run alone.
-    runs = {level: replace(cfg, opt_level=level, out=str(out / level), cache_dir=cfg.cache_dir or str(out / "cache"),
-                           exp_avg_sq=cfg.exp_avg_sq if level == "O2" else None)
-            for level in levels}
+    runs = {level: _level_config(cfg, level, out) for level in levels}
     for run in runs.values():  # all levels checked before the first one trains
         run.validate()
-        check_output(run)
+        if _finished(run) is None:
+            check_output(run)
     (out / "compare.json").unlink(missing_ok=True)
-    summaries = {level: train(run) for level, run in runs.items()}
+    summaries = {level: _finished(run) or train(run) for level, run in runs.items()}
 
     base = summaries.get(BASELINE)
     rows = {}
