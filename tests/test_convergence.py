@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fp8lm.train.loop import TrainConfig, train
+from fp8lm.train.config import TrainConfig
+from fp8lm.train.loop import train
 from fp8lm.train.report import read_metrics
 
 # Warmup, then a constant learning rate: the first 200 steps of a 300-step run are then the

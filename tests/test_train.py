@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fp8lm.train.checkpoint import CheckpointError, list_checkpoints
-from fp8lm.train.loop import OPT_LEVELS, RunError, TrainConfig, lr_at, train
+from fp8lm.train.config import OPT_LEVELS, RunError, TrainConfig
+from fp8lm.train.loop import lr_at, train
 from fp8lm.train.report import read_metrics
 
 # Real text, small enough to scan in milliseconds: the standard library's email package.

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from .train.checkpoint import CheckpointError
 from .train.compare import compare, parse_levels
 from .train.data import DataError
-from .train.loop import OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig, train
+from .train.config import OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
+from .train.loop import train
 from .train.model import MLP_KINDS, PRESETS
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]

@@ -7,7 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import atomic_write_bytes, list_checkpoints
-from .loop import OPT_LEVELS, RunError, TrainConfig, check_output, train
+from .config import OPT_LEVELS, RunError, TrainConfig
+from .loop import check_output, train
 from .report import format_table, plot_losses, read_metrics, rel_gap
 
 __all__ = ["compare", "parse_levels", "BASELINE"]

@@ -1,0 +1,127 @@
+"""What a training run is asked to do: `TrainConfig`, the precision levels, and their checks.
+
+Levels (`OPT_LEVELS`, the one list the CLI offers):
+- ``fp32``: no autocast, ``torch.optim.AdamW``;
+- ``bf16``: ``torch.autocast(bfloat16)`` and FP32 AdamW, the baseline;
+- ``O1`` / ``O2``: ``fp8lm.initialize`` on the same model and AdamW, also under bf16 autocast, so
+  that the only difference from the baseline is what FP8-LM changes (GEMMs, weight gradients,
+  weights and, at O2, the optimizer); FP8-LM too runs the non-GEMM ops in BF16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .model import GPTConfig, preset
+
+__all__ = ["OPT_LEVELS", "FP8_LEVELS", "SECOND_MOMENT_FORMATS", "TrainConfig", "RunError", "default_device"]
+
+OPT_LEVELS = ("fp32", "bf16", "O1", "O2")
+SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
+FP8_LEVELS = ("O1", "O2")
+
+
+class RunError(ValueError):
+    """The run cannot start as asked (its output folder, or options that contradict each other)."""
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class TrainConfig:
+    # model: a preset, with explicit sizes overriding it
+    model: str = "small"
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    mlp: str | None = None
+    # precision
+    opt_level: str = "bf16"
+    # optimization
+    steps: int = 500
+    batch_size: int = 16
+    grad_accum: int = 1
+    seq_len: int | None = None  # default: the preset's block_size
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int | None = None  # default: a tenth of the steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 1337
+    device: str | None = None
+    # data
+    data: str | None = None
+    hf_dataset: str | None = None
+    val_fraction: float = 0.05
+    cache_dir: str | None = None  # default: <out>/cache
+    # evaluation and output
+    eval_every: int = 100
+    eval_batches: int = 8
+    out: str = "runs/train"
+    save_every: int = 0  # 0: only the final checkpoint
+    keep_checkpoints: int = 2
+    resume: bool = False
+    init_from: str | None = None
+    progress: bool = True
+    exp_avg_sq: str | None = None  # O2: format of Adam's second moment (default FP16; E4M3/E5M2 = FP8)
+    amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
+
+    def model_config(self) -> GPTConfig:
+        return preset(self.model, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                      mlp=self.mlp, block_size=self.seq_len)
+
+    def validate(self) -> None:
+        if self.opt_level not in OPT_LEVELS:
+            raise RunError(f"unknown opt level {self.opt_level!r}: use one of {', '.join(OPT_LEVELS)}")
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise RunError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "save_every"):
+            if (getattr(self, name) or 0) < 0:
+                raise RunError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip >= 0):
+            raise RunError(f"need lr > 0, 0 <= min_lr_ratio <= 1, grad_clip >= 0 (got {self.lr}, {self.min_lr_ratio}, {self.grad_clip})")
+        if not 0 < self.val_fraction < 1:
+            raise RunError(f"val_fraction must be between 0 and 1, got {self.val_fraction}")
+        if self.device is not None:
+            _check_device(self.device)
+        if self.data and self.hf_dataset:
+            raise RunError("pass either --data or --hf-dataset, not both")
+        if self.resume and self.init_from:
+            raise RunError("--resume continues this run's own checkpoint; drop --init-from (it starts a new run from a checkpoint)")
+        if self.amp_options and self.opt_level not in FP8_LEVELS:
+            raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
+        if self.exp_avg_sq is not None:
+            if self.opt_level != "O2":
+                raise RunError(f"--exp-avg-sq sets the FP8 optimizer's second moment, which only O2 has (this run is {self.opt_level})")
+            if self.exp_avg_sq.upper() not in SECOND_MOMENT_FORMATS:
+                raise RunError(f"unknown --exp-avg-sq format {self.exp_avg_sq!r}: use one of {', '.join(SECOND_MOMENT_FORMATS)}")
+        try:
+            self.model_config()
+        except ValueError as e:  # a bad preset or sizes
+            raise RunError(str(e)) from None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def initialize_options(self) -> dict:
+        """Keyword options of `fp8lm.initialize` for this run."""
+        if self.exp_avg_sq is None:
+            return self.amp_options
+        policy = {**self.amp_options.get("policy", {}), "*": {"exp_avg_sq": self.exp_avg_sq.upper()}}
+        return {**self.amp_options, "policy": policy}
+
+
+def _check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RunError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"device {name!r} asked for, but torch sees no CUDA device here; use --device cpu")
