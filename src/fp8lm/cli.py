@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from .train.checkpoint import CheckpointError
 from .train.compare import compare, parse_levels
-from .train.data import DataError
 from .train.config import OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
+from .train.data import DataError
 from .train.loop import train
 from .train.model import MLP_KINDS, PRESETS
 
