@@ -15,7 +15,7 @@ import torch
 from .formats import Format
 from .tensor import ScalingTensor
 
-__all__ = ["TensorStats", "quantization_stats", "stored_stats"]
+__all__ = ["TensorStats", "quantization_stats", "stored_stats", "Telemetry", "KINDS", "worst"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,135 @@ def stored_stats(t: ScalingTensor) -> TensorStats:
         underflow=int(torch.count_nonzero(mags == 0)) / n,
         saturation=int(torch.count_nonzero(mags >= t.fmt.max)) / n,
     )
+
+
+# -- recording during training ------------------------------------------------------------------
+
+KINDS = ("input", "weight", "grad_output", "weight_grad", "exp_avg", "exp_avg_sq")
+
+
+class Telemetry:
+    """Records `TensorStats` of every FP8 layer's tensors every ``every`` steps.
+
+    Usage in a training loop::
+
+        telemetry = Telemetry(model, optimizer, every=50)
+        for step in range(steps):
+            with telemetry.step(step):      # forward and backward of this step
+                loss = model(x).loss
+                loss.backward()
+            records = telemetry.after_backward()   # weight gradients; [] on unsampled steps
+            optimizer.step()
+            records += telemetry.after_optimizer_step()  # optimizer moments
+
+    Hooks are attached only for the sampled steps, so unsampled steps cost nothing. Each record
+    is a dict: step, layer, kind (one of `KINDS`), fmt and the `TensorStats` fields.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, every: int = 100):
+        from .nn.linear import FP8Linear  # telemetry sits above nn: it observes FP8 layers
+
+        if every < 1:
+            raise ValueError(f"telemetry interval must be >= 1 step, got {every}")
+        self.every = every
+        self.optimizer = optimizer
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+        self._names = {id(m.weight): name for name, m in self.layers.items()}
+        self._step: int | None = None
+        self._pending: list[dict] = []
+
+    def sampled(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def step(self, step: int):
+        """Context manager around a step's forward and backward; records on sampled steps."""
+        return _RecordingWindow(self, step)
+
+    def _record(self, layer: str, kind: str, fmt: Format, stats: TensorStats) -> None:
+        self._pending.append({"step": self._step, "layer": layer, "kind": kind, "fmt": fmt.name, **stats.as_dict()})
+
+    def _attach(self) -> list:
+        from .formats import E4M3, E5M2
+        from .scaling import compute_scale
+
+        handles = []
+        for name, layer in self.layers.items():
+            def on_input(module, args, name=name):
+                meta = module.input_meta
+                x = args[0]
+                scale = _scale_in_use(module, meta, x, E4M3)
+                self._record(name, "input", E4M3, quantization_stats(x, E4M3, scale))
+                w = module.weight
+                value = w.dequantize() if isinstance(w, ScalingTensor) else w.detach()
+                self._record(name, "weight", E4M3, quantization_stats(value, E4M3, compute_scale(value.abs().amax(), E4M3)))
+
+            def on_grad_output(module, grad_output, name=name):
+                meta = module.grad_output_meta
+                g = grad_output[0]
+                scale = _scale_in_use(module, meta, g, E5M2)
+                self._record(name, "grad_output", E5M2, quantization_stats(g, E5M2, scale))
+
+            handles.append(layer.register_forward_pre_hook(on_input))
+            handles.append(layer.register_full_backward_pre_hook(on_grad_output))
+        return handles
+
+    def after_backward(self) -> list[dict]:
+        """Weight-gradient stats of a sampled step; returns the step's records so far."""
+        if self._step is None:
+            return []
+        for name, layer in self.layers.items():
+            grad = layer.weight.grad
+            if isinstance(grad, ScalingTensor):
+                self._record(name, "weight_grad", grad.fmt, stored_stats(grad))
+        return self._flush()
+
+    def after_optimizer_step(self) -> list[dict]:
+        """Stats of the FP8 optimizer's stored moments on a sampled step (FP8Adam/FP8AdamW)."""
+        if self._step is None or self.optimizer is None:
+            return []
+        for name, layer in self.layers.items():
+            state = self.optimizer.state.get(layer.weight, {})
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if kind + "_scale" in state:
+                    stored = ScalingTensor(state[kind], state[kind + "_scale"])
+                    self._record(name, kind, stored.fmt, stored_stats(stored))
+        self._step = None
+        return self._flush()
+
+    def _flush(self) -> list[dict]:
+        out, self._pending = self._pending, []
+        return out
+
+
+def _scale_in_use(layer, meta, x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """The scale the layer casts ``x`` with: the delayed scale once it has history; just in time
+    otherwise, and for a layer running in high precision (what FP8 would do if switched back)."""
+    from .scaling import compute_scale
+
+    if layer.fp8_enabled and meta.delayed and meta.step > 0:
+        return meta.scale
+    return compute_scale(x.detach().abs().amax(), fmt)
+
+
+class _RecordingWindow:
+    def __init__(self, telemetry: Telemetry, step: int):
+        self.telemetry = telemetry
+        self.step = step
+        self.handles: list = []
+
+    def __enter__(self):
+        sampled = self.telemetry.sampled(self.step)
+        self.telemetry._step = self.step if sampled else None
+        if sampled:
+            self.handles = self.telemetry._attach()
+        return self.telemetry
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return False
+
+
+def worst(records: list[dict], key: str = "underflow", top: int = 10) -> list[dict]:
+    """The ``top`` records with the largest ``key`` (underflow or saturation)."""
+    return sorted(records, key=lambda r: r[key], reverse=True)[:top]

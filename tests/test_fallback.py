@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+import fp8lm
+from fp8lm.fallback import FallbackPolicy, PrecisionFallback
+from fp8lm.telemetry import Telemetry
+
+
+def _run(model, telemetry, fallback, steps, grad_weights):
+    events = []
+    for step in range(steps):
+        with telemetry.step(step):
+            (model(torch.randn(16, 32)) * grad_weights).sum().backward()
+        events += fallback.update(telemetry.after_backward())
+        model.zero_grad()
+    return events
+
+
+def test_layer_with_underflowing_gradients_moves_to_bf16_and_back():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    model, _ = fp8lm.initialize(model, None, opt_level="O1")
+    telemetry = Telemetry(model, every=1)
+    fallback = PrecisionFallback(telemetry.layers, FallbackPolicy(underflow=0.05, patience=2))
+
+    wide = torch.logspace(-12, 0, 32)  # output gradients spanning 2^-40 .. 1: E5M2 loses the small ones
+    events = _run(model, telemetry, fallback, 3, wide)
+    assert [(e["layer"], e["to"]) for e in events] == [("2", "bf16")]
+    assert events[0]["step"] == 1 and "output-gradient underflow" in events[0]["reason"]
+    assert not telemetry.layers["2"].fp8_enabled and telemetry.layers["0"].fp8_enabled
+
+    # The switched layer's GEMMs now run in high precision: its output is the exact F.linear.
+    hidden = torch.randn(16, 64)
+    exact = torch.nn.functional.linear(hidden, model[2].weight.dequantize(), model[2].bias)
+    assert torch.equal(model[2](hidden), exact)
+
+    events = _run(model, telemetry, fallback, 2, torch.ones(32))  # gradients back in range
+    assert [(e["layer"], e["to"]) for e in events] == [("2", "fp8")]
+    assert telemetry.layers["2"].fp8_enabled
+    assert [e["to"] for e in fallback.events] == ["bf16", "fp8"]
+
+    state = fallback.state_dict()
+    other = PrecisionFallback(telemetry.layers)
+    other.load_state_dict(state)
+    assert other.events == fallback.events
+    with pytest.raises(ValueError, match="layers this model does not have"):
+        other.load_state_dict({"fp8_enabled": {"nope": False}, "events": []})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"underflow": 0}, "fractions"), ({"recover_below": 1.0}, "recover_below"), ({"patience": 0}, "patience")],
+)
+def test_policy_rejects_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FallbackPolicy(**kwargs)
