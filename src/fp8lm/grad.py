@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .ops.cast import amax
-from .ops.gemm import upcast
+from .ops.cast import upcast
 from .tensor import ScalingTensor
 
 __all__ = ["clip_grad_norm_", "zero_grad", "grads_are_finite"]

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .formats import E4M3, Format, format_of
 from .ops.cast import amax as _amax
-from .ops.cast import saturating_cast
+from .ops.cast import FP8_DTYPES, saturating_cast, upcast
 from .scaling import compute_scale
 
 __all__ = ["ScalingTensor", "quantize"]
@@ -85,6 +85,9 @@ class ScalingTensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values as a plain tensor of ``dtype``."""
+        if self._data.dtype in FP8_DTYPES and not torch.compiler.is_compiling():
+            wide = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+            return upcast(self._data, self.scale_inv, wide).to(dtype)
         return (self._data.to(torch.float32) / self._scale).to(dtype)
 
     def requantize_(self, value: torch.Tensor) -> "ScalingTensor":

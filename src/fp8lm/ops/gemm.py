@@ -38,21 +38,11 @@ from __future__ import annotations
 
 import torch
 
+from .cast import FP8_DTYPES, upcast
+
 __all__ = ["FP8Operand", "fp8_mm", "upcast", "scaled_mm_supported", "choose_backend", "BACKENDS"]
 
 BACKENDS = ("auto", "scaled_mm", "emulated")
-
-# FP8 payload bits -> BF16 bits: the magnitude bits shifted into BF16's exponent/mantissa
-# position read as a BF16 number 2**-(127 - bias) times too small, subnormals included; the sign
-# comes from sign-extending the int8 and masking the extended bits away.
-#   dtype: (shift, mask, 2**(127 - bias), smallest magnitude code that is inf/NaN)
-_BIT_LAYOUT = {
-    torch.float8_e4m3fn: (4, 0x87FF, 2.0**120, 0x7F),
-    torch.float8_e5m2: (5, 0x8FFF, 2.0**112, 0x7C),
-}
-
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def scaled_mm_supported(device: torch.device | str) -> bool:
@@ -82,33 +72,6 @@ def choose_backend(device: torch.device | str, backend: str = "auto") -> str:
     return backend
 
 
-def upcast(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, finite: bool | None = None) -> torch.Tensor:
-    """``data * scale_inv`` as ``dtype`` (bfloat16 or float32), exactly, from a float8 payload.
-
-    On CPU the BF16 bit pattern is rebuilt with integer ops (see the module doc); a payload that
-    holds inf or NaN codes goes through torch's own conversion so they propagate. ``finite=True``
-    says the caller knows the payload is finite (e.g. from its amax) and skips that check.
-    """
-    scale_inv = scale_inv.to(device=data.device, dtype=torch.float32)
-    if data.device.type != "cpu" or data.dtype not in _BIT_LAYOUT:
-        return (data.to(torch.float32) * scale_inv).to(dtype)
-    shift, mask, factor, first_nonfinite = _BIT_LAYOUT[data.dtype]
-    bits = data.view(torch.int8).to(torch.int16)
-    if finite is None:
-        finite = not bool(((bits & 0x7F) >= first_nonfinite).any())
-    if not finite:
-        return (data.to(torch.float32) * scale_inv).to(dtype)
-    bits <<= shift
-    bits &= mask
-    out = bits.view(torch.bfloat16)
-    # Python floats (exact: powers of two) spare tiny tensor ops. factor * scale_inv can exceed
-    # float32 (scale_inv up to 2**126): multiply in two steps then.
-    scale_inv = scale_inv.item()
-    if dtype == torch.bfloat16 and factor * scale_inv <= _FLOAT32_MAX:
-        return out.mul_(factor * scale_inv)
-    return out.to(torch.float32).mul_(factor).mul_(scale_inv).to(dtype)
-
-
 class FP8Operand:
     """One GEMM operand: a float8 ``data`` payload standing for ``data * scale_inv``.
 
@@ -121,7 +84,7 @@ class FP8Operand:
     __slots__ = ("_base", "scale_inv", "_transposed", "_cache", "finite")
 
     def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, finite: bool | None = None):
-        if data.dtype not in _BIT_LAYOUT or data.dim() != 2:
+        if data.dtype not in FP8_DTYPES or data.dim() != 2:
             raise TypeError(f"an FP8Operand is a 2-D float8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
         self._base = data
         self.scale_inv = scale_inv
