@@ -1,12 +1,17 @@
-"""Training-step time of a GPT under BF16 autocast, fp8lm O1 / O2, and torchao float8, as JSON.
+"""GPT training step side by side: time, training-state bytes and activation bytes, as JSON.
 
-Every level runs the same model, batch and BF16 autocast; the baseline uses torch's fused AdamW
-(its fastest), fp8lm levels go through `fp8lm.initialize` (O2: FP8AdamW), torchao converts the
-same linear layers with `convert_to_float8_training` (eager, tensorwise scaling). Levels are
-timed in interleaved rounds so machine load affects them alike; the minimum over rounds of the
-mean step time is reported, with its ratio to BF16.
+For each model size and level (fp32, BF16 autocast, torchao float8, fp8lm O1 / O2), on the same
+model, batch and data:
+- ``step_ms``: time of forward + backward + optimizer step. Levels are timed in interleaved
+  rounds so machine load affects them alike; the minimum over rounds of the mean step time is
+  reported, and its ratio to BF16.
+- ``bytes_per_param``: `fp8lm.memory_report` of model and optimizer after a step, gradients alive.
+- ``act_bytes_per_token``: storage autograd saves for backward, per token.
+BF16, torchao and fp8lm levels run under BF16 autocast; the baseline optimizer is torch's fused
+AdamW (its fastest); fp8lm O2 uses FP8AdamW via `fp8lm.initialize`; torchao converts the same
+linear layers with `convert_to_float8_training` (tensorwise scaling), when installed.
 
-    python benchmarks/train_step.py [--levels bf16,O1,O2,torchao] [--n-layer 4 --n-embd 384]
+    python benchmarks/train_step.py [--sizes 4x128,4x384,8x512] [--levels fp32,bf16,torchao,O1,O2]
 """
 
 from __future__ import annotations
@@ -17,79 +22,124 @@ import time
 
 import torch
 
-from common import keep_freed_memory, machine
-
 import fp8lm
+from fp8lm.train.measure import saved_tensor_bytes
 from fp8lm.train.model import GPT, GPTConfig
 
-LEVELS = ("bf16", "O1", "O2", "torchao")
+from common import keep_freed_memory, machine
+
+LEVELS = ("fp32", "bf16", "torchao", "O1", "O2")
 
 
-def build(level: str, cfg: GPTConfig):
+def parse_size(text: str) -> tuple[int, int]:
+    """``LxD``: L layers of width D (heads of 64, at least 2)."""
+    layers, _, width = text.partition("x")
+    try:
+        return int(layers), int(width)
+    except ValueError:
+        raise SystemExit(f"--sizes: expected LAYERSxWIDTH[,...] such as 4x384, got {text!r}")
+
+
+def torchao_available() -> bool:
+    try:
+        from torchao.float8 import convert_to_float8_training  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def build(level: str, cfg: GPTConfig, device: str, compile_model: bool):
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     if level in ("O1", "O2"):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        return fp8lm.initialize(model, opt, level)
-    if level == "torchao":
-        from torchao.float8 import convert_to_float8_training
+        model, opt = fp8lm.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level)
+    else:
+        if level == "torchao":
+            from torchao.float8 import convert_to_float8_training
 
-        convert_to_float8_training(model, module_filter_fn=lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0)
-    fused = {"fused": True} if level in ("bf16", "torchao") else {}
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, **fused)
+            convert_to_float8_training(model, module_filter_fn=lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    forward = torch.compile(model) if compile_model else model
+    return model, forward, opt
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--levels", default=",".join(LEVELS))
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=384)
-    parser.add_argument("--n-head", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=2, help="steps per timed round")
-    args = parser.parse_args()
-    levels = args.levels.split(",")
-    unknown = sorted(set(levels) - set(LEVELS))
-    if unknown or "bf16" not in levels:
-        raise SystemExit(f"--levels: choose from {', '.join(LEVELS)}, bf16 included (the baseline); got {args.levels}")
-    heap_reuse = keep_freed_memory()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq)
+def measure_size(layers: int, width: int, levels: list[str], args) -> dict:
+    cfg = GPTConfig(n_layer=layers, n_embd=width, n_head=max(2, width // 64), block_size=args.seq)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(device)
-    y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(device)
-    runs = {}
-    for level in levels:
-        model, opt = build(level, cfg)
-        runs[level] = (model.to(device), opt)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(args.device)
+    y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(args.device)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    runs = {level: build(level, cfg, args.device, args.compile) for level in levels}
 
-    def step(model, opt):
-        with torch.autocast(device, dtype=torch.bfloat16):
-            _, loss = model(x, y)
-        loss.backward()
+    def loss_of(level, forward):
+        if level == "fp32":
+            return forward(x, y)[1]
+        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16):
+            return forward(x, y)[1]
+
+    def step(level, run, zero=True):
+        _, forward, opt = run
+        loss_of(level, forward).backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        if zero:
+            opt.zero_grad(set_to_none=True)
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for run in runs.values():
-        for _ in range(3):  # warm-up, compilation included
-            step(*run)
+    state, acts = {}, {}
+    for level, run in runs.items():
+        model, forward, opt = run
+        for _ in range(args.warmup):  # compilation included
+            step(level, run)
+        step(level, run, zero=False)
+        state[level] = fp8lm.memory_report(model, opt)["bytes_per_param"]
+        opt.zero_grad(set_to_none=True)
+        acts[level] = saved_tensor_bytes(lambda: loss_of(level, forward), exclude=list(model.parameters())) / x.numel()
     times = {level: [] for level in levels}
     for _ in range(args.rounds):
         for level, run in runs.items():
             sync()
             start = time.perf_counter()
             for _ in range(args.steps):
-                step(*run)
+                step(level, run)
             sync()
             times[level].append((time.perf_counter() - start) / args.steps)
     best = {level: min(t) * 1e3 for level, t in times.items()}
+    return {
+        "size": f"{layers}x{width}",
+        "num_params": sum(p.numel() for p in runs[levels[0]][0].parameters()),
+        "model": cfg.to_dict(),
+        "tokens_per_step": x.numel(),
+        "step_ms": best,
+        "ratio_to_bf16": {level: ms / best["bf16"] for level, ms in best.items()},
+        "bytes_per_param": state,
+        "act_bytes_per_token": acts,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4x128,4x384,8x512", help="LAYERSxWIDTH list (default: three CPU sizes)")
+    parser.add_argument("--levels", default=",".join(LEVELS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="steps per timed round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each model (all levels)")
+    args = parser.parse_args()
+    levels = args.levels.split(",")
+    unknown = sorted(set(levels) - set(LEVELS))
+    if unknown or "bf16" not in levels:
+        raise SystemExit(f"--levels: choose from {', '.join(LEVELS)}, bf16 included (the baseline); got {args.levels}")
+    skipped = []
+    if "torchao" in levels and not torchao_available():
+        levels.remove("torchao")
+        skipped.append("torchao (not installed)")
+    heap_reuse = keep_freed_memory()
+    sizes = [measure_size(*parse_size(s), levels, args) for s in args.sizes.split(",")]
     print(json.dumps({
-        "benchmark": "train_step", "machine": machine(), "device": device, "heap_reuse": heap_reuse,
-        "model": cfg.to_dict(), "tokens_per_step": args.batch * args.seq,
-        "step_ms": best, "ratio_to_bf16": {level: ms / best["bf16"] for level, ms in best.items()},
+        "benchmark": "train_step", "machine": machine(), "device": args.device, "heap_reuse": heap_reuse,
+        "compile": args.compile, "levels": levels, "skipped": skipped, "sizes": sizes,
     }, indent=2))
 
 
