@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -218,6 +219,7 @@ def train(cfg: TrainConfig) -> dict:
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 record["val_loss"] = _evaluate(model, val_set, autocast, device)
                 bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}")
+                sys.stdout.flush()  # seen at once also when piped to a file
             metrics.write(record)
             if timed_steps:
                 bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{timed_steps * tokens_per_step / train_time:,.0f}",
