@@ -8,9 +8,9 @@ Layout per parameter (FP8-LM level 2, 6 bytes/param with an FP8 gradient):
   precision and would cost memory). Otherwise (e.g. a BF16 parameter with an FP16 master, or an FP8
   weight) the optimizer keeps ``state["master"]`` and writes the result back to the parameter.
 - ``exp_avg``: ``exp_avg_dtype`` payload (E4M3 by default) with a power-of-two scale.
-- ``exp_avg_sq``: ``exp_avg_sq_dtype`` payload (FP16 by default) with a power-of-two scale. In an
-  FP8 format it stores ``sqrt(v)`` instead of ``v``: the square root halves v's dynamic range in
-  log terms, so sqrt(v) in E4M3 spans the same range of gradient magnitudes as the E4M3 first moment.
+- ``exp_avg_sq``: ``exp_avg_sq_dtype`` payload (FP16 by default; E4M3 or E5M2 for about 5 bytes per
+  parameter) with a power-of-two scale. Where a stored ``v`` underflows to 0, ``m`` is zeroed too
+  (see `_write_pass`); docs/optimizer.md compares this with storing ``sqrt(v)``, which measured worse.
 
 All state is plain tensors (payload ``state[k]``, float32 ``state[k + "_scale"]``), so the optimizer's
 ``state_dict()`` loads with ``torch.load(weights_only=True)``.
@@ -66,30 +66,27 @@ def adam_update(w, g, m, v, lr, beta1, beta2, eps, decay, l2, bias_correction1, 
     return w, m, v
 
 
-def _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, v_sqrt: bool):
-    """Dequantize one tensor's state and apply `adam_update`; ``v`` comes back in its stored form."""
+def _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp):
+    """Dequantize one tensor's state and apply `adam_update`."""
     # Multiplying by 1/scale is exact (a power of two) and much cheaper than dividing.
-    v_old = v.float() * (1 / v_scale)
-    if v_sqrt:
-        v_old = v_old * v_old
-    w_new, m_new, v_new = adam_update(
-        w.float() * (1 / w_scale), g.float() * (1 / g_scale), m.float() * (1 / m_scale), v_old, *hp.unbind()
+    return adam_update(
+        w.float() * (1 / w_scale), g.float() * (1 / g_scale), m.float() * (1 / m_scale), v.float() * (1 / v_scale),
+        *hp.unbind(),
     )
-    return w_new, m_new, (v_new.sqrt() if v_sqrt else v_new)
 
 
-def _amaxes_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, v_sqrt: bool):
-    """Pass 1: the amaxes of the new weight, first and (stored) second moment, as a (3,) tensor.
+def _amaxes_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp):
+    """Pass 1: the amaxes of the new weight, first and second moment, as a (3,) tensor.
 
     A non-finite input makes the corresponding amax non-finite (max reductions propagate NaN).
     """
-    w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, v_sqrt)
+    w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp)
     return torch.stack([w_new.abs().amax(), m_new.abs().amax(), v_new.abs().amax()])
 
 
-def _write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, scales, fmts, v_sqrt: bool):
+def _write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, scales, fmts):
     """Pass 2: recompute the new values and store them in place, requantized with ``scales``."""
-    w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, v_sqrt)
+    w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp)
     w_fmt, m_fmt, v_fmt = fmts
     v_q = saturating_cast(v_new, scales[2], v_fmt)
     # An element whose second moment underflowed to 0 loses its first moment too: otherwise the next
@@ -129,8 +126,8 @@ class AdamSlot:
 
     ``w`` is the master weight; ``w_scaled`` False means a plain tensor whose scale stays 1.
     ``g_scale`` is 1 for a plain gradient. ``hp`` holds `adam_update`'s hyper-parameters in its
-    argument order (a tensor, so that a changing lr or step never recompiles). ``v_sqrt``: the
-    second moment is stored as ``sqrt(v)``. Scales are updated in place.
+    argument order (a tensor, so that a changing lr or step never recompiles). Scales are updated
+    in place.
     """
 
     w: torch.Tensor
@@ -143,7 +140,6 @@ class AdamSlot:
     v: torch.Tensor
     v_scale: torch.Tensor
     hp: torch.Tensor
-    v_sqrt: bool
 
     def pass_args(self) -> tuple:
         return (self.w, self.w_scale, self.g, self.g_scale, self.m, self.m_scale, self.v, self.v_scale, self.hp)
@@ -185,11 +181,11 @@ def _run(fn: Callable, s: AdamSlot, compiled: bool, *extra):
     w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp = s.pass_args()
     n = w.numel()
     if compiled and _compile_works or n <= _EAGER_CHUNK:
-        return _call(fn, compiled, w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, *extra, v_sqrt=s.v_sqrt)
+        return _call(fn, compiled, w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, *extra)
     outs = []
     for a in range(0, n, _EAGER_CHUNK):
         b = a + _EAGER_CHUNK
-        outs.append(fn(w[a:b], w_scale, g[a:b], g_scale, m[a:b], m_scale, v[a:b], v_scale, hp, *extra, v_sqrt=s.v_sqrt))
+        outs.append(fn(w[a:b], w_scale, g[a:b], g_scale, m[a:b], m_scale, v[a:b], v_scale, hp, *extra))
     return None if outs[0] is None else torch.stack(outs).amax(dim=0)
 
 
@@ -300,7 +296,7 @@ class _FP8AdamBase(torch.optim.Optimizer):
             g=g.reshape(-1), g_scale=g_scale,
             m=state["exp_avg"].view(-1), m_scale=state["exp_avg_scale"],
             v=state["exp_avg_sq"].view(-1), v_scale=state["exp_avg_sq_scale"],
-            hp=hps[key], v_sqrt=format_of(group["exp_avg_sq_dtype"]).is_fp8,
+            hp=hps[key],
         )
 
     @torch.no_grad()
