@@ -355,7 +355,8 @@ def fp8_all_gather(shard: torch.Tensor, group=None, fmt: Format | str = E4M3) ->
     fmt = format_of(fmt)
     size = torch.tensor([shard.numel()], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)  # a shape check, not data: not accounted
+    accounting.record("all_gather", size.element_size() * world, world)
+    dist.all_gather(sizes, size, group=group)
     if len({int(s) for s in sizes}) != 1:
         raise ValueError(f"fp8_all_gather needs equal shard sizes on every rank, got {[int(s) for s in sizes]}")
     if isinstance(shard, ScalingTensor) and shard.payload.dtype == fmt.dtype:

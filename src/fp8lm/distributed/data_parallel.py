@@ -45,8 +45,7 @@ def broadcast_module(module: nn.Module, group=None, src: int = 0) -> None:
 
 
 class _Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter]):
-        self.index = index
+    def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.ready: set[int] = set()
         self.reduction: FP8Reduction | None = None
@@ -98,11 +97,11 @@ class FP8DataParallel(nn.Module):
         current: list[nn.Parameter] = []
         for p in reversed(params):
             if current and sum(q.numel() for q in current) + p.numel() > cap:
-                self._buckets.append(_Bucket(len(self._buckets), current))
+                self._buckets.append(_Bucket(current))
                 current = []
             current.append(p)
         if current:
-            self._buckets.append(_Bucket(len(self._buckets), current))
+            self._buckets.append(_Bucket(current))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         if scaling == "shared":
             for b in self._buckets:
