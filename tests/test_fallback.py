@@ -27,16 +27,21 @@ def test_layer_with_underflowing_gradients_moves_to_bf16_and_back():
     events = _run(model, telemetry, fallback, 3, wide)
     assert [(e["layer"], e["to"]) for e in events] == [("2", "bf16")]
     assert events[0]["step"] == 1 and "output-gradient underflow" in events[0]["reason"]
-    assert not telemetry.layers["2"].fp8_enabled and telemetry.layers["0"].fp8_enabled
+    assert telemetry.layers["2"].high_precision and not telemetry.layers["0"].high_precision
 
-    # The switched layer's GEMMs now run in high precision: its output is the exact F.linear.
+    # The switched layer runs in high precision: its output is the exact F.linear, and its weight
+    # gradient keeps the small channels that FP8 flushed to zero.
     hidden = torch.randn(16, 64)
     exact = torch.nn.functional.linear(hidden, model[2].weight.dequantize(), model[2].bias)
     assert torch.equal(model[2](hidden), exact)
+    (model(torch.randn(16, 32)) * wide).sum().backward()
+    grad = model[2].weight.grad
+    assert type(grad) is torch.Tensor and grad[0].abs().min() > 0
+    model.zero_grad()
 
     events = _run(model, telemetry, fallback, 2, torch.ones(32))  # gradients back in range
     assert [(e["layer"], e["to"]) for e in events] == [("2", "fp8")]
-    assert telemetry.layers["2"].fp8_enabled
+    assert not telemetry.layers["2"].high_precision
     assert [e["to"] for e in fallback.events] == ["bf16", "fp8"]
 
     state = fallback.state_dict()
@@ -44,7 +49,7 @@ def test_layer_with_underflowing_gradients_moves_to_bf16_and_back():
     other.load_state_dict(state)
     assert other.events == fallback.events
     with pytest.raises(ValueError, match="layers this model does not have"):
-        other.load_state_dict({"fp8_enabled": {"nope": False}, "events": []})
+        other.load_state_dict({"high_precision": {"nope": False}, "events": []})
 
 
 @pytest.mark.parametrize(

@@ -26,14 +26,18 @@ _TORCH_ADAM_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentia
 
 class QuantizeGrad:
     """Post-accumulate-grad hook: store the parameter's gradient in ``fmt`` (a module-level class,
-    so models with the hook still pickle)."""
+    so models with the hook still pickle). For an FP8Linear's weight, not while the layer has
+    fallen back to high precision."""
 
-    def __init__(self, fmt: Format):
+    def __init__(self, fmt: Format, layer: FP8Linear | None = None):
         self.fmt = fmt
+        self.layer = layer
 
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is None or (isinstance(grad, ScalingTensor) and grad.payload.dtype == self.fmt.dtype):
+            return
+        if self.layer is not None and self.layer.high_precision:
             return
         stored = quantize(grad.detach(), self.fmt)
         param.grad = ScalingTensor(stored.payload, stored.scale, param.dtype)
@@ -122,10 +126,11 @@ def initialize(
     # -- apply ----------------------------------------------------------------------------------
     replace_modules(model, new_layers)
     replace_parameters(model, other_map)
+    owner = {id(layer.weight): layer for layer in new_layers.values()}
     for param in {id(p): p for p in param_map.values()}.values():
         prec = precisions[id(param)]
         if prec.scaled_grad and param.requires_grad:
-            param.register_post_accumulate_grad_hook(QuantizeGrad(prec.grad))
+            param.register_post_accumulate_grad_hook(QuantizeGrad(prec.grad, owner.get(id(param))))
     model._fp8lm_opt_level = opt_level
     model._fp8lm_policy = policy
     if optimizer is None:

@@ -1,8 +1,10 @@
 """Automatic precision fallback: move a layer's GEMMs to high precision, and back, by telemetry.
 
 A layer whose FP8 casts lose too much (a fraction of its output gradient underflowing to zero, or
-of its input saturating, above a threshold) for ``patience`` consecutive telemetry samples runs its
-GEMMs in BF16 (``FP8Linear.fp8_enabled = False``); once the same statistics, measured as FP8 would
+of its input saturating, above a threshold) for ``patience`` consecutive telemetry samples runs in
+high precision (``FP8Linear.high_precision = True``: GEMMs in BF16 under autocast, and the weight
+gradient kept in the weight's dtype, since a per-tensor FP8 gradient would lose the same small
+values again); once the same statistics, measured as FP8 would
 cast them, stay below ``recover_below`` times the threshold for ``patience`` samples, it returns
 to FP8. Every switch is returned as an event for the training log. Off unless constructed.
 """
@@ -65,11 +67,11 @@ class PrecisionFallback:
             step = next(r["step"] for r in records if r["layer"] == name)
             self._over[name] = self._over[name] + 1 if ratio > 1 else 0
             self._under[name] = self._under[name] + 1 if ratio < self.policy.recover_below else 0
-            if layer.fp8_enabled and self._over[name] >= self.policy.patience:
-                layer.fp8_enabled = False
+            if not layer.high_precision and self._over[name] >= self.policy.patience:
+                layer.high_precision = True
                 events.append({"step": step, "layer": name, "to": "bf16", "reason": f"{what} over threshold"})
-            elif not layer.fp8_enabled and self._under[name] >= self.policy.patience:
-                layer.fp8_enabled = True
+            elif layer.high_precision and self._under[name] >= self.policy.patience:
+                layer.high_precision = False
                 events.append({"step": step, "layer": name, "to": "fp8", "reason": f"{what} back under threshold"})
             if events and events[-1]["layer"] == name:
                 self._over[name] = self._under[name] = 0
@@ -77,12 +79,12 @@ class PrecisionFallback:
         return events
 
     def state_dict(self) -> dict:
-        return {"fp8_enabled": {n: m.fp8_enabled for n, m in self.layers.items()}, "events": list(self.events)}
+        return {"high_precision": {n: m.high_precision for n, m in self.layers.items()}, "events": list(self.events)}
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = set(state["fp8_enabled"]) - set(self.layers)
+        unknown = set(state["high_precision"]) - set(self.layers)
         if unknown:
             raise ValueError(f"fallback state names layers this model does not have: {sorted(unknown)}")
-        for name, enabled in state["fp8_enabled"].items():
-            self.layers[name].fp8_enabled = enabled
+        for name, on in state["high_precision"].items():
+            self.layers[name].high_precision = on
         self.events = list(state["events"])

@@ -161,7 +161,7 @@ def _scale_in_use(layer, meta, x: torch.Tensor, fmt: Format) -> torch.Tensor:
     otherwise, and for a layer running in high precision (what FP8 would do if switched back)."""
     from .scaling import compute_scale
 
-    if layer.fp8_enabled and meta.delayed and meta.step > 0:
+    if layer.fp8_enabled and not layer.high_precision and meta.delayed and meta.step > 0:
         return meta.scale
     return compute_scale(x.detach().abs().amax(), fmt)
 

@@ -12,7 +12,9 @@ The weight is an ``nn.Parameter`` wrapping a `ScalingTensor` with an FP16 payloa
 ordinary float values.
 
 Hook points: ``fp8_enabled = False`` runs the layer's GEMMs in high precision (BF16 under
-autocast); ``input_meta`` and ``grad_output_meta`` are the `ScalingMeta` states of the two
+autocast), as a precision policy sets it; ``high_precision = True`` (set and cleared by the
+automatic fallback, `fp8lm.fallback`) does the same and also keeps the weight gradient in the
+weight's dtype; ``input_meta`` and ``grad_output_meta`` are the `ScalingMeta` states of the two
 delayed-scaled tensor streams.
 """
 
@@ -163,6 +165,7 @@ class FP8Linear(nn.Module):
         self.scaling = scaling
         self.backend = backend
         self.fp8_enabled = True
+        self.high_precision = False
         # Checkpoints of a layer converted from a GPT-2 Conv1D keep Conv1D's (in, out) weight layout.
         self.transposed_checkpoint = False
         steps = history_len if scaling == "delayed" else 0
@@ -213,7 +216,7 @@ class FP8Linear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_enabled or x.numel() == 0:  # an empty batch has no amax to scale by
+        if not self.fp8_enabled or self.high_precision or x.numel() == 0:  # an empty batch has no amax to scale by
             return F.linear(x, self.weight, self.bias)
         return _FP8LinearFunction.apply(x, self.weight, self.bias, self)
 
@@ -236,7 +239,7 @@ class FP8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"weight={self.weight_format.name}, weight_grad={self.weight_grad_format.name}, "
-            f"scaling={self.scaling}, fp8_enabled={self.fp8_enabled}"
+            f"scaling={self.scaling}, fp8_enabled={self.fp8_enabled}, high_precision={self.high_precision}"
         )
 
 
