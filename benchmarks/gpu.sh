@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every GPU figure in one run, sized for <= 8 minutes on one H200, using only what a CUDA image
+# with torch and triton has (no installs): FP8 vs BF16 GEMM TFLOP/s, quantize throughput, and the
+# training step of a ~1B-parameter GPT (24 layers x 2048 wide, 8 x 1024 tokens) under
+# torch.compile for BF16 autocast and fp8lm O1 / O2, with state and activation bytes.
+#
+#   bash benchmarks/gpu.sh [OUT_DIR]          # JSON files in OUT_DIR (default benchmarks/results/gpu)
+#   FP8LM_GPU_SMOKE=1 bash benchmarks/gpu.sh  # the same scripts at toy sizes on CPU, to check them
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${1:-$here/results/gpu}
+mkdir -p "$out"
+export PYTHONPATH="$here/../src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+cd "$here"
+
+if [ "${FP8LM_GPU_SMOKE:-0}" = 1 ]; then
+  gemm=(--device cpu --shapes 256x128x256 --reps 2)
+  quant=(--device cpu --mb 16 --reps 2)
+  train=(--device cpu --sizes 2x128 --levels bf16,O1,O2 --batch 2 --seq 64 --rounds 1 --steps 1 --warmup 1)
+  opt=(--device cpu --numel 1000000 --reps 2)
+else
+  gemm=()
+  quant=(--mb 1024)
+  train=(--sizes 24x2048 --levels bf16,O1,O2 --batch 8 --seq 1024 --compile --rounds 3 --steps 3 --warmup 2)
+  opt=(--numel 100000000)
+fi
+
+status=0
+run() {  # name, time limit (s), script and arguments: JSON to $out/name.json, log beside it
+  local name=$1 limit=$2; shift 2
+  echo "== $name" >&2
+  if timeout "$limit" "$py" "$@" >"$out/$name.json" 2>"$out/$name.log"; then
+    echo "   ok" >&2
+  else
+    echo "   FAILED (exit $?), see $out/$name.log" >&2; tail -5 "$out/$name.log" >&2; status=1
+  fi
+}
+run gemm 60 gemm.py "${gemm[@]}"
+run quantize 60 quantize.py "${quant[@]}"
+run optimizer_step 90 optimizer_step.py "${opt[@]}"
+run train_step_1b 270 train_step.py "${train[@]}"
+exit $status
