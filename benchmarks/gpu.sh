@@ -18,12 +18,12 @@ if [ "${FP8LM_GPU_SMOKE:-0}" = 1 ]; then
   gemm=(--device cpu --shapes 256x128x256 --reps 2)
   quant=(--device cpu --mb 16 --reps 2)
   train=(--device cpu --sizes 2x128 --levels bf16,O1,O2 --batch 2 --seq 64 --rounds 1 --steps 1 --warmup 1)
-  opt=(--device cpu --numel 1000000 --reps 2)
+  opt=(--device cpu --layers 1 --width 64 --steps 2 --warmup 1 --skip-eager)
 else
   gemm=()
   quant=(--mb 1024)
   train=(--sizes 24x2048 --levels bf16,O1,O2 --batch 8 --seq 1024 --compile --rounds 3 --steps 3 --warmup 2)
-  opt=(--numel 100000000)
+  opt=(--layers 24 --width 2048 --steps 10 --skip-eager)
 fi
 
 status=0

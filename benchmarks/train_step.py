@@ -84,16 +84,23 @@ def measure_size(layers: int, width: int, levels: list[str], args) -> dict:
         if zero:
             opt.zero_grad(set_to_none=True)
 
-    state, acts = {}, {}
-    for level, run in runs.items():
+    state, acts, errors = {}, {}, {}
+    for level, run in list(runs.items()):
         model, forward, opt = run
-        for _ in range(args.warmup):  # compilation included
-            step(level, run)
+        try:
+            for _ in range(args.warmup):  # compilation included
+                step(level, run)
+        except Exception as err:  # report a level that fails here (e.g. under torch.compile) and go on
+            errors[level] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            del runs[level]
+            continue
         step(level, run, zero=False)
         state[level] = fp8lm.memory_report(model, opt)["bytes_per_param"]
         opt.zero_grad(set_to_none=True)
         acts[level] = saved_tensor_bytes(lambda: loss_of(level, forward), exclude=list(model.parameters())) / x.numel()
-    times = {level: [] for level in levels}
+    if "bf16" not in runs:
+        raise SystemExit(f"the bf16 baseline failed: {errors['bf16']}")
+    times = {level: [] for level in runs}
     for _ in range(args.rounds):
         for level, run in runs.items():
             sync()
@@ -112,6 +119,7 @@ def measure_size(layers: int, width: int, levels: list[str], args) -> dict:
         "ratio_to_bf16": {level: ms / best["bf16"] for level, ms in best.items()},
         "bytes_per_param": state,
         "act_bytes_per_token": acts,
+        "errors": errors,
     }
 
 
