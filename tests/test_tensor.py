@@ -232,3 +232,21 @@ def test_cast_with_amax_matches_separate_passes(numel):
     payload, got_amax = cast.saturating_cast_with_amax(x, scale, fp8lm.E4M3)
     assert torch.equal(payload.view(torch.uint8), cast._eager_cast(x, scale, 448.0, torch.float8_e4m3fn).view(torch.uint8))
     assert got_amax.item() == x.float().abs().max().item()
+
+
+def test_fused_casts_never_recompile_across_dtypes_and_autocast():
+    """Each (dtype, format, autocast) combination compiles once into its own cache: none of them
+    may trigger a recompile (which would hit torch.compile's limit and drop to eager code)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from fp8lm.ops import cast
+
+    x = torch.randn(cast.FUSED_MIN_NUMEL)
+    for enabled in (False, True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            for fmt in (fp8lm.E4M3, fp8lm.E5M2):
+                for dtype in (torch.float32, torch.bfloat16):
+                    cast.saturating_cast(x.to(dtype), torch.tensor(2.0), fmt)
+    assert cast._fused_enabled and len(cast._compiled) >= 8
+    for compiled in cast._compiled.values():
+        assert len(_debug_get_cache_entry_list(compiled._torchdynamo_orig_callable.__code__)) == 1

@@ -9,6 +9,7 @@ where compilation is unavailable (no C++ compiler, say) fp8lm warns once and use
 from __future__ import annotations
 
 import os
+import types
 import warnings
 
 import torch
@@ -50,11 +51,14 @@ _compiled: dict = {}
 
 
 def _fused(expression, x: torch.Tensor, dtype: torch.dtype):
-    """One compiled kernel per expression and (device, input dtype, output dtype): separate code
-    caches, so the many combinations never run into torch.compile's recompile limit."""
-    key = (expression, x.device.type, x.dtype, dtype)
+    """One compiled kernel per expression, device, input and output dtype, and autocast state (a
+    global that compiled code is guarded on): separate code caches, so the many combinations never
+    run into torch.compile's recompile limit."""
+    key = (expression, x.device.type, x.dtype, dtype, torch.is_autocast_enabled(x.device.type))
     if key not in _compiled:
-        _compiled[key] = torch.compile(lambda *args: expression(*args), dynamic=True)
+        # torch.compile keeps its cache on the code object: give each key a code object of its own.
+        code = expression.__code__.replace(co_name=f"{expression.__name__}_{len(_compiled)}")
+        _compiled[key] = torch.compile(types.FunctionType(code, expression.__globals__), dynamic=True)
     return _compiled[key]
 
 
