@@ -331,3 +331,26 @@ def test_empty_parameter_is_left_alone():
     empty.grad, full.grad = torch.zeros(0, 4), torch.ones(4)
     opt.step()
     assert empty not in opt.state and opt.state[full]["step"] == 1
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("fmt", [fp8lm.FP16, fp8lm.E4M3, fp8lm.E5M2])
+def test_first_moment_is_dropped_exactly_where_stored_second_moment_is_zero(compiled, fmt):
+    """The underflow rule tests the unrounded v against half the smallest subnormal: it must agree
+    with the stored payload being 0, ties (which round to the even 0) included."""
+    tiny = fmt.min_subnormal
+    v_vals = torch.tensor([0.0, tiny / 4, tiny / 2, tiny * 0.5000001, tiny * 0.75, tiny, 2 * tiny, 1.0])
+    n = v_vals.numel()
+    one = lambda: torch.ones(())  # noqa: E731
+    # beta2 = 0 and the gradient sqrt(v) make the new v exactly v_vals; scale 1 keeps it unscaled.
+    hp = torch.tensor([1e-3, 0.9, 0.0, 1e-8, 1.0, 0.0, 0.1, 1.0])
+    slot = AdamSlot(
+        torch.zeros(n, dtype=torch.float16), one(), False, v_vals.sqrt(), one(),
+        torch.full((n,), 100.0).to(torch.float8_e4m3fn), one(), torch.zeros(n, dtype=fmt.dtype), one(), hp,
+    )
+    from fp8lm.optim.adam import _call, _write_pass
+
+    _call(_write_pass, compiled, *slot.pass_args(), torch.ones(3), slot.formats())
+    stored_zero = slot.v.float() == 0
+    assert stored_zero.tolist() == [True, True, True, False, False, False, False, False]
+    assert torch.equal(slot.m.float() == 0, stored_zero)

@@ -88,22 +88,30 @@ def _write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, scales, fmts
     """Pass 2: recompute the new values and store them in place, requantized with ``scales``."""
     w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp)
     w_fmt, m_fmt, v_fmt = fmts
-    v_q = saturating_cast(v_new, scales[2], v_fmt)
-    # An element whose second moment underflowed to 0 loses its first moment too: otherwise the next
-    # step would divide a surviving m by eps alone and take a step far larger than lr.
-    m_new = torch.where(v_q.float() == 0, 0.0, m_new)
+    # An element whose second moment underflows to 0 loses its first moment too: otherwise the next
+    # step would divide a surviving m by eps alone and take a step far larger than lr. v >= 0 rounds
+    # to 0 exactly when v * scale <= half the smallest subnormal (a tie rounds to the even 0); the
+    # comparison needs no round trip through the storage format.
+    m_new = torch.where(v_new * scales[2] <= v_fmt.min_subnormal / 2, 0.0, m_new)
     w.copy_(saturating_cast(w_new, scales[0], w_fmt))
     m.copy_(saturating_cast(m_new, scales[1], m_fmt))
-    v.copy_(v_q)
+    v.copy_(saturating_cast(v_new, scales[2], v_fmt))
 
 
 _compiled_passes: dict[Callable, Callable] = {}
 _compile_works = True
 
 
+# Inductor by default stores an intermediate to memory once it has many reads or ops (here pass 1's
+# new weight: an FP32 buffer the size of the tensor, reduced in a second loop). The passes are
+# elementwise, so keeping everything in registers is both faster and allocation-free.
+_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20,
+                     "realize_acc_reads_threshold": 1 << 20}
+
+
 def _compiled(fn: Callable) -> Callable:
     if fn not in _compiled_passes:
-        _compiled_passes[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        _compiled_passes[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS)
     return _compiled_passes[fn]
 
 
