@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from collections.abc import Callable
 
 from .train.checkpoint import CheckpointError
@@ -62,6 +64,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     r.add_argument("--init-from", metavar="CHECKPOINT", help="start from a checkpoint's weights (fine-tuning): a step_*.pt file or a run folder")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    n = p.add_argument_group("FP8 numerics")
+    n.add_argument("--telemetry-every", type=int, default=d.telemetry_every,
+                   help="record FP8 telemetry (amax, scale, underflow, saturation of every FP8 layer's tensors) to "
+                        "OUT/telemetry.jsonl every N steps; 0 = off (default: %(default)s)")
+    n.add_argument("--fallback", action="store_true",
+                   help="move a layer to BF16 while its telemetry shows too much underflow or saturation, and back "
+                        "(fp8lm.fallback; switches logged to metrics.jsonl)")
 
 
 def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
@@ -73,20 +82,23 @@ def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
         data=args.data, hf_dataset=args.hf_dataset, val_fraction=args.val_fraction, cache_dir=args.cache_dir,
         eval_every=args.eval_every, eval_batches=args.eval_batches, out=args.out, save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, init_from=args.init_from,
-        progress=not args.no_progress,
+        progress=not args.no_progress, telemetry_every=args.telemetry_every, fallback=args.fallback,
     )
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-level", default="bf16", choices=OPT_LEVELS,
                    help="fp32; bf16 (autocast + FP32 AdamW, the baseline); O1 (FP8 GEMMs, FP8 weight gradients, "
-                        "FP16 weights); O2 (O1 + FP8AdamW) (default: %(default)s)")
+                        "FP16 weights); O2 (O1 + FP8AdamW); O3 (O2 with FP8 weights; under torchrun, FP8 ZeRO) "
+                        "(default: %(default)s)")
     p.add_argument("--out", default="runs/train", help="output folder (default: %(default)s)")
     _add_run_options(p)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     summary = train(_config(args, args.opt_level))
+    if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     keys = ("opt_level", "steps", "tokens", "train_loss", "val_loss", "tokens_per_s", "bytes_per_param")
     print(json.dumps({k: summary[k] for k in keys}, indent=1))
     print(f"summary: {args.out}/summary.json")
@@ -102,6 +114,8 @@ def _add_compare(p: argparse.ArgumentParser) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     levels = parse_levels(args.levels)
     result = compare(_config(args, levels[0]), levels)
+    if result is None:  # a rank other than 0 under torchrun
+        return 0
     print(f"{result['steps']} steps, {result['tokens']:,} tokens per level, {result['num_params']:,} parameters, {result['device']}")
     print(result["table"])
     print(f"comparison: {args.out}/compare.json")
@@ -129,13 +143,52 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
     except USER_ERRORS as e:
-        print(f"fp8lm {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        print(f"fp8lm {args.command}: error: {_rank_prefix()}{e}", file=sys.stderr)
+        code = 2
     except KeyboardInterrupt:
         print(f"fp8lm {args.command}: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    except Exception as e:
+        if not _in_process_group():
+            raise
+        # Under torchrun one rank's failure (often another rank dying) is reported with its
+        # traceback, then one line saying which rank stopped and why.
+        traceback.print_exc()
+        first = (str(e).splitlines() or [""])[0]
+        print(f"fp8lm {args.command}: error: {_rank_prefix()}stopped: {type(e).__name__}: {first} "
+              "(if another rank died or hung, its log says why)", file=sys.stderr)
+        code = 1
+    if _in_process_group():
+        _leave_process_group(code)
+    return code
+
+
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_prefix() -> str:
+    import torch.distributed as dist
+
+    return f"rank {dist.get_rank()}: " if _in_process_group() and dist.get_world_size() > 1 else ""
+
+
+def _leave_process_group(code: int) -> None:
+    """End a torchrun worker with ``code`` (`fp8lm.distributed.shutdown`; never returns). If the
+    final barrier fails, a peer is gone: exit 1."""
+    from .distributed import shutdown
+
+    try:
+        shutdown(code)
+    except Exception as e:
+        print(f"fp8lm: error: {_rank_prefix()}leaving the process group failed: {type(e).__name__}: "
+              f"{(str(e).splitlines() or [''])[0]}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
 
-__all__ = ["atomic_write_bytes", "atomic_torch_save", "save_checkpoint", "list_checkpoints", "load_checkpoint", "CheckpointError"]
+__all__ = ["atomic_write_bytes", "atomic_torch_save", "save_checkpoint", "list_checkpoints", "load_checkpoint",
+           "shards_name", "CheckpointError"]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
+_SHARDS = re.compile(r"^step_(\d+)\.dcp$")
 
 
 class CheckpointError(ValueError):
@@ -60,8 +63,15 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def shards_name(step: int) -> str:
+    """The folder, next to ``step_<step>.pt``, of a sharded (FP8 ZeRO) checkpoint's optimizer state.
+    It is written first; the ``.pt`` file, written last, makes the checkpoint complete."""
+    return f"step_{step:08d}.dcp"
+
+
 def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: int) -> Path:
-    """Write ``state`` as ``directory/step_<step>.pt`` atomically, then delete all but the newest ``keep``."""
+    """Write ``state`` as ``directory/step_<step>.pt`` atomically, then delete all but the newest
+    ``keep`` (with their shard folders, and the shard folders of saves that never completed)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     d = Path(directory)
@@ -70,6 +80,11 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     atomic_torch_save(state, path)
     for old in list_checkpoints(d)[:-keep]:
         old.unlink()
+    kept = {p.name.replace(".pt", ".dcp") for p in list_checkpoints(d)}
+    for p in d.iterdir():
+        m = _SHARDS.match(p.name)
+        if m and p.name not in kept and int(m.group(1)) < step:
+            shutil.rmtree(p, ignore_errors=True)
     return path
 
 

@@ -7,8 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import atomic_write_bytes, list_checkpoints
-from .config import OPT_LEVELS, RunError, TrainConfig
+from .config import FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
 from .loop import check_output, train
+from .parallel import join
 from .report import format_table, plot_losses, read_metrics, rel_gap
 
 __all__ = ["compare", "parse_levels", "BASELINE"]
@@ -29,8 +30,8 @@ def parse_levels(spec: str) -> list[str]:
 
 def _level_config(cfg: TrainConfig, level: str, out: Path) -> TrainConfig:
     run = replace(cfg, opt_level=level, out=str(out / level), cache_dir=cfg.cache_dir or str(out / "cache"),
-                  # O2-only options (the second moment's format) go to the O2 run alone
-                  exp_avg_sq=cfg.exp_avg_sq if level == "O2" else None)
+                  # FP8-optimizer options (the second moment's format) go to the O2/O3 runs alone
+                  exp_avg_sq=cfg.exp_avg_sq if level in FP8_OPTIMIZER_LEVELS else None)
     if cfg.resume:  # a level that had not started yet when the comparison stopped starts now
         run.resume = bool(list_checkpoints(Path(run.out) / "checkpoints"))
     return run
@@ -45,19 +46,25 @@ def _finished(run: TrainConfig) -> dict | None:
     return summary if summary["steps"] == run.steps else None
 
 
-def compare(cfg: TrainConfig, levels: list[str]) -> dict:
+def compare(cfg: TrainConfig, levels: list[str]) -> dict | None:
     """Train ``cfg`` once per level into ``<out>/<level>/`` (sharing one token cache), then write
     ``<out>/compare.json`` and ``<out>/loss.png``. Returns the comparison (with ``table`` and
     ``plot`` entries). With ``cfg.resume``, an interrupted comparison continues: finished levels
-    are kept, interrupted ones resume from their checkpoints, the others start."""
+    are kept, interrupted ones resume from their checkpoints, the others start. Under ``torchrun``
+    every level trains data-parallel; rank 0 writes and returns the comparison, the others None."""
+    ranks = join()
     out = Path(cfg.out)
     runs = {level: _level_config(cfg, level, out) for level in levels}
-    for run in runs.values():  # all levels checked before the first one trains
+    finished = {level: _finished(run) for level, run in runs.items()}  # decided once, alike on every rank
+    for level, run in runs.items():  # all levels checked before the first one trains
         run.validate()
-        if _finished(run) is None:
+        if finished[level] is None:
             check_output(run)
-    (out / "compare.json").unlink(missing_ok=True)
-    summaries = {level: _finished(run) or train(run) for level, run in runs.items()}
+    if ranks.main:
+        (out / "compare.json").unlink(missing_ok=True)
+    summaries = {level: finished[level] or train(run) for level, run in runs.items()}
+    if not ranks.main:
+        return None
 
     base = summaries.get(BASELINE)
     rows = {}

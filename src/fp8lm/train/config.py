@@ -3,9 +3,12 @@
 Levels (`OPT_LEVELS`, the one list the CLI offers):
 - ``fp32``: no autocast, ``torch.optim.AdamW``;
 - ``bf16``: ``torch.autocast(bfloat16)`` and FP32 AdamW, the baseline;
-- ``O1`` / ``O2``: ``fp8lm.initialize`` on the same model and AdamW, also under bf16 autocast, so
-  that the only difference from the baseline is what FP8-LM changes (GEMMs, weight gradients,
-  weights and, at O2, the optimizer); FP8-LM too runs the non-GEMM ops in BF16.
+- ``O1`` / ``O2`` / ``O3``: ``fp8lm.distributed.wrap`` (``fp8lm.initialize``, and the FP8 data
+  parallelism of the level under ``torchrun``) on the same model and AdamW, also under bf16
+  autocast, so that the only difference from the baseline is what FP8-LM changes (GEMMs, weight
+  gradients, weights and, from O2, the optimizer); FP8-LM too runs the non-GEMM ops in BF16. O3
+  stores weights in FP8 with FP16 masters; across ranks it shards masters and moments (FP8 ZeRO),
+  in one process it is O2 with FP8 weights.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import torch
 
 from .model import GPTConfig, preset
 
-__all__ = ["OPT_LEVELS", "FP8_LEVELS", "SECOND_MOMENT_FORMATS", "TrainConfig", "RunError", "default_device"]
+__all__ = ["OPT_LEVELS", "FP8_LEVELS", "FP8_OPTIMIZER_LEVELS", "SECOND_MOMENT_FORMATS", "TrainConfig", "RunError", "default_device"]
 
-OPT_LEVELS = ("fp32", "bf16", "O1", "O2")
+OPT_LEVELS = ("fp32", "bf16", "O1", "O2", "O3")
 SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
-FP8_LEVELS = ("O1", "O2")
+FP8_LEVELS = ("O1", "O2", "O3")
+FP8_OPTIMIZER_LEVELS = ("O2", "O3")  # the levels that replace AdamW by fp8lm.optim.FP8AdamW
 
 
 class RunError(ValueError):
@@ -69,7 +73,10 @@ class TrainConfig:
     resume: bool = False
     init_from: str | None = None
     progress: bool = True
-    exp_avg_sq: str | None = None  # O2: format of Adam's second moment (default FP16; E4M3/E5M2 = FP8)
+    exp_avg_sq: str | None = None  # O2/O3: format of Adam's second moment (default FP16; E4M3/E5M2 = FP8)
+    # FP8 numerics
+    telemetry_every: int = 100  # record FP8 telemetry every N steps; 0 = off
+    fallback: bool = False  # move layers to BF16 (and back) by telemetry (fp8lm.fallback)
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
     def model_config(self) -> GPTConfig:
@@ -82,7 +89,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise RunError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "save_every"):
+        for name in ("warmup_steps", "save_every", "telemetry_every"):
             if (getattr(self, name) or 0) < 0:
                 raise RunError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip >= 0):
@@ -98,10 +105,13 @@ class TrainConfig:
         if self.amp_options and self.opt_level not in FP8_LEVELS:
             raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
         if self.exp_avg_sq is not None:
-            if self.opt_level != "O2":
-                raise RunError(f"--exp-avg-sq sets the FP8 optimizer's second moment, which only O2 has (this run is {self.opt_level})")
+            if self.opt_level not in FP8_OPTIMIZER_LEVELS:
+                raise RunError(f"--exp-avg-sq sets the FP8 optimizer's second moment, which only {'/'.join(FP8_OPTIMIZER_LEVELS)} have (this run is {self.opt_level})")
             if self.exp_avg_sq.upper() not in SECOND_MOMENT_FORMATS:
                 raise RunError(f"unknown --exp-avg-sq format {self.exp_avg_sq!r}: use one of {', '.join(SECOND_MOMENT_FORMATS)}")
+        if self.fallback and (self.opt_level not in FP8_LEVELS or self.telemetry_every == 0):
+            raise RunError(f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
+                           f"{self.opt_level}) and --telemetry-every >= 1 (got {self.telemetry_every})")
         try:
             self.model_config()
         except ValueError as e:  # a bad preset or sizes
