@@ -69,3 +69,16 @@ def test_scaling_meta_state_dict_round_trip_and_mismatch():
         ScalingMeta(fp8lm.E4M3, history_len=2).load_state_dict(meta.state_dict())
     with pytest.raises(ValueError, match="history_len must be >= 0"):
         ScalingMeta(fp8lm.E4M3, history_len=-1)
+
+
+@given(st.floats(min_value=2.0**-99, max_value=2.0**99, width=32), st.integers(0, 3),
+       st.sampled_from([fp8lm.E4M3, fp8lm.E5M2, fp8lm.FP16]))
+def test_cpu_scalar_path_matches_the_exact_definition(amax, margin, fmt):
+    """The scalar fast path gives the largest power of two with amax * scale <= max (before the
+    margin), like the tensor path, except where float32 log2 rounds at a power-of-two boundary."""
+    got = compute_scale(torch.tensor(amax), fmt, margin).item()
+    exp = math.log2(got) + margin
+    if -126 < exp - margin < 126:
+        assert amax * 2.0**exp <= fmt.max < amax * 2.0 ** (exp + 1)
+    tensor_path = compute_scale(torch.tensor([amax, 0.0]), fmt, margin)[0].item()  # elementwise path
+    assert got == tensor_path or abs(math.log2(got / tensor_path)) == 1

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import E4M3, E5M2, FP16, FP32, Format, format_of
-from ..ops.cast import amax, saturating_cast
+from ..ops.cast import amax, saturating_cast, saturating_cast_with_amax
 from ..ops.gemm import BACKENDS, FP8Operand, fp8_mm
 from ..scaling import ScalingMeta, compute_scale
 from ..tensor import ScalingTensor, quantize
@@ -49,6 +49,18 @@ def _propagate_nonfinite(out: torch.Tensor, amax_value: torch.Tensor, finite: bo
     if finite is True:
         return out
     return out.add_((amax_value - amax_value).to(out.dtype))  # 0, or NaN for an inf/NaN amax
+
+
+def _cast_stream(x: torch.Tensor, meta: ScalingMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cast a delayed- or current-scaled tensor stream: ``(payload, scale, amax)``. With a known
+    delayed scale, the cast and this tensor's amax come from one read of ``x``."""
+    if meta.scale_known_in_advance:
+        scale = meta.scale
+        data, x_amax = saturating_cast_with_amax(x, scale, meta.fmt)
+        meta.record(x_amax)
+        return data, scale, x_amax
+    scale = meta.scale_for(x)
+    return saturating_cast(x, scale, meta.fmt), scale, meta.amax_history[0].clone()
 
 
 def _quantize_weight(weight: torch.Tensor) -> tuple[FP8Operand, torch.Tensor]:
@@ -77,9 +89,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         else:
             out_dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        x_scale = layer.input_meta.scale_for(x2)
-        x_amax = layer.input_meta.amax_history[0].clone()
-        x_op = FP8Operand(saturating_cast(x2, x_scale, E4M3), x_scale.reciprocal(), _finite_hint(x_amax))
+        x_data, x_scale, x_amax = _cast_stream(x2, layer.input_meta)
+        x_op = FP8Operand(x_data, x_scale.reciprocal(), _finite_hint(x_amax))
         w_op, w_amax = _quantize_weight(weight)
         b = None if bias is None else bias.detach()
         with torch.autocast(device_type, enabled=False):
@@ -104,10 +115,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         layer: FP8Linear = ctx.layer
         x8, x_scale_inv, w8, w_scale_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_scale = layer.grad_output_meta.scale_for(g2)
-        g_amax = layer.grad_output_meta.amax_history[0].clone()
+        g_data, g_scale, g_amax = _cast_stream(g2, layer.grad_output_meta)
         g_finite = _finite_hint(g_amax)
-        g_op = FP8Operand(saturating_cast(g2, g_scale, E5M2), g_scale.reciprocal(), g_finite)
+        g_op = FP8Operand(g_data, g_scale.reciprocal(), g_finite)
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
