@@ -54,7 +54,9 @@ def _fused(expression, x: torch.Tensor, dtype: torch.dtype):
     """One compiled kernel per expression, device, input and output dtype, and autocast state (a
     global that compiled code is guarded on): separate code caches, so the many combinations never
     run into torch.compile's recompile limit."""
-    key = (expression, x.device.type, x.dtype, dtype, torch.is_autocast_enabled(x.device.type))
+    device = x.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    key = (expression, device, x.dtype, dtype, autocast)
     if key not in _compiled:
         # torch.compile keeps its cache on the code object: give each key a code object of its own.
         code = expression.__code__.replace(co_name=f"{expression.__name__}_{len(_compiled)}")
@@ -66,15 +68,25 @@ def _use_fused(x: torch.Tensor) -> bool:
     return _fused_enabled and x.numel() >= FUSED_MIN_NUMEL and not torch.compiler.is_compiling()
 
 
-def _fused_or_eager(expression, eager, *args):
+def _flat_alias(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 1-D tensor over the same memory that is not a view (compiled code guards on a
+    view's base, so views of differently shaped bases would each recompile)."""
+    x = x.detach().contiguous()
+    return torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), x.storage_offset(), (x.numel(),))
+
+
+def _fused_or_eager(expression, eager, x, *args):
     global _fused_enabled
-    if _use_fused(args[0]):
+    if _use_fused(x):
         try:
-            return _fused(expression, args[0], args[3])(*args)
+            # Elementwise: one 1-D graph for tensors of any rank; no autograd state to guard on.
+            with torch.no_grad():
+                out = _fused(expression, x, args[2])(_flat_alias(x), *args)
+            return (out[0].view(x.shape), out[1]) if isinstance(out, tuple) else out.view(x.shape)
         except Exception as err:  # compilation is an optimisation: any failure falls back to eager
             _fused_enabled = False
             warnings.warn(f"fp8lm: fused cast unavailable ({type(err).__name__}: {err}); using eager ops", stacklevel=3)
-    return eager(*args)
+    return eager(x, *args)
 
 
 def saturating_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
