@@ -39,7 +39,7 @@ from ..ops.cast import saturating_cast
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor
 
-__all__ = ["FP8Adam", "FP8AdamW", "adam_update", "AdamSlot", "fused_adam_step_"]
+__all__ = ["FP8Adam", "FP8AdamW", "adam_update", "adam_ratio_bound", "AdamSlot", "fused_adam_step_", "stored_amaxes"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,28 @@ def adam_update(w, g, m, v, lr, beta1, beta2, eps, decay, l2, bias_correction1, 
     return w, m, v
 
 
+def adam_ratio_bound(beta1: float, beta2: float, step: int) -> float:
+    """The largest ``|m_hat| / sqrt(v_hat)`` Adam reaches at ``step`` (1-based) for any gradients, in
+    exact arithmetic; ``inf`` where there is none (``beta2 = 0 < beta1``).
+
+    Cauchy-Schwarz on ``m_t = (1-b1) sum_k b1^k g_(t-k)`` against ``v_t = (1-b2) sum_k b2^k g_(t-k)^2``
+    gives ``m_t^2 <= (1-b1)^2 / (1-b2) * S_t * v_t`` with ``S_t = sum_(k<t) (b1^2/b2)^k``, reached by
+    gradients proportional to ``(b1/b2)^k``; bias correction multiplies the ratio by
+    ``sqrt(1 - b2^t) / (1 - b1^t)``. For the default betas it grows from 1 (step 1) to about 7.3.
+    """
+    if beta1 == 0.0:
+        series = 1.0
+    elif beta2 == 0.0:
+        series = 1.0 if step == 1 else math.inf
+    else:
+        r = beta1 * beta1 / beta2
+        try:
+            series = step if r == 1.0 else (1.0 - r**step) / (1.0 - r)
+        except OverflowError:
+            series = math.inf
+    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(series) * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+
 def _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp):
     """Dequantize one tensor's state and apply `adam_update`."""
     # Multiplying by 1/scale is exact (a power of two) and much cheaper than dividing.
@@ -76,16 +98,15 @@ def _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp):
 
 
 def _amaxes_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp):
-    """Pass 1: the amaxes of the new weight, first and second moment, as a (3,) tensor.
-
-    A non-finite input makes the corresponding amax non-finite (max reductions propagate NaN).
-    """
+    """The exact amaxes of the new weight, first and second moment, as a (3,) tensor (for an FP8
+    second moment, see `fused_adam_step_`). A non-finite input makes its amax non-finite."""
     w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp)
     return torch.stack([w_new.abs().amax(), m_new.abs().amax(), v_new.abs().amax()])
 
 
 def _write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, scales, fmts):
-    """Pass 2: recompute the new values and store them in place, requantized with ``scales``."""
+    """Compute the new values and store them in place, requantized with the new ``scales`` (weight,
+    m, v)."""
     w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp)
     w_fmt, m_fmt, v_fmt = fmts
     # An element whose second moment underflows to 0 loses its first moment too: otherwise the next
@@ -100,11 +121,8 @@ def _write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hp, scales, fmts
 
 _compiled_passes: dict[Callable, Callable] = {}
 _compile_works = True
-
-
-# Inductor by default stores an intermediate to memory once it has many reads or ops (here pass 1's
-# new weight: an FP32 buffer the size of the tensor, reduced in a second loop). The passes are
-# elementwise, so keeping everything in registers is both faster and allocation-free.
+# Inductor by default stores an intermediate to memory once it has many reads or ops (an FP32
+# buffer the size of the tensor). The pass is elementwise: everything stays in registers.
 _INDUCTOR_OPTIONS = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20,
                      "realize_acc_reads_threshold": 1 << 20}
 
@@ -134,8 +152,10 @@ class AdamSlot:
 
     ``w`` is the master weight; ``w_scaled`` False means a plain tensor whose scale stays 1.
     ``g_scale`` is 1 for a plain gradient. ``hp`` holds `adam_update`'s hyper-parameters in its
-    argument order (a tensor, so that a changing lr or step never recompiles). Scales are updated
-    in place.
+    argument order up to ``bias_correction2_sqrt`` (a tensor, so that a changing lr or step never
+    recompiles). ``max_ratio`` is the bound on ``|m / denom|`` that sets the new weight's scale (twice
+    `adam_ratio_bound` times ``bias_correction1``; inf for none beyond ``|m| / eps``); an element
+    beyond it saturates at the weight's range. Scales are updated in place.
     """
 
     w: torch.Tensor
@@ -148,6 +168,7 @@ class AdamSlot:
     v: torch.Tensor
     v_scale: torch.Tensor
     hp: torch.Tensor
+    max_ratio: float = math.inf
 
     def pass_args(self) -> tuple:
         return (self.w, self.w_scale, self.g, self.g_scale, self.m, self.m_scale, self.v, self.v_scale, self.hp)
@@ -156,17 +177,67 @@ class AdamSlot:
         return format_of(self.w.dtype), format_of(self.m.dtype), format_of(self.v.dtype)
 
 
-def fused_adam_step_(slots: list[AdamSlot], compiled: bool = True) -> bool:
-    """Update every slot in place, or nothing at all when any new value is non-finite.
+def stored_amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Exact ``abs().amax()`` of each (non-empty) float tensor, as float32; NaN or inf where one is held.
 
-    Returns True when the step was applied, False when it was skipped.
+    One vectorized reduction pass per tensor and no temporary. 2- and 4-byte floats: ``aminmax``.
+    FP8 (torch has no float reductions for it, and its conversions are scalar on CPU): the bits are
+    sign-magnitude, so the largest positive code is the max of the int8 view and the largest negative
+    one the max of the uint8 view (less 128).
+    """
+    out = torch.empty(len(tensors), dtype=torch.float32, device=tensors[0].device if tensors else "cpu")
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, rows in by_dtype.items():
+        if dtype.itemsize == 1:
+            positive = torch.stack([tensors[i].view(torch.int8).max() for i in rows]).to(torch.int16)
+            negative = torch.stack([tensors[i].view(torch.uint8).max() for i in rows]).to(torch.int16) - 128
+            codes = torch.maximum(positive, negative).clamp(min=0)
+            out[rows] = codes.to(torch.uint8).view(dtype).float()
+        else:
+            lo, hi = zip(*(torch.aminmax(tensors[i]) for i in rows))
+            out[rows] = torch.maximum(torch.stack(hi).float(), -torch.stack(lo).float())
+    return out
+
+
+_BOUND_SLACK = 1 + 2.0**-16  # covers FP32 rounding in the kernel, far below any format's resolution
+
+
+def fused_adam_step_(slots: list[AdamSlot], compiled: bool = True) -> bool:
+    """Update every slot in place in one pass per tensor, or nothing at all when any gradient or
+    bound is non-finite. Returns True when the step was applied, False when it was skipped.
+
+    The new scales come before the pass from a-priori bounds on the new amaxes, built from the exact
+    amaxes of the stored state and gradient (cheap integer reductions): ``|m'| <= b1 |m| + (1-b1) |g|``,
+    ``v' <= b2 v + (1-b2) g^2``, ``|w'| <= decay |w| + lr / bc1 * max_ratio`` (see docs/optimizer.md).
     """
     if not slots:
         return True
-    amaxes = torch.stack([_run(_amaxes_pass, s, compiled) for s in slots])  # (n, 3): w, m, v
-    if not bool(torch.isfinite(amaxes).all()):
+    n = len(slots)
+    stored = stored_amaxes([t for s in slots for t in (s.w, s.m, s.v, s.g)]).view(n, 4)
+    current = torch.stack([torch.stack([s.w_scale, s.m_scale, s.v_scale, s.g_scale]) for s in slots])
+    a_w, a_m, a_v, a_g = (stored / current).unbind(1)
+    lr, beta1, beta2, eps, decay, l2, bc1, _ = torch.stack([s.hp for s in slots]).unbind(1)
+    g_bound = a_g + l2 * a_w
+    m_bound = (beta1 * a_m + (1 - beta1) * g_bound) * _BOUND_SLACK
+    v_bound = (beta2 * a_v + (1 - beta2) * g_bound * g_bound) * _BOUND_SLACK
+    # An FP8 second moment has too little range to give up a binade of it: its tensors take an exact
+    # first pass for their new amaxes (measured: bounds cost accuracy there, docs/optimizer.md).
+    exact = [i for i, s in enumerate(slots) if s.v.element_size() == 1]
+    exact_amaxes = torch.stack([_run(_amaxes_pass, slots[i], compiled) for i in exact]) if exact else None
+    checked = [stored.view(-1), m_bound, v_bound] + ([exact_amaxes.view(-1)] if exact else [])
+    if not bool(torch.isfinite(torch.cat(checked)).all()):
         return False
-    previous = torch.stack([torch.stack([s.w_scale, s.m_scale, s.v_scale]) for s in slots])
+    # |m / denom| <= |m| / eps as well: a finite bound even without Adam's (beta2 = 0).
+    eps_ratio = torch.where(eps > 0, m_bound / eps, math.inf)
+    max_ratio = torch.minimum(torch.tensor([s.max_ratio for s in slots], device=eps.device), eps_ratio)
+    # A non-finite weight bound (none exists: beta2 = 0 and eps = 0) keeps the previous scale.
+    w_bound = (decay * a_w + lr / bc1 * max_ratio) * _BOUND_SLACK
+    bounds = torch.stack([w_bound, m_bound, v_bound], dim=1)
+    if exact:
+        bounds[exact] = exact_amaxes
+    previous = current[:, :3]
     scales = previous.clone()
     fmts = [s.formats() for s in slots]
     for col in range(3):
@@ -175,10 +246,10 @@ def fused_adam_step_(slots: list[AdamSlot], compiled: bool = True) -> bool:
             rows = [i for i, f in enumerate(fmts) if f[col] == fmt and (col or slots[i].w_scaled)]
             if rows:
                 idx = torch.tensor(rows)
-                scales[idx, col] = compute_scale(amaxes[idx, col], fmt, previous=previous[idx, col])
-    for s, scale, f in zip(slots, scales, fmts):
-        _run(_write_pass, s, compiled, scale, f)
-    # The write passes read the old scales; all of them change only now, in one multi-tensor copy.
+                scales[idx, col] = compute_scale(bounds[idx, col], fmt, previous=previous[idx, col])
+    for s, row, f in zip(slots, scales, fmts):
+        _run(_write_pass, s, compiled, row, f)
+    # The pass reads the old scales; all of them change only now, in one multi-tensor copy.
     old = [t for s in slots for t in (s.w_scale, s.m_scale, s.v_scale)]
     torch._foreach_copy_(old, list(scales.reshape(-1).unbind()))
     return True
@@ -295,16 +366,19 @@ class _FP8AdamBase(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             lr, wd = group["lr"], group["weight_decay"]
             decay, l2 = (1 - lr * wd, 0.0) if self.decoupled_weight_decay else (1.0, wd)
-            hps[key] = torch.tensor(
+            hp = torch.tensor(
                 [lr, beta1, beta2, group["eps"], decay, l2, 1 - beta1**step, math.sqrt(1 - beta2**step)],
                 dtype=torch.float32, device=dev,
             )
+            # Twice Adam's own bound: room for the rounding of the stored m and v; never reached in practice.
+            hps[key] = hp, 2 * (1 - beta1**step) * adam_ratio_bound(beta1, beta2, step)
+        hp, max_ratio = hps[key]
         return AdamSlot(
             w=w.view(-1), w_scale=w_scale, w_scaled=w_scaled,
             g=g.reshape(-1), g_scale=g_scale,
             m=state["exp_avg"].view(-1), m_scale=state["exp_avg_scale"],
             v=state["exp_avg_sq"].view(-1), v_scale=state["exp_avg_sq_scale"],
-            hp=hps[key],
+            hp=hp, max_ratio=max_ratio,
         )
 
     @torch.no_grad()
