@@ -100,6 +100,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     keys = ("opt_level", "steps", "tokens", "train_loss", "val_loss", "tokens_per_s", "bytes_per_param")
+    if summary["world_size"] > 1:
+        keys += ("world_size", "comm_bytes_per_step", "ddp_fp32_bytes_per_step", "ddp_bf16_bytes_per_step")
     print(json.dumps({k: summary[k] for k in keys}, indent=1))
     print(f"summary: {args.out}/summary.json")
     return 0

@@ -1,0 +1,165 @@
+"""`fp8lm train` and `fp8lm compare` on 2 gloo ranks: O2 (FP8DataParallel) and O3 (FP8 ZeRO) runs
+write their summaries with communication bytes; a rank killed mid-run stops the other with a
+clear error; resuming (by hand, and by `torchrun --max-restarts 1` after a real SIGKILL of a
+worker) continues from the last checkpoint and writes the uninterrupted run's metrics and
+telemetry byte for byte."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_launch import free_port
+
+EMAIL = str(Path(sysconfig.get_paths()["stdlib"]) / "email")  # real text, quick to scan
+STEPS = 16
+# One thread per rank: the same float sums in every process, so runs compare bit for bit. Eager
+# casts and optimizer steps (no torch.compile): each of these short-lived processes would spend
+# seconds compiling them; the compiled paths are tested in process (tests/test_train.py).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+TIMEOUT_S = 180
+
+
+def run_options(out: Path, cache: Path, *extra: str) -> list[str]:
+    return ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--steps", str(STEPS), "--eval-every", "8",
+            "--eval-batches", "2", "--save-every", "4", "--keep-checkpoints", "2", "--telemetry-every", "3",
+            "--data", EMAIL, "--cache-dir", str(cache), "--out", str(out), "--no-progress", *extra]
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+
+
+def check(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("dist_train")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(work):
+    """`fp8lm compare --levels O2,O3` on 2 ranks, uninterrupted: the reference runs."""
+    out = work / "whole"
+    args = ["-m", "fp8lm.cli", "compare", "--levels", "O2,O3", *run_options(out, work / "cache")]
+    log = check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    return out, log
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_two_rank_o2_and_o3_summaries_report_fp8_communication(uninterrupted):
+    out, log = uninterrupted
+    assert "comparison:" in log and log.count("level ") == 1  # rank 0 alone prints the table
+    for level in ("O2", "O3"):
+        s = read(out / level / "summary.json")
+        assert s["world_size"] == 2 and s["opt_level"] == level and s["steps"] == STEPS
+        n = s["num_params"]
+        assert s["ddp_fp32_bytes_per_step"] == 2 * (1 / 2) * 4 * n  # all-reduce: 2 (N-1)/N x size
+        assert s["ddp_bf16_bytes_per_step"] == 2 * (1 / 2) * 2 * n
+        records = [json.loads(line) for line in (out / level / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        assert s["comm_bytes_per_step"] == sum(r["comm_bytes"] for r in records) / STEPS
+        # FP8 payloads: about 1 byte per parameter and step at 2 ranks (O3 all-gathers its few
+        # FP32 vectors in FP32, a larger share of this tiny model than of real ones)
+        assert n <= s["comm_bytes_per_step"] <= (1.06 if level == "O2" else 1.35) * n
+        assert (out / level / "telemetry.jsonl").stat().st_size > 0
+    assert read(out / "compare.json")["levels"].keys() == {"O2", "O3"}
+    o3 = sorted((out / "O3" / "checkpoints").iterdir())
+    assert [p.name for p in o3] == ["step_00000012.dcp", "step_00000012.pt", "step_00000016.dcp", "step_00000016.pt"]
+
+
+def launch_ranks(args: list[str]) -> list[subprocess.Popen]:
+    """Two ranks with torchrun's environment but no torchrun agent (which would itself stop the
+    survivor of a killed rank): what the survivor does on its own is under test."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, "-m", "fp8lm.cli", *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def wait_for(path: Path, procs) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not path.exists():
+        assert all(p.poll() is None for p in procs), "a rank ended before the checkpoint was written"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def test_killed_rank_stops_the_other_with_a_clear_error_then_resume_matches(uninterrupted, work):
+    out = work / "killed"
+    procs = launch_ranks(["train", "--opt-level", "O2", *run_options(out, work / "cache")])
+    wait_for(out / "checkpoints" / "step_00000004.pt", procs)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    try:
+        log = procs[0].communicate(timeout=60)[0]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert time.monotonic() - killed_at < 60  # no hang
+    assert procs[0].returncode == 1, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("fp8lm train: error: rank 0: stopped: ") and "another rank" in last, last
+    assert not (out / "summary.json").exists()
+
+    procs = launch_ranks(["train", "--opt-level", "O2", *run_options(out, work / "cache", "--resume")])
+    logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    whole = uninterrupted[0] / "O2"
+    for name in ("metrics.jsonl", "telemetry.jsonl"):
+        assert (out / name).read_bytes() == (whole / name).read_bytes(), name
+    assert read(out / "summary.json")["val_loss"] == read(whole / "summary.json")["val_loss"]
+
+
+def worker_pid(agent: subprocess.Popen, rank: int) -> int | None:
+    """The pid of the torchrun worker of ``rank`` (a child of the agent process), if started."""
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children")
+    for pid in children.read_text().split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # already gone
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers through /proc")
+def test_max_restarts_with_resume_continues_from_the_last_checkpoint(uninterrupted, work):
+    out = work / "restarted"
+    args = ["--max-restarts", "1", "-m", "fp8lm.cli", "train", "--opt-level", "O3",
+            *run_options(out, work / "cache", "--resume")]  # the same command line for both attempts
+    agent = subprocess.Popen(torchrun(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(out / "checkpoints" / "step_00000004.pt", [agent])
+        pid = worker_pid(agent, 1)
+        assert pid is not None, "no worker of rank 1 under torchrun"
+        os.kill(pid, signal.SIGKILL)
+        log = agent.communicate(timeout=TIMEOUT_S)[0]
+    finally:
+        agent.kill()
+        agent.wait()
+    assert agent.returncode == 0, log[-4000:]
+    assert "failed (exitcode" in log  # torchrun saw the first attempt fail, and restarted it
+    assert not (out / "checkpoints" / "step_00000004.pt").exists()  # the resumed run saved on
+    whole = uninterrupted[0] / "O3"
+    for name in ("metrics.jsonl", "telemetry.jsonl"):
+        assert (out / name).read_bytes() == (whole / name).read_bytes(), name
+    assert read(out / "summary.json")["val_loss"] == read(whole / "summary.json")["val_loss"]
