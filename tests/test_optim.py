@@ -8,7 +8,7 @@ from torch import nn
 
 import fp8lm
 from fp8lm.optim import FP8Adam, FP8AdamW
-from fp8lm.optim.adam import AdamSlot, adam_update, fused_adam_step_
+from fp8lm.optim.adam import AdamSlot, adam_ratio_bound, adam_update, fused_adam_step_, stored_amaxes
 
 
 def _linear(seed=0, n=64):
@@ -64,6 +64,74 @@ def test_adam_update_matches_torch_in_float64(decoupled):
     torch.testing.assert_close(w, p.detach(), rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(m, ref.state[p]["exp_avg"], rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(v, ref.state[p]["exp_avg_sq"], rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.9, 0.95), (0.5, 0.2), (0.0, 0.99)])
+def test_adam_ratio_bound_holds_and_is_reached(betas):
+    """|m_hat| / sqrt(v_hat) never exceeds the bound (random gradients, float64) and the
+    Cauchy-Schwarz extremal gradients g_(t-k) ~ (b1/b2)^k reach it."""
+    b1, b2 = betas
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(40, 4096, generator=gen, dtype=torch.float64) * torch.exp(torch.randn(40, 4096, generator=gen))
+    m, v = torch.zeros(4096, dtype=torch.float64), torch.zeros(4096, dtype=torch.float64)
+    for t in range(1, 41):
+        m = b1 * m + (1 - b1) * g[t - 1]
+        v = b2 * v + (1 - b2) * g[t - 1] ** 2
+        ratio = (m / (1 - b1**t)).abs() / (v / (1 - b2**t)).sqrt()
+        assert ratio.max().item() <= adam_ratio_bound(b1, b2, t) * (1 + 1e-12)
+    for t in (1, 2, 7, 40):
+        m = v = 0.0
+        for k in reversed(range(t)):  # g_(t-k) = (b1/b2)^k, oldest first
+            gk = (b1 / b2) ** k
+            m, v = b1 * m + (1 - b1) * gk, b2 * v + (1 - b2) * gk * gk
+        reached = m / (1 - b1**t) / (v / (1 - b2**t)) ** 0.5
+        assert reached == pytest.approx(adam_ratio_bound(b1, b2, t), rel=1e-12)
+
+
+def test_adam_ratio_bound_edge_cases():
+    assert adam_ratio_bound(0.9, 0.0, 1) == pytest.approx(1.0)
+    assert adam_ratio_bound(0.9, 0.0, 2) == float("inf")  # no second-moment averaging: no bound
+    assert adam_ratio_bound(0.99, 0.5, 5000) == float("inf")  # (b1^2/b2)^t overflows
+    assert adam_ratio_bound(0.9, 0.999, 10**6) == pytest.approx(7.27, abs=0.01)
+
+
+def test_stored_amaxes_are_exact_for_every_storage_format():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=gen) * 3
+    cases = [x, -x.abs(), x.abs(), torch.zeros(5), x.half(), x.bfloat16(), x.to(torch.float8_e4m3fn),
+             (-x.abs()).to(torch.float8_e4m3fn), x.abs().to(torch.float8_e4m3fn), x.to(torch.float8_e5m2),
+             (-x.abs()).to(torch.float8_e5m2), torch.full((3,), 2.0**-9).to(torch.float8_e4m3fn)]
+    expected = torch.stack([t.float().abs().amax() for t in cases])
+    assert torch.equal(stored_amaxes(cases), expected)
+    nan = float("nan")
+    bad = [torch.tensor([1.0, nan]).to(torch.float8_e4m3fn), torch.tensor([1.0, -nan]).to(torch.float8_e4m3fn),
+           torch.tensor([-1.0, -float("inf")]).to(torch.float8_e5m2), torch.tensor([1.0, nan]).half(),
+           torch.tensor([-float("inf"), 1.0])]
+    got = stored_amaxes(bad)
+    assert got[:2].isnan().all() and got[2] == float("inf") and got[3].isnan() and got[4] == float("inf")
+
+
+@pytest.mark.parametrize("exp_avg_sq_dtype", [fp8lm.FP16, fp8lm.E4M3])
+def test_scales_from_bounds_never_overflow(exp_avg_sq_dtype):
+    """The new scales come before the pass (bounds; exact amaxes for an FP8 second moment): no stored
+    value may exceed its format and no scale may exceed the one of the exact amax, also when the
+    gradients' rows change size by up to 2^11 from step to step."""
+    torch.manual_seed(0)
+    w = nn.Parameter(fp8lm.quantize(torch.randn(256, 64) * 0.05, fp8lm.FP16))
+    opt = FP8AdamW([w], lr=1e-2, exp_avg_sq_dtype=exp_avg_sq_dtype)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        spread = torch.exp2(torch.randint(-6, 6, (256, 1), generator=gen).float())  # rows of varied size
+        w.grad = fp8lm.quantize(torch.randn(256, 64, generator=gen) * spread * 1e-2, fp8lm.E4M3)
+        opt.step()
+        state = opt.state[w]
+        for payload, scale, fmt in [(w.payload, w.scale, fp8lm.FP16),
+                                    (state["exp_avg"], state["exp_avg_scale"], fp8lm.E4M3),
+                                    (state["exp_avg_sq"], state["exp_avg_sq_scale"], exp_avg_sq_dtype)]:
+            amax = payload.float().abs().amax()
+            assert amax < fmt.max  # nothing saturated
+            exact = fp8lm.scaling.compute_scale(amax / scale, fmt)
+            assert scale <= exact
 
 
 # -- the optimizer against torch ------------------------------------------------------------------
