@@ -140,3 +140,41 @@ def test_fp8_second_moment_becomes_a_policy_override_of_initialize():
     cfg = TrainConfig(opt_level="O2", exp_avg_sq="e5m2", amp_options={"history_len": 4})
     assert cfg.initialize_options() == {"history_len": 4, "policy": {"*": {"exp_avg_sq": "E5M2"}}}
     assert TrainConfig(opt_level="O2").initialize_options() == {}
+
+
+def test_telemetry_every_n_steps_goes_to_telemetry_jsonl_and_the_metrics(tmp_path, cache):
+    s = train(cfg(tmp_path, cache, opt_level="O2", steps=5, telemetry_every=2))
+    out = tmp_path / "run"
+    records = read_metrics(out / "telemetry.jsonl")
+    assert sorted({r["step"] for r in records}) == [1, 3, 5]  # steps 1, 3, 5: sampled every 2 from the first
+    assert {r["kind"] for r in records} == {"input", "weight", "grad_output", "weight_grad", "exp_avg", "exp_avg_sq"}
+    metrics = read_metrics(out / "metrics.jsonl")
+    for m in metrics:
+        sampled = [r for r in records if r["step"] == m["step"]]
+        if sampled:
+            assert m["telemetry_underflow"] == max(r["underflow"] for r in sampled)
+            assert m["telemetry_saturation"] == max(r["saturation"] for r in sampled)
+        else:
+            assert "telemetry_underflow" not in m
+    assert s["fallback_events"] == [] and s["world_size"] == 1 and s["comm_bytes_per_step"] == 0.0
+    train(cfg(tmp_path, cache, opt_level="O2", steps=3, telemetry_every=0, out=str(tmp_path / "off")))
+    assert not (tmp_path / "off" / "telemetry.jsonl").exists()
+
+
+def test_fallback_switches_are_logged_and_checkpointed(tmp_path, cache, monkeypatch, capsys):
+    import fp8lm.train.loop as loop
+    from fp8lm.fallback import FallbackPolicy, PrecisionFallback
+
+    # thresholds any underflow or saturation crosses: such a layer switches to BF16 at once
+    eager = FallbackPolicy(underflow=1e-12, saturation=1e-12, patience=1)
+    monkeypatch.setattr(loop, "PrecisionFallback", lambda layers: PrecisionFallback(layers, eager))
+    s = train(cfg(tmp_path, cache, opt_level="O1", steps=3, telemetry_every=2, fallback=True))
+    events = [e for m in read_metrics(tmp_path / "run" / "metrics.jsonl") for e in m.get("fallback", [])]
+    assert events and events[0]["to"] == "bf16"
+    assert s["fallback_events"] == events
+    printed = capsys.readouterr().out
+    assert all(f"step {e['step']}: fallback: {e['layer']} -> {e['to']}" in printed for e in events)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "step_00000003.pt", weights_only=True)
+    last = {e["layer"]: e["to"] == "bf16" for e in events}  # the latest switch of each layer
+    assert {k: v for k, v in ckpt["fallback"]["high_precision"].items() if k in last} == last
+    assert ckpt["fallback"]["events"] == events

@@ -9,18 +9,22 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
+from .bench import BENCHMARKS, DEFAULT, BenchError, run_benchmark, scripts_dir
+from .telemetry import KINDS
 from .train.checkpoint import CheckpointError
 from .train.compare import compare, parse_levels
 from .train.config import OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
 from .train.data import DataError
 from .train.loop import train
 from .train.model import MLP_KINDS, PRESETS
+from .train.telemetry_report import STATS, InspectError, plot_heatmap, read_telemetry, worst_table
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 # Errors that mean "the user asked for something that cannot work": one line on stderr, exit 2.
-USER_ERRORS = (DataError, CheckpointError, RunError)
+USER_ERRORS = (DataError, CheckpointError, RunError, InspectError, BenchError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,10 +129,55 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_inspect(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the --out folder of a run trained with --telemetry-every N")
+    p.add_argument("--top", type=int, default=10, help="tensors listed per statistic (default: %(default)s)")
+    p.add_argument("--kind", default="grad_output", choices=KINDS, help="tensors of the heatmap (default: %(default)s)")
+    p.add_argument("--stat", default="underflow", choices=STATS, help="statistic of the heatmap (default: %(default)s)")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.top < 1:
+        raise InspectError(f"--top must be >= 1, got {args.top}")
+    records = read_telemetry(args.run_dir)
+    steps = sorted({r["step"] for r in records})
+    print(f"{len(records)} telemetry records, {len(steps)} sampled steps ({steps[0]}..{steps[-1]})")
+    for stat in STATS:
+        print(f"\nworst {stat}:")
+        print(worst_table(records, stat, args.top))
+    path = plot_heatmap(records, f"{args.run_dir}/telemetry_{args.kind}_{args.stat}.png", args.kind, args.stat)
+    print(f"\nheatmap: {path}")
+    return 0
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: {' '.join(DEFAULT)}); "
+                        "arguments after -- go to each of them")
+    p.add_argument("--out", default="runs/bench", help="folder for NAME.json (default: %(default)s)")
+    p.add_argument("--scripts", help="the benchmarks/ folder (default: the one of this source checkout)")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    names = args.names or list(DEFAULT)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise BenchError(f"unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(BENCHMARKS)}")
+    scripts = scripts_dir(args.scripts)
+    for name in names:
+        print(f"fp8lm bench: running {name}", file=sys.stderr, flush=True)
+        result = run_benchmark(name, scripts, Path(args.out), args.extra)
+        print(json.dumps(result, indent=1), flush=True)
+        print(f"saved: {Path(args.out) / (name + '.json')}", flush=True)
+    return 0
+
+
 # name -> (help, add options, run)
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a GPT on a real corpus at one precision level", _add_train, cmd_train),
     "compare": ("train the same GPT at several precision levels and compare them", _add_compare, cmd_compare),
+    "inspect": ("show a run's FP8 telemetry: the worst tensors and a heatmap (layers x steps)", _add_inspect, cmd_inspect),
+    "bench": ("run the benchmark scripts of the source checkout and save their JSON", _add_bench, cmd_bench),
 }
 
 
@@ -143,7 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Arguments after "--" are passed through (fp8lm bench hands them to the benchmark scripts).
+    argv, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"arguments after -- ({' '.join(extra)}) are for fp8lm bench only")
+    args.extra = extra
     try:
         code = args.func(args)
     except USER_ERRORS as e:

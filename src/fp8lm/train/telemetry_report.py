@@ -1,0 +1,90 @@
+"""`fp8lm inspect RUN_DIR`: a run's FP8 telemetry (``telemetry.jsonl``, see `fp8lm.telemetry`) as
+a table of its worst tensors and a heatmap of one statistic, layers x steps."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..telemetry import KINDS, worst
+
+__all__ = ["InspectError", "read_telemetry", "worst_table", "heatmap_grid", "plot_heatmap", "STATS"]
+
+STATS = ("underflow", "saturation")
+
+
+class InspectError(ValueError):
+    """The run folder has no telemetry to inspect."""
+
+
+def read_telemetry(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of ``run_dir/telemetry.jsonl``."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise InspectError(f"run folder {str(run)!r} does not exist; pass the --out folder of an fp8lm train run")
+    path = run / "telemetry.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not records:
+        raise InspectError(
+            f"no telemetry recorded in {str(run)!r}: train at an FP8 level (O1/O2/O3) with --telemetry-every N "
+            "(N >= 1, and at most the number of steps)"
+        )
+    return records
+
+
+def worst_table(records: list[dict], stat: str, top: int = 10) -> str:
+    """The ``top`` records with the largest ``stat``, one line each."""
+    header = f"{'step':>6} {'layer':<28} {'kind':<12} {'fmt':<5} {stat:>10} {'amax':>10} {'scale':>10}"
+    lines = [header, "-" * len(header)]
+    for r in worst(records, stat, top):
+        lines.append(f"{r['step']:>6} {r['layer']:<28} {r['kind']:<12} {r['fmt']:<5} {r[stat]:>10.4%} "
+                     f"{r['amax']:>10.3g} {r['scale']:>10.3g}")
+    return "\n".join(lines)
+
+
+def heatmap_grid(records: list[dict], kind: str, stat: str) -> tuple[list[str], list[int], list[list[float]]]:
+    """(layers in model order, steps, grid[layer][step]) of ``stat`` of ``kind`` tensors: the worst
+    value where a step has several records of a layer (micro-batches); NaN where it has none."""
+    chosen = [r for r in records if r["kind"] == kind]
+    layers = list(dict.fromkeys(r["layer"] for r in chosen))
+    steps = sorted({r["step"] for r in chosen})
+    row, col = {n: i for i, n in enumerate(layers)}, {s: j for j, s in enumerate(steps)}
+    grid = [[float("nan")] * len(steps) for _ in layers]
+    for r in chosen:
+        i, j = row[r["layer"]], col[r["step"]]
+        current = grid[i][j]
+        grid[i][j] = r[stat] if current != current else max(current, r[stat])  # NaN: first record
+    return layers, steps, grid
+
+
+def plot_heatmap(records: list[dict], path: str | os.PathLike, kind: str = "grad_output", stat: str = "underflow") -> Path:
+    """Write the heatmap of `heatmap_grid` as a PNG."""
+    if kind not in KINDS:
+        raise InspectError(f"unknown tensor kind {kind!r}: use one of {', '.join(KINDS)}")
+    if stat not in STATS:
+        raise InspectError(f"unknown statistic {stat!r}: use one of {', '.join(STATS)}")
+    layers, steps, grid = heatmap_grid(records, kind, stat)
+    if not layers:
+        present = ", ".join(sorted({r["kind"] for r in records}))
+        raise InspectError(f"the telemetry has no {kind} records (it has: {present}); pass --kind with one of those")
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(steps) + 3), max(3.0, 0.28 * len(layers) + 1.5)))
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma")
+    fig.colorbar(image, ax=ax, label=f"{stat} fraction")
+    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    ticks = range(0, len(steps), max(1, len(steps) // 12))
+    ax.set_xticks(list(ticks), [str(steps[j]) for j in ticks])
+    ax.set_xlabel("step")
+    ax.set_title(f"{kind} {stat} per FP8 layer")
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
