@@ -3,8 +3,9 @@
 The parameter set is that of a GPT (default: 4 layers, 384 wide, byte vocabulary). torch's AdamW
 runs on FP32 parameters with FP32 gradients (foreach, and fused where the device has it); FP8AdamW on
 the O2 layout: FP16 scaled weights (the master), E4M3 gradients for matrices, FP32 1-D parameters.
-Prints one JSON object: median step time of each, the ratio to torch's best, peak extra memory
-during a step (allocator peak on CUDA; peak resident set on Linux CPUs) and optimizer-state bytes.
+Prints one JSON object: median step time of each (timed interleaved, see `interleaved_step_times`),
+the ratio to torch's best, peak extra memory during a step (allocator peak on CUDA; peak resident
+set on Linux CPUs) and optimizer-state bytes.
 
     python benchmarks/optimizer_step.py [--layers 4 --width 384 --steps 20 --device cpu --threads 1]
 """
@@ -73,16 +74,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def step_times(opt, device: str, steps: int, warmup: int) -> list[float]:
+def interleaved_step_times(opts: dict, device: str, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Step times of each optimizer, timed in rounds that step every optimizer once: a change in the
+    load of a shared machine hits all of them alike, so their ratios stay meaningful."""
     for _ in range(warmup):
-        opt.step()
+        for opt in opts.values():
+            opt.step()
     sync(device)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in opts}
     for _ in range(steps):
-        t0 = time.perf_counter()
-        opt.step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        for name, opt in opts.items():
+            t0 = time.perf_counter()
+            opt.step()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
     return times
 
 
@@ -139,20 +144,21 @@ def main() -> None:
     }
     if args.skip_eager:
         del variants["fp8adamw_eager"]
-    results = {}
+    results, opts = {}, {}
     for name, make in variants.items():
         try:
-            opt = make()
-            times = step_times(opt, dev, args.steps, args.warmup)
+            opts[name] = make()
+            opts[name].step()  # the first step allocates the state (and compiles)
         except (RuntimeError, ValueError) as err:  # e.g. fused=True on a device without the kernel
             results[name] = {"error": str(err).splitlines()[0]}
-            continue
+            opts.pop(name, None)
+    times = interleaved_step_times(opts, dev, args.steps, args.warmup)
+    for name, opt in opts.items():
         results[name] = {
-            "step_ms": 1e3 * statistics.median(times),
+            "step_ms": 1e3 * statistics.median(times[name]),
             "peak_extra_bytes": peak_extra_bytes(opt, dev),
             "state_bytes": state_bytes(opt),
         }
-        del opt
     torch_best = min(
         (results[k] for k in ("torch_adamw_foreach", "torch_adamw_fused") if "step_ms" in results[k]),
         key=lambda r: r["step_ms"],
