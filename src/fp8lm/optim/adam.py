@@ -15,13 +15,16 @@ Layout per parameter (FP8-LM level 2, 6 bytes/param with an FP8 gradient):
 All state is plain tensors (payload ``state[k]``, float32 ``state[k + "_scale"]``), so the optimizer's
 ``state_dict()`` loads with ``torch.load(weights_only=True)``.
 
-The step is fused per tensor in two passes over the low-precision state, never materializing the
-FP32 state of the model: pass 1 dequantizes, computes the updated weight and moments and reduces only
-their amaxes; the new scales follow from the amaxes; pass 2 recomputes the same values and writes them
-requantized with those scales. Pass 1 over all tensors comes first, so a non-finite gradient anywhere
-shows up as a non-finite amax before anything is written, and the step is skipped as a whole.
-Both passes are `torch.compile`-d (dynamic shapes: one graph per combination of dtypes, whatever the
-tensor sizes) or run eagerly on bounded chunks (``compiled=False``).
+The step is fused per tensor in one pass over the low-precision state, never materializing the FP32
+state of the model. Its new scales are set before the pass, from a-priori bounds on the new amaxes
+(`fused_adam_step_`) built from the exact amaxes of the stored state and gradients (`stored_amaxes`,
+integer reductions) and Adam's bound on its update ratio (`adam_ratio_bound`); the pass dequantizes,
+updates and writes the state requantized. Tensors with an FP8 second moment first take an exact
+amax pass (its range is too small to give up a binade). A non-finite gradient or bound anywhere is
+found before anything is written, and the step is skipped as a whole. The passes are
+`torch.compile`-d (dynamic shapes: one graph per combination of dtypes, whatever the tensor sizes)
+or run eagerly on bounded chunks (``compiled=False``). docs/optimizer.md has the reasoning and the
+measurements.
 """
 
 from __future__ import annotations
