@@ -219,7 +219,7 @@ def fused_adam_step_(slots: list[AdamSlot], compiled: bool = True) -> bool:
         return True
     n = len(slots)
     stored = stored_amaxes([t for s in slots for t in (s.w, s.m, s.v, s.g)]).view(n, 4)
-    current = torch.stack([torch.stack([s.w_scale, s.m_scale, s.v_scale, s.g_scale]) for s in slots])
+    current = torch.stack([t for s in slots for t in (s.w_scale, s.m_scale, s.v_scale, s.g_scale)]).view(n, 4)
     a_w, a_m, a_v, a_g = (stored / current).unbind(1)
     lr, beta1, beta2, eps, decay, l2, bc1, _ = torch.stack([s.hp for s in slots]).unbind(1)
     g_bound = a_g + l2 * a_w
