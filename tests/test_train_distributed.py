@@ -163,3 +163,15 @@ def test_max_restarts_with_resume_continues_from_the_last_checkpoint(uninterrupt
     for name in ("metrics.jsonl", "telemetry.jsonl"):
         assert (out / name).read_bytes() == (whole / name).read_bytes(), name
     assert read(out / "summary.json")["val_loss"] == read(whole / "summary.json")["val_loss"]
+
+
+def test_resuming_at_another_rank_count_is_one_clear_error(uninterrupted, work, capsys):
+    from fp8lm.cli import main
+
+    run = uninterrupted[0] / "O2"
+    before = (run / "metrics.jsonl").read_bytes()
+    args = run_options(run, work / "cache", "--resume", "--steps", str(STEPS + 4))
+    assert main(["train", "--opt-level", "O2", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "written by 2 rank(s), this run has 1" in err and "--nproc_per_node 2" in err
+    assert (run / "metrics.jsonl").read_bytes() == before
