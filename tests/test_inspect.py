@@ -42,6 +42,9 @@ def test_prints_the_worst_tensors_and_writes_the_heatmap(run, capsys):
 
 def test_heatmap_grid_is_layers_by_sampled_steps_with_the_worst_micro_batch():
     records = [
+        {"step": 1, "layer": "a", "kind": "input", "underflow": 0.0},  # forward: model order
+        {"step": 1, "layer": "b", "kind": "input", "underflow": 0.0},
+        {"step": 1, "layer": "b", "kind": "grad_output", "underflow": 0.0},  # backward: reversed
         {"step": 1, "layer": "a", "kind": "grad_output", "underflow": 0.1},
         {"step": 1, "layer": "a", "kind": "grad_output", "underflow": 0.3},  # a second micro-batch
         {"step": 3, "layer": "b", "kind": "grad_output", "underflow": 0.2},
@@ -49,8 +52,8 @@ def test_heatmap_grid_is_layers_by_sampled_steps_with_the_worst_micro_batch():
     ]
     layers, steps, grid = heatmap_grid(records, "grad_output", "underflow")
     assert layers == ["a", "b"] and steps == [1, 3]
-    assert grid[0][0] == 0.3 and grid[1][1] == 0.2
-    assert grid[0][1] != grid[0][1] and grid[1][0] != grid[1][0]  # NaN: no record
+    assert grid[0][0] == 0.3 and grid[1][0] == 0.0 and grid[1][1] == 0.2
+    assert grid[0][1] != grid[0][1]  # NaN: no record
 
 
 def one_error_line(rc, out, err, match):

@@ -47,7 +47,9 @@ def heatmap_grid(records: list[dict], kind: str, stat: str) -> tuple[list[str], 
     """(layers in model order, steps, grid[layer][step]) of ``stat`` of ``kind`` tensors: the worst
     value where a step has several records of a layer (micro-batches); NaN where it has none."""
     chosen = [r for r in records if r["kind"] == kind]
-    layers = list(dict.fromkeys(r["layer"] for r in chosen))
+    present = {r["layer"] for r in chosen}
+    # model order: the first records of a step are the forward pass's inputs, layer by layer
+    layers = [n for n in dict.fromkeys(r["layer"] for r in records) if n in present]
     steps = sorted({r["step"] for r in chosen})
     row, col = {n: i for i, n in enumerate(layers)}, {s: j for j, s in enumerate(steps)}
     grid = [[float("nan")] * len(steps) for _ in layers]
