@@ -3,15 +3,8 @@
 import json
 
 from fp8lm.bench import scripts_dir
-from fp8lm.cli import main
+from cli_helpers import run_main
 
-
-def run_main(argv, capsys):
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse refusals
-        rc = e.code
-    return (rc, *capsys.readouterr())
 
 
 def test_runs_a_tiny_gemm_benchmark_and_saves_its_json(tmp_path, capsys):

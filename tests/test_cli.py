@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fp8lm.cli import SUBCOMMANDS, build_parser, main
+from fp8lm.cli import SUBCOMMANDS, build_parser
+from cli_helpers import run_main
 
 EMAIL = str(Path(sysconfig.get_paths()["stdlib"]) / "email")  # real text, quick to scan
 TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--no-progress"]
@@ -18,14 +19,6 @@ TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batch
 def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tokens"))
 
-
-def run_main(argv, capsys):
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse refusals
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_parser_has_train_and_compare_with_the_same_run_options():

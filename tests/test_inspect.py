@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from fp8lm.cli import main
 from fp8lm.train.config import TrainConfig
 from fp8lm.train.loop import train
 from fp8lm.train.telemetry_report import heatmap_grid
 
 from test_train import TINY
+from cli_helpers import run_main
 
 
 @pytest.fixture(scope="module")
@@ -18,13 +18,6 @@ def run(tmp_path_factory):
     train(TrainConfig(**{**TINY, "opt_level": "O2", "steps": 5, "telemetry_every": 2, "out": str(out)}))
     return out
 
-
-def run_main(argv, capsys):
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse refusals
-        rc = e.code
-    return (rc, *capsys.readouterr())
 
 
 def test_prints_the_worst_tensors_and_writes_the_heatmap(run, capsys):

@@ -278,21 +278,26 @@ class _FP8AdamBase(torch.optim.Optimizer):
     """Shared implementation of `FP8Adam` (L2 penalty) and `FP8AdamW` (decoupled weight decay)."""
 
     decoupled_weight_decay: bool
+    default_weight_decay: float
 
     def __init__(
         self,
         params: Iterable,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        amsgrad: bool,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        amsgrad: bool = False,
         *,
-        exp_avg_dtype: Format | str | torch.dtype,
-        exp_avg_sq_dtype: Format | str | torch.dtype,
-        master_dtype: Format | str | torch.dtype,
-        compiled: bool,
+        exp_avg_dtype: Format | str | torch.dtype = E4M3,
+        exp_avg_sq_dtype: Format | str | torch.dtype = FP16,
+        master_dtype: Format | str | torch.dtype = FP16,
+        compiled: bool = True,
     ):
+        """``weight_decay=None`` is the class's default: 1e-2 for FP8AdamW (as torch's AdamW), 0 for
+        FP8Adam. ``compiled=False`` runs the same step eagerly in bounded chunks."""
+        if weight_decay is None:
+            weight_decay = self.default_weight_decay
         name = type(self).__name__
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True; use torch.optim.{name[3:]} for AMSGrad")
@@ -456,50 +461,14 @@ class FP8AdamW(_FP8AdamBase):
     weight by default; see the module docstring for the layout and `docs/optimizer.md`."""
 
     decoupled_weight_decay = True
-
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        *,
-        exp_avg_dtype: Format | str | torch.dtype = E4M3,
-        exp_avg_sq_dtype: Format | str | torch.dtype = FP16,
-        master_dtype: Format | str | torch.dtype = FP16,
-        compiled: bool = True,
-    ):
-        super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, exp_avg_dtype=exp_avg_dtype,
-            exp_avg_sq_dtype=exp_avg_sq_dtype, master_dtype=master_dtype, compiled=compiled,
-        )
+    default_weight_decay = 1e-2
 
 
 class FP8Adam(_FP8AdamBase):
     """Adam (weight decay as an L2 penalty on the gradient) with FP8/FP16 state like `FP8AdamW`."""
 
     decoupled_weight_decay = False
-
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        *,
-        exp_avg_dtype: Format | str | torch.dtype = E4M3,
-        exp_avg_sq_dtype: Format | str | torch.dtype = FP16,
-        master_dtype: Format | str | torch.dtype = FP16,
-        compiled: bool = True,
-    ):
-        super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, exp_avg_dtype=exp_avg_dtype,
-            exp_avg_sq_dtype=exp_avg_sq_dtype, master_dtype=master_dtype, compiled=compiled,
-        )
+    default_weight_decay = 0.0
 
 
 # -- validation ---------------------------------------------------------------------------------

@@ -51,9 +51,16 @@ def plot_losses(runs: dict[str, list[dict]], path: str | os.PathLike, title: str
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int) -> Path:
+    """Write ``fig`` to ``path`` atomically (temp file, then rename) and close it."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=120)
+    fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
     os.replace(tmp, path)
     return path

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ..telemetry import KINDS, worst
+from .report import save_figure
 
 __all__ = ["InspectError", "read_telemetry", "worst_table", "heatmap_grid", "plot_heatmap", "STATS"]
 
@@ -84,9 +85,4 @@ def plot_heatmap(records: list[dict], path: str | os.PathLike, kind: str = "grad
     ax.set_xlabel("step")
     ax.set_title(f"{kind} {stat} per FP8 layer")
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_figure(fig, path, dpi=110)
