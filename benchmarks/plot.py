@@ -38,7 +38,7 @@ def main() -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     ax_time.axhline(1.0, color="black", linewidth=0.8)
-    ax_mem.legend()
+    ax_mem.legend(loc="lower left", fontsize=8)
     device = data.get("device", "")
     fig.suptitle(f"fp8lm vs baselines on {device} ({data['machine'].get('processor', '')}, {data['machine'].get('cpu_count')} cores)")
     fig.tight_layout()
