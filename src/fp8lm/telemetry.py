@@ -8,6 +8,7 @@ measures a high-precision tensor about to be cast; `stored_stats` an already qua
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -177,11 +178,18 @@ class _RecordingWindow:
         self.telemetry._step = self.step if sampled else None
         if sampled:
             self.handles = self.telemetry._attach()
+            # The first layer's input needs no gradient; torch warns that its backward hook then
+            # sees only the output gradient, which is all telemetry reads.
+            self.quiet = warnings.catch_warnings()
+            self.quiet.__enter__()
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
         return self.telemetry
 
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
+        if self.handles:
+            self.quiet.__exit__(*exc)
         return False
 
 
