@@ -172,6 +172,7 @@ class _RecordingWindow:
         self.telemetry = telemetry
         self.step = step
         self.handles: list = []
+        self.quiet = None
 
     def __enter__(self):
         sampled = self.telemetry.sampled(self.step)
@@ -188,7 +189,7 @@ class _RecordingWindow:
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
-        if self.handles:
+        if self.quiet is not None:
             self.quiet.__exit__(*exc)
         return False
 
