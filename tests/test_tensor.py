@@ -248,6 +248,7 @@ def test_fused_casts_never_recompile_across_dtypes_and_autocast():
             for fmt in (fp8lm.E4M3, fp8lm.E5M2):
                 for dtype in (torch.float32, torch.bfloat16):
                     cast.saturating_cast(x.to(dtype), torch.tensor(2.0), fmt)
-    assert cast._fused_enabled and len(cast._compiled) == 8
+    # 2 autocast states x (fp32 -> E4M3, bf16 -> E4M3, fp32 -> E5M2; bf16 -> E5M2 widens to fp32 first)
+    assert cast._fused_enabled and len(cast._compiled) == 6
     for compiled in cast._compiled.values():
         assert len(_debug_get_cache_entry_list(compiled._torchdynamo_orig_callable.__code__)) == 1

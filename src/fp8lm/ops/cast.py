@@ -78,6 +78,10 @@ def _flat_alias(x: torch.Tensor) -> torch.Tensor:
 def _fused_or_eager(expression, eager, x, *args):
     global _fused_enabled
     if _use_fused(x):
+        if x.dtype in (torch.bfloat16, torch.float16) and args[2] == torch.float8_e5m2 and x.device.type == "cpu":
+            # Inductor's CPU code for half -> E5M2 is slow: measured 596 us for 2^20 BF16 values,
+            # against 180 us for a separate widening to float32 and the float32 kernel.
+            x = x.float()
         try:
             # Elementwise: one 1-D graph for tensors of any rank; no autograd state to guard on.
             with torch.no_grad():
