@@ -51,7 +51,6 @@ def grads(model):
 def checks(rank, world):
     import torch.distributed as dist
 
-    from fp8lm import ScalingTensor
     from fp8lm.distributed import FP8DataParallel, comm_stats, reset_comm_stats
 
     out = {}

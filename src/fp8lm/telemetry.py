@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .formats import Format
+from .formats import E4M3, E5M2, Format
+from .scaling import compute_scale
 from .tensor import ScalingTensor
 
 __all__ = ["TensorStats", "quantization_stats", "stored_stats", "Telemetry", "KINDS", "worst"]
@@ -105,9 +106,6 @@ class Telemetry:
         self._pending.append({"step": self._step, "layer": layer, "kind": kind, "fmt": fmt.name, **stats.as_dict()})
 
     def _attach(self) -> list:
-        from .formats import E4M3, E5M2
-        from .scaling import compute_scale
-
         handles = []
         for name, layer in self.layers.items():
             def on_input(module, args, name=name):
@@ -160,8 +158,6 @@ class Telemetry:
 def _scale_in_use(layer, meta, x: torch.Tensor, fmt: Format) -> torch.Tensor:
     """The scale the layer casts ``x`` with: the delayed scale once it has history; just in time
     otherwise, and for a layer running in high precision (what FP8 would do if switched back)."""
-    from .scaling import compute_scale
-
     if layer.fp8_enabled and not layer.high_precision and meta.delayed and meta.step > 0:
         return meta.scale
     return compute_scale(x.detach().abs().amax(), fmt)
