@@ -41,6 +41,7 @@ from ..formats import E4M3, FP16, Format, format_of
 from ..ops.cast import saturating_cast
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor
+from . import native
 
 __all__ = ["FP8Adam", "FP8AdamW", "adam_update", "adam_ratio_bound", "AdamSlot", "fused_adam_step_", "stored_amaxes"]
 
@@ -159,6 +160,10 @@ class AdamSlot:
     recompiles). ``max_ratio`` is the bound on ``|m / denom|`` that sets the new weight's scale (twice
     `adam_ratio_bound` times ``bias_correction1``; inf for none beyond ``|m| / eps``); an element
     beyond it saturates at the weight's range. Scales are updated in place.
+
+    ``stored`` optionally gives the amaxes of the stored ``w``, ``m``, ``v`` payloads when the caller
+    knows them (None for one to be measured); after a step, `fused_adam_step_` sets it to the
+    amaxes of what it stored where it knows them (the native kernel measures them as it writes).
     """
 
     w: torch.Tensor
@@ -172,6 +177,7 @@ class AdamSlot:
     v_scale: torch.Tensor
     hp: torch.Tensor
     max_ratio: float = math.inf
+    stored: tuple[float | None, float | None, float | None] = (None, None, None)
 
     def pass_args(self) -> tuple:
         return (self.w, self.w_scale, self.g, self.g_scale, self.m, self.m_scale, self.v, self.v_scale, self.hp)
@@ -218,17 +224,33 @@ def fused_adam_step_(slots: list[AdamSlot], compiled: bool = True) -> bool:
     if not slots:
         return True
     n = len(slots)
-    stored = stored_amaxes([t for s in slots for t in (s.w, s.m, s.v, s.g)]).view(n, 4)
+    payloads = [t for s in slots for t in (s.w, s.m, s.v, s.g)]
+    use_native = compiled and all(map(native.supports, payloads)) and native.available()
+    # Measure only the amaxes the slots do not know already (gradients are always new).
+    known = [a for s in slots for a in (*s.stored, None)]
+    missing = [i for i, a in enumerate(known) if a is None]
+    stored = torch.tensor([0.0 if a is None else a for a in known], dtype=torch.float32, device=slots[0].w.device)
+    if missing:
+        stored[missing] = (native.stored_amaxes if use_native else stored_amaxes)([payloads[i] for i in missing])
+    stored = stored.view(n, 4)
     current = torch.stack([t for s in slots for t in (s.w_scale, s.m_scale, s.v_scale, s.g_scale)]).view(n, 4)
     a_w, a_m, a_v, a_g = (stored / current).unbind(1)
-    lr, beta1, beta2, eps, decay, l2, bc1, _ = torch.stack([s.hp for s in slots]).unbind(1)
+    hp = torch.stack([s.hp for s in slots])
+    lr, beta1, beta2, eps, decay, l2, bc1, _ = hp.unbind(1)
+    native_scales = current[:, [0, 3, 1, 2]]  # the kernel's order: w, g, m, v
     g_bound = a_g + l2 * a_w
     m_bound = (beta1 * a_m + (1 - beta1) * g_bound) * _BOUND_SLACK
     v_bound = (beta2 * a_v + (1 - beta2) * g_bound * g_bound) * _BOUND_SLACK
     # An FP8 second moment has too little range to give up a binade of it: its tensors take an exact
     # first pass for their new amaxes (measured: bounds cost accuracy there, docs/optimizer.md).
     exact = [i for i, s in enumerate(slots) if s.v.element_size() == 1]
-    exact_amaxes = torch.stack([_run(_amaxes_pass, slots[i], compiled) for i in exact]) if exact else None
+    if exact and use_native:
+        exact_amaxes = native.adam_pass(
+            [(slots[i].w, slots[i].g, slots[i].m, slots[i].v) for i in exact],
+            native_scales[exact], current[exact, :3], hp[exact], write=False,
+        )
+    elif exact:
+        exact_amaxes = torch.stack([_run(_amaxes_pass, slots[i], compiled) for i in exact])
     checked = [stored.view(-1), m_bound, v_bound] + ([exact_amaxes.view(-1)] if exact else [])
     if not bool(torch.isfinite(torch.cat(checked)).all()):
         return False
@@ -250,8 +272,14 @@ def fused_adam_step_(slots: list[AdamSlot], compiled: bool = True) -> bool:
             if rows:
                 idx = torch.tensor(rows)
                 scales[idx, col] = compute_scale(bounds[idx, col], fmt, previous=previous[idx, col])
-    for s, row, f in zip(slots, scales, fmts):
-        _run(_write_pass, s, compiled, row, f)
+    if use_native:
+        written = native.adam_pass([(s.w, s.g, s.m, s.v) for s in slots], native_scales, scales, hp, write=True)
+        for s, amaxes in zip(slots, written.tolist()):
+            s.stored = tuple(amaxes)
+    else:
+        for s, row, f in zip(slots, scales, fmts):
+            _run(_write_pass, s, compiled, row, f)
+            s.stored = (None, None, None)
     # The pass reads the old scales; all of them change only now, in one multi-tensor copy.
     old = [t for s in slots for t in (s.w_scale, s.m_scale, s.v_scale)]
     torch._foreach_copy_(old, list(scales.reshape(-1).unbind()))
@@ -311,6 +339,8 @@ class _FP8AdamBase(torch.optim.Optimizer):
         self.compiled = compiled
         self.skipped_steps = 0
         self.last_step_skipped = False
+        # parameter -> (payload tensors, their versions, amaxes) after the last step: saves re-reading the state.
+        self._stored_amaxes: dict[torch.Tensor, tuple] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -356,16 +386,19 @@ class _FP8AdamBase(torch.optim.Optimizer):
         if grad.shape != p.shape:
             raise RuntimeError(f"gradient of shape {tuple(grad.shape)} does not match its parameter {tuple(p.shape)}")
         dev = p.device
+        if ("one", dev) not in hps:  # the scale of plain tensors, shared by the step's slots
+            hps["one", dev] = torch.ones((), dtype=torch.float32, device=dev)
+        one = hps["one", dev]
         if isinstance(grad, ScalingTensor):
             g, g_scale = grad.payload, grad.scale
         else:
-            g, g_scale = grad, torch.ones((), dtype=torch.float32, device=dev)
+            g, g_scale = grad, one
         if "master" in state:
             w, w_scale, w_scaled = state["master"], state["master_scale"], True
         elif isinstance(p, ScalingTensor):
             w, w_scale, w_scaled = p.payload, p.scale, True
         else:
-            w, w_scale, w_scaled = p.data, torch.ones((), dtype=torch.float32, device=dev), False
+            w, w_scale, w_scaled = p.data, one, False
         if not w.is_contiguous():  # updated on a contiguous copy, written back after the step
             staged.append((w, w := w.contiguous()))
         step = state["step"] + 1
@@ -403,7 +436,9 @@ class _FP8AdamBase(torch.optim.Optimizer):
                 if p.grad is None or p.numel() == 0:
                     continue
                 state = self._init_state(p, group)
-                slots.append(self._slot(p, group, state, staged, hps))
+                slot = self._slot(p, group, state, staged, hps)
+                slot.stored = self._cached_amaxes(p, state)
+                slots.append(slot)
                 params.append(p)
         applied = fused_adam_step_(slots, compiled=self.compiled)
         self.last_step_skipped = not applied
@@ -416,6 +451,9 @@ class _FP8AdamBase(torch.optim.Optimizer):
             return loss
         for original, contiguous in staged:
             original.copy_(contiguous)
+        for p, slot in zip(params, slots):
+            bases = self._state_payloads(p, self.state[p])
+            self._stored_amaxes[p] = (bases, [t._version if t is not None else 0 for t in bases], slot.stored)
         for p in params:
             state = self.state[p]
             state["step"] += 1
@@ -423,6 +461,27 @@ class _FP8AdamBase(torch.optim.Optimizer):
                 value = state["master"].float() / state["master_scale"]
                 p.data.copy_(value) if not isinstance(p, ScalingTensor) else p.copy_(value)
         return loss
+
+    # -- amaxes of the stored state, known from the previous step -----------------------------
+    @staticmethod
+    def _state_payloads(p: torch.Tensor, state: dict) -> tuple:
+        """The tensors holding w, m and v; None for a weight that is a plain parameter (its ``.data``
+        does not count the in-place changes made through it, so its amax is measured every step)."""
+        w = state.get("master", p.payload if isinstance(p, ScalingTensor) else None)
+        return w, state["exp_avg"], state["exp_avg_sq"]
+
+    def _cached_amaxes(self, p: torch.Tensor, state: dict) -> tuple:
+        """Amaxes of p's stored w, m, v as the last step stored them (None where unknown), valid
+        while the same tensors hold them unchanged: any in-place change bumps a tensor's version."""
+        cached = self._stored_amaxes.get(p)
+        if cached is None:
+            return None, None, None
+        bases, versions, amaxes = cached
+        now = self._state_payloads(p, state)
+        return tuple(
+            a if t is not None and t is b and t._version == version else None
+            for a, t, b, version in zip(amaxes, now, bases, versions)
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

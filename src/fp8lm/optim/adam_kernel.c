@@ -1,0 +1,345 @@
+/* Multi-tensor Adam/AdamW step over low-precision state, for CPUs.
+
+   One call updates every tensor of a step: it dequantizes weight, gradient and both moments, applies
+   the same arithmetic as fp8lm.optim.adam.adam_update (same operation order, float32, no fused
+   multiply-add) and stores the results requantized with their new scales, or (write == 0) only
+   returns the amaxes of the new values. Work is split across torch's OpenMP threads by element ranges
+   and done in blocks that stay in L1: decode each input with a loop specialized to its format, update, encode.
+   The FP8 <-> float conversions are integer/bit operations that the compiler vectorizes (torch's
+   own FP8 conversions are scalar on CPUs without AVX-512).
+
+   Built on first use by fp8lm/optim/native.py with the system C compiler; see that module. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3, E5M2 = 4 };
+enum { BLOCK = 512 };
+
+static float f32_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static float format_max(int dtype) {
+    switch (dtype) {
+        case F16: return 65504.0f;
+        case BF16: return f32_of(0x7F7F0000u);
+        case E4M3: return 448.0f;
+        case E5M2: return 57344.0f;
+        default: return f32_of(0x7F7FFFFFu);
+    }
+}
+
+/* Half the smallest subnormal: a stored v >= 0 rounds to 0 exactly when v * scale <= this. */
+static float underflow_threshold(int dtype) {
+    switch (dtype) {
+        case F16: return 0x1p-25f;
+        case BF16: return 0x1p-134f; /* float32's subnormals: 0 for BF16 and FP32 */
+        case E4M3: return 0x1p-10f;
+        case E5M2: return 0x1p-17f;
+        default: return 0.0f; /* 2^-150: v * scale <= it only when v * scale is 0 */
+    }
+}
+
+/* -- decoding: payload -> float, exact ------------------------------------------------------- */
+
+/* FP16 <-> float32 through the F16C instructions (the compiler does not vectorize _Float16 casts). */
+static void halves_to_floats(const uint16_t *h, float *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) {
+        _Float16 x;
+        memcpy(&x, h + i, 2);
+        dst[i] = (float)x;
+    }
+}
+
+static void floats_to_halves(const float *src, uint16_t *h, int64_t n) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) {
+        _Float16 x = (_Float16)src[i];
+        memcpy(h + i, &x, 2);
+    }
+}
+
+/* Payload -> float, exactly. */
+static void decode(int dtype, const void *src, float *dst, int64_t n) {
+    uint16_t h[BLOCK];
+    const uint8_t *b = src;
+    switch (dtype) {
+        case F32: memcpy(dst, src, (size_t)n * 4); break;
+        case F16: halves_to_floats(src, dst, n); break;
+        case BF16: {
+            const uint16_t *s = src;
+            for (int64_t i = 0; i < n; i++) dst[i] = f32_of((uint32_t)s[i] << 16);
+            break;
+        }
+        case E4M3: /* E4M3 bits moved into FP16's layout read 2^8 too small (bias 7 vs 15), subnormals too */
+            for (int64_t i = 0; i < n; i++) h[i] = (uint16_t)(((b[i] & 0x7F) << 7) | ((b[i] & 0x80) << 8));
+            halves_to_floats(h, dst, n);
+            for (int64_t i = 0; i < n; i++) dst[i] *= 256.0f;
+            break;
+        case E5M2: /* E5M2 is the upper byte of FP16 */
+            for (int64_t i = 0; i < n; i++) h[i] = (uint16_t)(b[i] << 8);
+            halves_to_floats(h, dst, n);
+            break;
+    }
+}
+
+static float decode_one(int dtype, const void *src) {
+    float x;
+    decode(dtype, src, &x, 1);
+    return x;
+}
+
+/* -- encoding: float (already within the format's range, or NaN) -> payload, round to nearest even */
+
+/* FP8 with `mbits` mantissa bits and exponent bias `bias`. Normal values: round the float32 bits at
+   the mantissa cut, then rebias the exponent. Subnormals (below 2^(1 - bias)): adding a constant
+   whose ulp is the subnormal step lets the FPU round; the code is the difference of the bits. */
+static inline uint8_t fp8_code(float y, int mbits, int bias, uint8_t nan_code) {
+    uint32_t u = bits_of(y);
+    uint32_t a = u & 0x7FFFFFFFu;
+    uint32_t sign = (u >> 24) & 0x80u;
+    int cut = 23 - mbits;
+    float magic = f32_of((uint32_t)(127 + 23 + 1 - bias - mbits) << 23); /* 2^23 subnormal steps */
+    uint32_t normal = ((a + ((1u << (cut - 1)) - 1) + ((a >> cut) & 1)) >> cut) - ((uint32_t)(127 - bias) << mbits);
+    uint32_t subnormal = bits_of(f32_of(a) + magic) - bits_of(magic);
+    uint32_t code = a < ((uint32_t)(127 + 1 - bias) << 23) ? subnormal : normal;
+    code = a > 0x7F800000u ? nan_code : code;
+    return (uint8_t)(code | sign);
+}
+
+static void encode(int dtype, const float *src, void *dst, int64_t n) {
+    switch (dtype) {
+        case F32: memcpy(dst, src, (size_t)n * 4); break;
+        case F16: floats_to_halves(src, dst, n); break;
+        case BF16: {
+            uint16_t *d = dst;
+            for (int64_t i = 0; i < n; i++) {
+                uint32_t u = bits_of(src[i]);
+                uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1)) >> 16;
+                d[i] = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
+            }
+            break;
+        }
+        case E4M3: {
+            uint8_t *d = dst;
+            for (int64_t i = 0; i < n; i++) d[i] = fp8_code(src[i], 3, 7, 0x7F);
+            break;
+        }
+        case E5M2: {
+            uint8_t *d = dst;
+            for (int64_t i = 0; i < n; i++) d[i] = fp8_code(src[i], 2, 15, 0x7F);
+            break;
+        }
+    }
+}
+
+static int itemsize(int dtype) { return dtype == F32 ? 4 : (dtype == E4M3 || dtype == E5M2) ? 1 : 2; }
+
+static void scale_clamp(float *x, int64_t n, float scale, float fmax) {
+    for (int64_t i = 0; i < n; i++) {
+        float y = x[i] * scale;
+        x[i] = y < -fmax ? -fmax : (y > fmax ? fmax : y); /* NaN compares false: it stays NaN */
+    }
+}
+
+/* The largest magnitude code of a payload (sign cleared): for every format here the magnitude bits
+   order like the values, NaN codes above inf, so it decodes (`amax_of_code`) to the exact amax. */
+static uint32_t max_magnitude_code(int dtype, const void *payload, int64_t len) {
+    if (itemsize(dtype) == 1) {
+        const uint8_t *x = payload;
+        uint8_t mx = 0;
+        for (int64_t i = 0; i < len; i++) { uint8_t c = x[i] & 0x7F; mx = c > mx ? c : mx; }
+        return mx;
+    }
+    if (itemsize(dtype) == 2) {
+        const uint16_t *x = payload;
+        uint16_t mx = 0;
+        for (int64_t i = 0; i < len; i++) { uint16_t c = x[i] & 0x7FFF; mx = c > mx ? c : mx; }
+        return mx;
+    }
+    const uint32_t *x = payload;
+    uint32_t mx = 0;
+    for (int64_t i = 0; i < len; i++) { uint32_t c = x[i] & 0x7FFFFFFFu; mx = c > mx ? c : mx; }
+    return mx;
+}
+
+static float amax_of_code(int dtype, uint32_t code) {
+    if (dtype == E4M3 && code == 0x7F) return NAN; /* E4M3's only non-finite code */
+    uint8_t c8 = (uint8_t)code;
+    uint16_t c16 = (uint16_t)code;
+    return dtype == F32 ? f32_of(code) : decode_one(dtype, itemsize(dtype) == 1 ? (const void *)&c8 : (const void *)&c16);
+}
+
+/* The amax of a payload whose largest pre-rounding magnitude was `y`: rounding is monotonic, so
+   it is `y` stored and read back. */
+static float stored_amax_of(int dtype, float y) {
+    uint32_t code = 0;
+    encode(dtype, &y, &code, 1);
+    return decode_one(dtype, &code);
+}
+
+typedef struct {
+    void *const *ptrs;      /* [n][4]: w, g, m, v payloads (contiguous) */
+    const int32_t *dtypes;  /* [n][4] */
+    const float *scales;    /* [n][4]: current scales of w, g, m, v (payload = value * scale) */
+    const float *new_scales;/* [n][3]: the scales the new w, m, v are stored with */
+    const float *hp;        /* [n][8]: lr, beta1, beta2, eps, decay, l2, bias_correction1, bias_correction2_sqrt */
+    int write;
+    uint32_t *amax;         /* [n][3] this thread's largest magnitude bits of the new w, m, v:
+                               unscaled (write == 0) or scaled before rounding (write == 1) */
+} Step;
+
+static void update_block(const Step *st, int64_t t, int64_t start, int64_t len) {
+    float w[BLOCK], g[BLOCK], m[BLOCK], v[BLOCK];
+    const int32_t *dt = st->dtypes + 4 * t;
+    void *const *p = st->ptrs + 4 * t;
+    const float *sc = st->scales + 4 * t, *hp = st->hp + 8 * t, *new_sc = st->new_scales + 3 * t;
+    float *blocks[4] = {w, g, m, v};
+    for (int k = 0; k < 4; k++) decode(dt[k], (const char *)p[k] + start * itemsize(dt[k]), blocks[k], len);
+
+    const float inv_w = 1.0f / sc[0], inv_g = 1.0f / sc[1], inv_m = 1.0f / sc[2], inv_v = 1.0f / sc[3];
+    const float lr = hp[0], beta1 = hp[1], beta2 = hp[2], eps = hp[3], decay = hp[4], l2 = hp[5];
+    const float one_minus_beta1 = 1.0f - beta1, one_minus_beta2 = 1.0f - beta2;
+    const float inv_bc2 = 1.0f / hp[7], step_size = lr / hp[6];
+    for (int64_t i = 0; i < len; i++) {
+        /* Same operations, in the same order, as adam.py's `_updated` and `adam_update`. */
+        float wi = w[i] * inv_w, gi = g[i] * inv_g, mi = m[i] * inv_m, vi = v[i] * inv_v;
+        gi = gi + l2 * wi;
+        wi = wi * decay;
+        mi = mi + one_minus_beta1 * (gi - mi);
+        vi = vi * beta2 + one_minus_beta2 * gi * gi;
+        float denom = sqrtf(vi) * inv_bc2 + eps;
+        w[i] = wi - step_size * (mi / denom);
+        m[i] = mi;
+        v[i] = vi;
+    }
+    const int out[3] = {0, 2, 3};
+    if (st->write) {
+        /* An element whose second moment is stored as 0 loses its first moment (see adam.py). */
+        const float sv = new_sc[2], v_zero = underflow_threshold(dt[3]);
+        for (int64_t i = 0; i < len; i++) m[i] = v[i] * sv <= v_zero ? 0.0f : m[i];
+        for (int k = 0; k < 3; k++) scale_clamp(blocks[out[k]], len, new_sc[k], format_max(dt[out[k]]));
+    }
+    /* Maxima of the magnitude bits (they order like the values, NaN above inf): integer reductions
+       vectorize. With write, of the values about to be rounded: `stored_amax_of` rounds the max. */
+    for (int k = 0; k < 3; k++) {
+        const uint32_t *x = (const uint32_t *)blocks[out[k]];
+        uint32_t mx = st->amax[3 * t + k];
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t a = x[i] & 0x7FFFFFFFu;
+            mx = a > mx ? a : mx;
+        }
+        st->amax[3 * t + k] = mx;
+        if (st->write) encode(dt[out[k]], blocks[out[k]], (char *)p[out[k]] + start * itemsize(dt[out[k]]), len);
+    }
+}
+
+/* The calling thread's share of the concatenated elements of all tensors, cut at multiples of
+   BLOCK; `fn` is called per block (tensor, start, length) within one tensor. */
+typedef void (*BlockFn)(const void *ctx, int64_t t, int64_t start, int64_t len);
+
+static void for_each_block(int64_t n_tensors, const int64_t *numels, int64_t total, const void *ctx, BlockFn fn) {
+    int64_t blocks = (total + BLOCK - 1) / BLOCK;
+    int i = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t lo = blocks * i / nt * BLOCK, hi = blocks * (i + 1) / nt * BLOCK;
+    int64_t offset = 0;
+    for (int64_t t = 0; t < n_tensors && offset < hi; offset += numels[t], t++) {
+        int64_t a = lo > offset ? lo - offset : 0;
+        int64_t b = hi - offset < numels[t] ? hi - offset : numels[t];
+        for (int64_t s = a; s < b; s += BLOCK) fn(ctx, t, s, b - s < BLOCK ? b - s : BLOCK);
+    }
+}
+
+/* Threads: torch's OpenMP pool (the same libgomp), at most one per 16 blocks of work. */
+static int threads_for(int64_t total, int n_threads) {
+    int64_t useful = total / (BLOCK * 16);
+    if (useful < n_threads) n_threads = (int)useful;
+    return n_threads < 1 ? 1 : n_threads;
+}
+
+static void update_fn(const void *ctx, int64_t t, int64_t start, int64_t len) { update_block(ctx, t, start, len); }
+
+/* write == 0: amax_out[n][3] = amaxes of the new w, m, v (NaN where one is NaN), nothing stored.
+   write == 1: the new w, m, v stored; amax_out[n][3] = the amaxes of the stored payloads (what
+   `stored_amax` would return for them next step).
+   Returns 0, or -1 (nothing done) when the work buffers cannot be allocated. */
+int adam_step(int64_t n_tensors, void *const *ptrs, const int32_t *dtypes, const int64_t *numels,
+              const float *scales, const float *new_scales, const float *hp, int write, float *amax_out,
+              int n_threads) {
+    int64_t total = 0;
+    for (int64_t t = 0; t < n_tensors; t++) total += numels[t];
+    n_threads = threads_for(total, n_threads);
+    size_t per = (size_t)n_tensors * 3;
+    uint32_t *amax = calloc(per * n_threads, sizeof(uint32_t));
+    if (!amax) return -1;
+    int used = 1;
+#pragma omp parallel num_threads(n_threads)
+    {
+        int i = omp_get_thread_num();
+        Step st = {ptrs, dtypes, scales, new_scales, hp, write, amax + per * i};
+        for_each_block(n_tensors, numels, total, &st, update_fn);
+        if (i == 0) used = omp_get_num_threads();
+    }
+    const int out[3] = {0, 2, 3};
+    for (size_t j = 0; j < per; j++) {
+        uint32_t mx = 0;
+        for (int i = 0; i < used; i++) mx = amax[per * i + j] > mx ? amax[per * i + j] : mx;
+        float y = f32_of(mx); /* NaN where one was NaN */
+        amax_out[j] = write && y == y ? stored_amax_of(dtypes[4 * (j / 3) + out[j % 3]], y) : y;
+    }
+    free(amax);
+    return 0;
+}
+
+/* -- stored amaxes --------------------------------------------------------------------------- */
+
+typedef struct {
+    void *const *ptrs;
+    const int32_t *dtypes;
+    uint32_t *codes; /* [n] this thread's largest magnitude codes */
+} Amax;
+
+static void amax_fn(const void *ctx, int64_t t, int64_t start, int64_t len) {
+    const Amax *am = ctx;
+    int d = am->dtypes[t];
+    uint32_t code = max_magnitude_code(d, (const char *)am->ptrs[t] + start * itemsize(d), len);
+    am->codes[t] = code > am->codes[t] ? code : am->codes[t];
+}
+
+/* out[t] = max |x| of tensor t as float32 (NaN or inf where one is held). Returns 0, or -1. */
+int stored_amax(int64_t n_tensors, void *const *ptrs, const int32_t *dtypes, const int64_t *numels, float *out,
+                int n_threads) {
+    int64_t total = 0;
+    for (int64_t t = 0; t < n_tensors; t++) total += numels[t];
+    n_threads = threads_for(total, n_threads);
+    uint32_t *codes = calloc((size_t)n_tensors * n_threads, sizeof(uint32_t));
+    if (!codes) return -1;
+    int used = 1;
+#pragma omp parallel num_threads(n_threads)
+    {
+        int i = omp_get_thread_num();
+        Amax am = {ptrs, dtypes, codes + (size_t)n_tensors * i};
+        for_each_block(n_tensors, numels, total, &am, amax_fn);
+        if (i == 0) used = omp_get_num_threads();
+    }
+    for (int64_t t = 0; t < n_tensors; t++) {
+        uint32_t mx = 0;
+        for (int i = 0; i < used; i++) mx = codes[(size_t)n_tensors * i + t] > mx ? codes[(size_t)n_tensors * i + t] : mx;
+        out[t] = amax_of_code(dtypes[t], mx);
+    }
+    free(codes);
+    return 0;
+}
