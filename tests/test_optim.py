@@ -422,3 +422,22 @@ def test_first_moment_is_dropped_exactly_where_stored_second_moment_is_zero(comp
     stored_zero = slot.v.float() == 0
     assert stored_zero.tolist() == [True, True, True, False, False, False, False, False]
     assert torch.equal(slot.m.float() == 0, stored_zero)
+
+
+def test_optimizer_falls_back_with_a_warning_when_the_native_kernel_cannot_be_built(monkeypatch, tmp_path):
+    from fp8lm.optim import native
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("FP8LM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failed", False)
+    with pytest.warns(UserWarning, match="native CPU Adam kernel unavailable"):
+        assert not native.available()
+    ref, ours = _linear(), _linear()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-3)
+    opt = FP8AdamW(ours.parameters(), lr=1e-3, weight_decay=1e-3)
+    for _ in _feed([ref, ours], 2):
+        opt_ref.step()
+        opt.step()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        assert (a - b).abs().max() <= 3e-4

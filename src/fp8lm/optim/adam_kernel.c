@@ -10,7 +10,9 @@
 
    Built on first use by fp8lm/optim/native.py with the system C compiler; see that module. */
 
+#ifdef __F16C__
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
