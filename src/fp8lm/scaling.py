@@ -12,7 +12,7 @@ import torch
 
 from .formats import Format
 
-__all__ = ["compute_scale", "ScalingMeta"]
+__all__ = ["compute_scale", "pow2_scale", "ScalingMeta"]
 
 
 def compute_scale(
@@ -28,14 +28,21 @@ def compute_scale(
         previous is None or previous.numel() == 1
     ):
         return _scalar_scale(float(amax), fmt, margin, previous, amax.shape)
-    amax = torch.as_tensor(amax, dtype=torch.float32)
+    return pow2_scale(torch.as_tensor(amax, dtype=torch.float32), fmt.max, margin, previous)
+
+
+def pow2_scale(
+    amax: torch.Tensor, fmax: torch.Tensor | float, margin: int = 0, previous: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`compute_scale` on a float32 tensor of amaxes with the format's largest value ``fmax``, a
+    number or a tensor broadcasting with ``amax`` (tensors of different formats in one call)."""
     if previous is None:
         previous = torch.ones_like(amax)
     else:
         previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
     valid = torch.isfinite(amax) & (amax > 0)
     safe = torch.where(valid, amax, torch.ones_like(amax))
-    exp = torch.floor(torch.log2(fmt.max / safe)) - margin
+    exp = torch.floor(torch.log2(fmax / safe)) - margin
     # float32 exponents stop at +-126 for normal numbers; clamp so the scale stays finite and non-zero.
     scale = torch.exp2(exp.clamp(-126.0, 126.0))
     return torch.where(valid, scale, previous)

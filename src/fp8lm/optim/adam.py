@@ -39,7 +39,7 @@ import torch
 
 from ..formats import E4M3, FP16, Format, format_of
 from ..ops.cast import saturating_cast
-from ..scaling import compute_scale
+from ..scaling import compute_scale, pow2_scale
 from ..tensor import ScalingTensor
 from . import native
 
@@ -263,15 +263,12 @@ def fused_adam_step_(slots: list[AdamSlot], compiled: bool = True) -> bool:
     if exact:
         bounds[exact] = exact_amaxes
     previous = current[:, :3]
-    scales = previous.clone()
     fmts = [s.formats() for s in slots]
-    for col in range(3):
-        # One compute_scale call per distinct format: a handful of vectorized calls per step.
-        for fmt in {f[col] for f in fmts}:
-            rows = [i for i, f in enumerate(fmts) if f[col] == fmt and (col or slots[i].w_scaled)]
-            if rows:
-                idx = torch.tensor(rows)
-                scales[idx, col] = compute_scale(bounds[idx, col], fmt, previous=previous[idx, col])
+    fmax = torch.tensor([[f.max for f in row] for row in fmts], dtype=torch.float32, device=bounds.device)
+    # A plain (unscaled) weight keeps its scale of 1: its bound is made invalid.
+    unscaled = torch.tensor([not s.w_scaled for s in slots], device=bounds.device)
+    bounds[:, 0] = torch.where(unscaled, math.nan, bounds[:, 0])
+    scales = pow2_scale(bounds, fmax, previous=previous)
     if use_native:
         written = native.adam_pass([(s.w, s.g, s.m, s.v) for s in slots], native_scales, scales, hp, write=True)
         for s, amaxes in zip(slots, written.tolist()):
@@ -297,6 +294,70 @@ def _run(fn: Callable, s: AdamSlot, compiled: bool, *extra):
         b = a + _EAGER_CHUNK
         outs.append(fn(w[a:b], w_scale, g[a:b], g_scale, m[a:b], m_scale, v[a:b], v_scale, hp, *extra))
     return None if outs[0] is None else torch.stack(outs).amax(dim=0)
+
+
+@dataclass
+class _ParamSlot:
+    """A parameter's `AdamSlot` kept across steps, with what it was built from.
+
+    Rebuilding the views and looking up the state every step costs more host time than the kernel's
+    share of a small tensor. The slot stays valid while the same tensors hold the weight, moments
+    and scales (``holds``). Its ``stored`` amaxes (measured by the kernel as it wrote the state) stay
+    valid while those tensors are unchanged: every in-place change bumps a tensor's version, which
+    ``remember_versions`` records after each step. A plain parameter's weight (``bases[0]`` None) is
+    re-measured every step: changes through ``.data`` do not count in its version.
+    """
+
+    slot: AdamSlot
+    bases: tuple  # the tensors the slot's w, m, v are views of (w: None for a plain parameter)
+    scales: tuple  # the scale tensors of w, m, v
+    data_ptr: int  # of the weight (a plain parameter's ``.data`` can be swapped)
+    cacheable: bool = True
+    versions: tuple | None = None
+
+    @staticmethod
+    def _sources(p: torch.Tensor, state: dict) -> tuple:
+        if "master" in state:
+            return state["master"], state["master_scale"], True
+        if isinstance(p, ScalingTensor):
+            return p.payload, p.scale, True
+        return None, None, False
+
+    @classmethod
+    def build(cls, p: torch.Tensor, state: dict, staged: list) -> "_ParamSlot":
+        w_base, w_scale, w_scaled = cls._sources(p, state)
+        w = w_base if w_base is not None else p.data
+        cacheable = w.is_contiguous()
+        if not cacheable:  # updated on a contiguous copy, written back after the step
+            staged.append((w, w := w.contiguous()))
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        slot = AdamSlot(
+            w=w.view(-1), w_scale=w_scale, w_scaled=w_scaled,
+            g=None, g_scale=None, m=m.view(-1), m_scale=state["exp_avg_scale"],
+            v=v.view(-1), v_scale=state["exp_avg_sq_scale"], hp=None,
+        )
+        return cls(slot, (w_base, m, v), (w_scale, slot.m_scale, slot.v_scale), p.data_ptr(), cacheable)
+
+    def holds(self, p: torch.Tensor, state: dict) -> bool:
+        w_base, w_scale, w_scaled = self._sources(p, state)
+        return (
+            w_base is self.bases[0] and (not w_scaled or w_scale is self.scales[0])
+            and state["exp_avg"] is self.bases[1] and state["exp_avg_sq"] is self.bases[2]
+            and state["exp_avg_scale"] is self.scales[1] and state["exp_avg_sq_scale"] is self.scales[2]
+            and p.data_ptr() == self.data_ptr
+        )
+
+    def known_amaxes(self) -> tuple:
+        stored = self.slot.stored
+        if self.versions is None:
+            return None, None, None
+        return tuple(
+            a if b is not None and b._version == version else None
+            for a, b, version in zip(stored, self.bases, self.versions)
+        )
+
+    def remember_versions(self) -> None:
+        self.versions = tuple(b._version if b is not None else None for b in self.bases)
 
 
 # -- the Optimizer classes ----------------------------------------------------------------------
@@ -339,8 +400,8 @@ class _FP8AdamBase(torch.optim.Optimizer):
         self.compiled = compiled
         self.skipped_steps = 0
         self.last_step_skipped = False
-        # parameter -> (payload tensors, their versions, amaxes) after the last step: saves re-reading the state.
-        self._stored_amaxes: dict[torch.Tensor, tuple] = {}
+        # parameter -> its slot, kept across steps while the same tensors hold its state (see _ParamSlot).
+        self._param_slots: dict[torch.Tensor, _ParamSlot] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -385,42 +446,36 @@ class _FP8AdamBase(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
         if grad.shape != p.shape:
             raise RuntimeError(f"gradient of shape {tuple(grad.shape)} does not match its parameter {tuple(p.shape)}")
-        dev = p.device
-        if ("one", dev) not in hps:  # the scale of plain tensors, shared by the step's slots
-            hps["one", dev] = torch.ones((), dtype=torch.float32, device=dev)
-        one = hps["one", dev]
-        if isinstance(grad, ScalingTensor):
-            g, g_scale = grad.payload, grad.scale
-        else:
-            g, g_scale = grad, one
-        if "master" in state:
-            w, w_scale, w_scaled = state["master"], state["master_scale"], True
-        elif isinstance(p, ScalingTensor):
-            w, w_scale, w_scaled = p.payload, p.scale, True
-        else:
-            w, w_scale, w_scaled = p.data, one, False
-        if not w.is_contiguous():  # updated on a contiguous copy, written back after the step
-            staged.append((w, w := w.contiguous()))
         step = state["step"] + 1
-        key = (id(group), step, dev)  # parameters of a group at the same step share one vector
+        key = (id(group), step, p.device)  # parameters of a group at the same step share one vector
         if key not in hps:
             beta1, beta2 = group["betas"]
             lr, wd = group["lr"], group["weight_decay"]
             decay, l2 = (1 - lr * wd, 0.0) if self.decoupled_weight_decay else (1.0, wd)
             hp = torch.tensor(
                 [lr, beta1, beta2, group["eps"], decay, l2, 1 - beta1**step, math.sqrt(1 - beta2**step)],
-                dtype=torch.float32, device=dev,
+                dtype=torch.float32, device=p.device,
             )
             # Twice Adam's own bound: room for the rounding of the stored m and v; never reached in practice.
             hps[key] = hp, 2 * (1 - beta1**step) * adam_ratio_bound(beta1, beta2, step)
-        hp, max_ratio = hps[key]
-        return AdamSlot(
-            w=w.view(-1), w_scale=w_scale, w_scaled=w_scaled,
-            g=g.reshape(-1), g_scale=g_scale,
-            m=state["exp_avg"].view(-1), m_scale=state["exp_avg_scale"],
-            v=state["exp_avg_sq"].view(-1), v_scale=state["exp_avg_sq_scale"],
-            hp=hp, max_ratio=max_ratio,
-        )
+        entry = self._param_slots.get(p)
+        if entry is None or not entry.holds(p, state):
+            entry = _ParamSlot.build(p, state, staged)
+            if entry.cacheable:
+                self._param_slots[p] = entry
+        slot = entry.slot
+        if ("one", p.device) not in hps:  # the scale of plain tensors, shared by the step's slots
+            hps["one", p.device] = torch.ones((), dtype=torch.float32, device=p.device)
+        one = hps["one", p.device]
+        if not slot.w_scaled:
+            slot.w_scale = one
+        if isinstance(grad, ScalingTensor):
+            slot.g, slot.g_scale = grad.payload.reshape(-1), grad.scale
+        else:
+            slot.g, slot.g_scale = grad.reshape(-1), one
+        slot.hp, slot.max_ratio = hps[key]
+        slot.stored = entry.known_amaxes()
+        return slot
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -436,11 +491,15 @@ class _FP8AdamBase(torch.optim.Optimizer):
                 if p.grad is None or p.numel() == 0:
                     continue
                 state = self._init_state(p, group)
-                slot = self._slot(p, group, state, staged, hps)
-                slot.stored = self._cached_amaxes(p, state)
-                slots.append(slot)
+                slots.append(self._slot(p, group, state, staged, hps))
                 params.append(p)
-        applied = fused_adam_step_(slots, compiled=self.compiled)
+        try:
+            applied = fused_adam_step_(slots, compiled=self.compiled)
+        finally:
+            for slot in slots:  # cached slots keep nothing of this step alive (gradients, temporaries)
+                slot.g = slot.g_scale = slot.hp = None
+                if not slot.w_scaled:
+                    slot.w_scale = None
         self.last_step_skipped = not applied
         if not applied:
             self.skipped_steps += 1
@@ -451,9 +510,10 @@ class _FP8AdamBase(torch.optim.Optimizer):
             return loss
         for original, contiguous in staged:
             original.copy_(contiguous)
-        for p, slot in zip(params, slots):
-            bases = self._state_payloads(p, self.state[p])
-            self._stored_amaxes[p] = (bases, [t._version if t is not None else 0 for t in bases], slot.stored)
+        for p in params:
+            entry = self._param_slots.get(p)
+            if entry is not None:
+                entry.remember_versions()
         for p in params:
             state = self.state[p]
             state["step"] += 1
@@ -461,27 +521,6 @@ class _FP8AdamBase(torch.optim.Optimizer):
                 value = state["master"].float() / state["master_scale"]
                 p.data.copy_(value) if not isinstance(p, ScalingTensor) else p.copy_(value)
         return loss
-
-    # -- amaxes of the stored state, known from the previous step -----------------------------
-    @staticmethod
-    def _state_payloads(p: torch.Tensor, state: dict) -> tuple:
-        """The tensors holding w, m and v; None for a weight that is a plain parameter (its ``.data``
-        does not count the in-place changes made through it, so its amax is measured every step)."""
-        w = state.get("master", p.payload if isinstance(p, ScalingTensor) else None)
-        return w, state["exp_avg"], state["exp_avg_sq"]
-
-    def _cached_amaxes(self, p: torch.Tensor, state: dict) -> tuple:
-        """Amaxes of p's stored w, m, v as the last step stored them (None where unknown), valid
-        while the same tensors hold them unchanged: any in-place change bumps a tensor's version."""
-        cached = self._stored_amaxes.get(p)
-        if cached is None:
-            return None, None, None
-        bases, versions, amaxes = cached
-        now = self._state_payloads(p, state)
-        return tuple(
-            a if t is not None and t is b and t._version == version else None
-            for a, t, b, version in zip(amaxes, now, bases, versions)
-        )
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
