@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -76,15 +77,21 @@ def sync(device: str) -> None:
 
 
 def interleaved_step_times(opts: dict, device: str, steps: int, warmup: int) -> dict[str, list[float]]:
-    """Step times of each optimizer, timed in rounds that step every optimizer once: a change in the
-    load of a shared machine hits all of them alike, so their ratios stay meaningful."""
+    """Step times of each optimizer, timed in rounds that step every optimizer once, in a shuffled
+    order: a change in the load of a shared machine hits all of them alike, so their ratios stay
+    meaningful."""
     for _ in range(warmup):
         for opt in opts.values():
             opt.step()
     sync(device)
     times: dict[str, list[float]] = {name: [] for name in opts}
+    order = list(opts.items())
+    shuffle = random.Random(0).shuffle
     for _ in range(steps):
-        for name, opt in opts.items():
+        # A new order each round: what runs just before a step (which caches it leaves cold, which
+        # threads it leaves spinning) changes that step's time, so no optimizer keeps one neighbour.
+        shuffle(order)
+        for name, opt in order:
             t0 = time.perf_counter()
             opt.step()
             sync(device)
