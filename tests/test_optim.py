@@ -425,13 +425,13 @@ def test_first_moment_is_dropped_exactly_where_stored_second_moment_is_zero(comp
 
 
 def test_optimizer_falls_back_with_a_warning_when_the_native_kernel_cannot_be_built(monkeypatch, tmp_path):
-    from fp8lm.optim import native
+    from fp8lm.ops import native
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("FP8LM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setattr(native, "_failed", False)
-    with pytest.warns(UserWarning, match="native CPU Adam kernel unavailable"):
+    with pytest.warns(UserWarning, match="native CPU kernels unavailable"):
         assert not native.available()
     ref, ours = _linear(), _linear()
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-3)

@@ -4,36 +4,12 @@
    the same arithmetic as fp8lm.optim.adam.adam_update (same operation order, float32, no fused
    multiply-add) and stores the results requantized with their new scales, or (write == 0) only
    returns the amaxes of the new values. Work is split across torch's OpenMP threads by element ranges
-   and done in blocks that stay in L1: decode each input with a loop specialized to its format, update, encode.
-   The FP8 <-> float conversions are integer/bit operations that the compiler vectorizes (torch's
-   own FP8 conversions are scalar on CPUs without AVX-512).
+   and done in blocks that stay in L1: decode each input with a loop specialized to its format
+   (codec.h), update, encode.
 
-   Built on first use by fp8lm/optim/native.py with the system C compiler; see that module. */
+   Built on first use by fp8lm/ops/native.py with the system C compiler; see that module. */
 
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-enum { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3, E5M2 = 4 };
-enum { BLOCK = 512 };
-
-static float f32_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-
-static float format_max(int dtype) {
-    switch (dtype) {
-        case F16: return 65504.0f;
-        case BF16: return f32_of(0x7F7F0000u);
-        case E4M3: return 448.0f;
-        case E5M2: return 57344.0f;
-        default: return f32_of(0x7F7FFFFFu);
-    }
-}
+#include "codec.h"
 
 /* Half the smallest subnormal: a stored v >= 0 rounds to 0 exactly when v * scale <= this. */
 static float underflow_threshold(int dtype) {
@@ -44,153 +20,6 @@ static float underflow_threshold(int dtype) {
         case E5M2: return 0x1p-17f;
         default: return 0.0f; /* 2^-150: v * scale <= it only when v * scale is 0 */
     }
-}
-
-/* -- decoding: payload -> float, exact ------------------------------------------------------- */
-
-/* FP16 <-> float32 through the F16C instructions (the compiler does not vectorize _Float16 casts). */
-static void halves_to_floats(const uint16_t *h, float *dst, int64_t n) {
-    int64_t i = 0;
-#ifdef __F16C__
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#endif
-    for (; i < n; i++) {
-        _Float16 x;
-        memcpy(&x, h + i, 2);
-        dst[i] = (float)x;
-    }
-}
-
-static void floats_to_halves(const float *src, uint16_t *h, int64_t n) {
-    int64_t i = 0;
-#ifdef __F16C__
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-#endif
-    for (; i < n; i++) {
-        _Float16 x = (_Float16)src[i];
-        memcpy(h + i, &x, 2);
-    }
-}
-
-/* Payload -> float, exactly. */
-static void decode(int dtype, const void *src, float *dst, int64_t n) {
-    uint16_t h[BLOCK];
-    const uint8_t *b = src;
-    switch (dtype) {
-        case F32: memcpy(dst, src, (size_t)n * 4); break;
-        case F16: halves_to_floats(src, dst, n); break;
-        case BF16: {
-            const uint16_t *s = src;
-            for (int64_t i = 0; i < n; i++) dst[i] = f32_of((uint32_t)s[i] << 16);
-            break;
-        }
-        case E4M3: /* E4M3 bits moved into FP16's layout read 2^8 too small (bias 7 vs 15), subnormals too */
-            for (int64_t i = 0; i < n; i++) h[i] = (uint16_t)(((b[i] & 0x7F) << 7) | ((b[i] & 0x80) << 8));
-            halves_to_floats(h, dst, n);
-            for (int64_t i = 0; i < n; i++) dst[i] *= 256.0f;
-            break;
-        case E5M2: /* E5M2 is the upper byte of FP16 */
-            for (int64_t i = 0; i < n; i++) h[i] = (uint16_t)(b[i] << 8);
-            halves_to_floats(h, dst, n);
-            break;
-    }
-}
-
-static float decode_one(int dtype, const void *src) {
-    float x;
-    decode(dtype, src, &x, 1);
-    return x;
-}
-
-/* -- encoding: float (already within the format's range, or NaN) -> payload, round to nearest even */
-
-/* FP8 with `mbits` mantissa bits and exponent bias `bias`. Normal values: round the float32 bits at
-   the mantissa cut, then rebias the exponent. Subnormals (below 2^(1 - bias)): adding a constant
-   whose ulp is the subnormal step lets the FPU round; the code is the difference of the bits. */
-static inline uint8_t fp8_code(float y, int mbits, int bias, uint8_t nan_code) {
-    uint32_t u = bits_of(y);
-    uint32_t a = u & 0x7FFFFFFFu;
-    uint32_t sign = (u >> 24) & 0x80u;
-    int cut = 23 - mbits;
-    float magic = f32_of((uint32_t)(127 + 23 + 1 - bias - mbits) << 23); /* 2^23 subnormal steps */
-    uint32_t normal = ((a + ((1u << (cut - 1)) - 1) + ((a >> cut) & 1)) >> cut) - ((uint32_t)(127 - bias) << mbits);
-    uint32_t subnormal = bits_of(f32_of(a) + magic) - bits_of(magic);
-    uint32_t code = a < ((uint32_t)(127 + 1 - bias) << 23) ? subnormal : normal;
-    code = a > 0x7F800000u ? nan_code : code;
-    return (uint8_t)(code | sign);
-}
-
-static void encode(int dtype, const float *src, void *dst, int64_t n) {
-    switch (dtype) {
-        case F32: memcpy(dst, src, (size_t)n * 4); break;
-        case F16: floats_to_halves(src, dst, n); break;
-        case BF16: {
-            uint16_t *d = dst;
-            for (int64_t i = 0; i < n; i++) {
-                uint32_t u = bits_of(src[i]);
-                uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1)) >> 16;
-                d[i] = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
-            }
-            break;
-        }
-        case E4M3: {
-            uint8_t *d = dst;
-            for (int64_t i = 0; i < n; i++) d[i] = fp8_code(src[i], 3, 7, 0x7F);
-            break;
-        }
-        case E5M2: {
-            uint8_t *d = dst;
-            for (int64_t i = 0; i < n; i++) d[i] = fp8_code(src[i], 2, 15, 0x7F);
-            break;
-        }
-    }
-}
-
-static int itemsize(int dtype) { return dtype == F32 ? 4 : (dtype == E4M3 || dtype == E5M2) ? 1 : 2; }
-
-static void scale_clamp(float *x, int64_t n, float scale, float fmax) {
-    for (int64_t i = 0; i < n; i++) {
-        float y = x[i] * scale;
-        x[i] = y < -fmax ? -fmax : (y > fmax ? fmax : y); /* NaN compares false: it stays NaN */
-    }
-}
-
-/* The largest magnitude code of a payload (sign cleared): for every format here the magnitude bits
-   order like the values, NaN codes above inf, so it decodes (`amax_of_code`) to the exact amax. */
-static uint32_t max_magnitude_code(int dtype, const void *payload, int64_t len) {
-    if (itemsize(dtype) == 1) {
-        const uint8_t *x = payload;
-        uint8_t mx = 0;
-        for (int64_t i = 0; i < len; i++) { uint8_t c = x[i] & 0x7F; mx = c > mx ? c : mx; }
-        return mx;
-    }
-    if (itemsize(dtype) == 2) {
-        const uint16_t *x = payload;
-        uint16_t mx = 0;
-        for (int64_t i = 0; i < len; i++) { uint16_t c = x[i] & 0x7FFF; mx = c > mx ? c : mx; }
-        return mx;
-    }
-    const uint32_t *x = payload;
-    uint32_t mx = 0;
-    for (int64_t i = 0; i < len; i++) { uint32_t c = x[i] & 0x7FFFFFFFu; mx = c > mx ? c : mx; }
-    return mx;
-}
-
-static float amax_of_code(int dtype, uint32_t code) {
-    if (dtype == E4M3 && code == 0x7F) return NAN; /* E4M3's only non-finite code */
-    uint8_t c8 = (uint8_t)code;
-    uint16_t c16 = (uint16_t)code;
-    return dtype == F32 ? f32_of(code) : decode_one(dtype, itemsize(dtype) == 1 ? (const void *)&c8 : (const void *)&c16);
-}
-
-/* The amax of a payload whose largest pre-rounding magnitude was `y`: rounding is monotonic, so
-   it is `y` stored and read back. */
-static float stored_amax_of(int dtype, float y) {
-    uint32_t code = 0;
-    encode(dtype, &y, &code, 1);
-    return decode_one(dtype, &code);
 }
 
 typedef struct {
@@ -376,13 +205,6 @@ static void for_each_block(int64_t n_tensors, const int64_t *numels, int64_t tot
         int64_t b = hi - offset < numels[t] ? hi - offset : numels[t];
         for (int64_t s = a; s < b; s += BLOCK) fn(ctx, t, s, b - s < BLOCK ? b - s : BLOCK);
     }
-}
-
-/* Threads: torch's OpenMP pool (the same libgomp), at most one per 16 blocks of work. */
-static int threads_for(int64_t total, int n_threads) {
-    int64_t useful = total / (BLOCK * 16);
-    if (useful < n_threads) n_threads = (int)useful;
-    return n_threads < 1 ? 1 : n_threads;
 }
 
 static void update_fn(const void *ctx, int64_t t, int64_t start, int64_t len) {

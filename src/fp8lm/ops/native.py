@@ -1,0 +1,140 @@
+"""fp8lm's CPU kernels (``csrc/``): one C library, built on first use, called through ctypes.
+
+On CPUs, torch's FP8 conversions run one element at a time (its vectorized ones need AVX-512 FP8
+support in ``at::vec``), inductor's generated code inherits that and costs tens of microseconds of
+guards per call, and eager casts take four passes. The kernels here do the conversions with
+vectorized bit operations (``csrc/codec.h``) on torch's own OpenMP threads
+(``torch.get_num_threads()``): the saturating scaled cast with its amax in one pass, the exact upcast
+(``csrc/cast.c``) and the FP8 optimizer's multi-tensor step (``csrc/adam.c``, wrapped by
+`fp8lm.optim.native`). Results equal torch's conversions bit for bit (``tests/test_native_cast.py``,
+``tests/test_native_adam.py``).
+
+The library is compiled with the system C compiler (``$CC``, else ``cc``; the one torch.compile
+uses too) into a cache directory (``$FP8LM_CACHE_DIR``, else ``~/.cache/fp8lm``), keyed by the
+sources, the flags and the CPU: about a second, once per machine. ``FP8LM_NATIVE=0`` disables it.
+Where it cannot be built fp8lm warns once and uses its torch paths (same results, slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["library", "available", "supports", "cast", "upcast", "DTYPE_CODES"]
+
+_CSRC = Path(__file__).with_name("csrc")
+# -ffp-contract=off: no fused multiply-add, so the results equal torch's eager float32 arithmetic.
+# -fno-math-errno lets sqrtf vectorize. -march=native: built on, and cached for, this CPU.
+# -fopenmp: libgomp.so.1, which resolves to the one torch has loaded: one thread pool for both (a
+# second pool would compete with torch's spinning workers: measured 2x slower right after torch ops).
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+DTYPE_CODES = {
+    torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
+}
+_p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "fp8_cast": [_p, _int, _i64, _f32, _p, _int, _p, _int],
+    "fp8_upcast": [_p, _int, _i64, _f32, _p, _int, _int],
+    "adam_step": [_i64, _p, _p, _p, _p, _p, _p, _int, _p, _int],
+    "stored_amax": [_i64, _p, _p, _p, _p, _int],
+}
+
+_library: ctypes.CDLL | None = None
+_failed = os.environ.get("FP8LM_NATIVE", "1") == "0"
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags: a library built with -march=native only runs there."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    if "FP8LM_CACHE_DIR" in os.environ:
+        return Path(os.environ["FP8LM_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fp8lm"
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC", "cc")
+    sources = sorted(_CSRC.glob("*.c"))
+    key = hashlib.sha256(" ".join([compiler, *_FLAGS]).encode() + _cpu_signature().encode())
+    for path in sorted(_CSRC.iterdir()):
+        key.update(path.name.encode() + path.read_bytes())
+    target = _cache_dir() / f"fp8lm_kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: processes building at once (ranks) never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, f"-I{_CSRC}", *map(str, sources), "-o", tmp, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on the first call; None where it cannot be built."""
+    global _library, _failed
+    if _library is None and not _failed:
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = ctypes.c_int, argtypes
+            _library = lib
+        except Exception as err:  # the kernels are an optimization: the torch paths remain
+            _failed = True
+            warnings.warn(f"fp8lm: native CPU kernels unavailable ({type(err).__name__}: {err}); using torch ops",
+                          stacklevel=2)
+    return _library
+
+
+def available() -> bool:
+    """Whether the kernels are (or can be) loaded; builds them on the first call."""
+    return library() is not None
+
+
+def supports(t: torch.Tensor) -> bool:
+    """Whether the kernels take ``t``: a contiguous CPU tensor of a `DTYPE_CODES` dtype."""
+    return t.is_cpu and t.dtype in DTYPE_CODES and t.is_contiguous()
+
+
+def cast(x: torch.Tensor, scale: float, dtype: torch.dtype, fmax: float, with_amax: bool):
+    """``round(clamp(x * scale, -fmax, fmax))`` as ``dtype`` (``fmax`` is the format's largest
+    value: the kernel knows it from ``dtype``), and the exact amax of ``x`` as a float32 0-d
+    tensor (NaN where one is NaN) when asked, else None. ``x``: see `supports`."""
+    del fmax  # documented for the reader; the kernel takes it from the dtype
+    out = torch.empty(x.shape, dtype=dtype)
+    amax = torch.empty((), dtype=torch.float32) if with_amax else None
+    library().fp8_cast(
+        x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), scale, out.data_ptr(), DTYPE_CODES[dtype],
+        amax.data_ptr() if with_amax else None, torch.get_num_threads(),
+    )
+    return out, amax
+
+
+def upcast(data: torch.Tensor, scale_inv: float, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale_inv`` as ``dtype`` (exact for FP8 data into BF16 or float32); NaN codes stay NaN."""
+    out = torch.empty(data.shape, dtype=dtype)
+    library().fp8_upcast(data.data_ptr(), DTYPE_CODES[data.dtype], data.numel(), scale_inv, out.data_ptr(),
+                         DTYPE_CODES[dtype], torch.get_num_threads())
+    return out
