@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 
 import torch
@@ -101,8 +102,11 @@ def measure_size(layers: int, width: int, levels: list[str], args) -> dict:
     if "bf16" not in runs:
         raise SystemExit(f"the bf16 baseline failed: {errors['bf16']}")
     times = {level: [] for level in runs}
+    order = list(runs.items())
+    shuffle = random.Random(0).shuffle
     for _ in range(args.rounds):
-        for level, run in runs.items():
+        shuffle(order)  # a new order each round: no level always runs after the same neighbour
+        for level, run in order:
             sync()
             start = time.perf_counter()
             for _ in range(args.steps):
