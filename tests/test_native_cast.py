@@ -10,7 +10,7 @@ from fp8lm.ops.cast import _eager_cast
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernels")
 
 OUT_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16]
-FMAX = {d: float(torch.finfo(d).max) for d in OUT_DTYPES}
+FMAX = {d: float(torch.finfo(d).max) for d in OUT_DTYPES}  # the saturation bound of each format
 
 
 def _bits(t):
@@ -41,11 +41,11 @@ def _edge_values():
 @pytest.mark.parametrize("scale", [1.0, 2.0**-7, 2.0**9])
 def test_cast_equals_torch_on_format_edges(src, dst, scale):
     x = _edge_values().to(src)
-    out, amax = native.cast(x, scale, dst, FMAX[dst], with_amax=True)
+    out, amax, _ = native.cast(x, scale, dst, with_amax=True)
     assert _same(out, _eager_cast(x, torch.tensor(scale), FMAX[dst], dst))
     assert torch.isnan(amax)  # the edge values include a NaN
     finite = x[torch.isfinite(x.float())]
-    _, amax = native.cast(finite.contiguous(), scale, dst, FMAX[dst], with_amax=True)
+    _, amax, _ = native.cast(finite.contiguous(), scale, dst, with_amax=True)
     assert amax.item() == finite.float().abs().max().item()
 
 
@@ -53,7 +53,7 @@ def test_cast_equals_torch_on_format_edges(src, dst, scale):
 def test_cast_of_every_fp16_value(dst):
     x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
     for scale in (1.0, 2.0**-3, 2.0**4):
-        out, _ = native.cast(x, scale, dst, FMAX[dst], with_amax=False)
+        out, _, _ = native.cast(x, scale, dst, with_amax=False)
         assert _same(out, _eager_cast(x, torch.tensor(scale), FMAX[dst], dst))
 
 
@@ -62,7 +62,7 @@ def test_cast_and_amax_split_over_blocks_and_threads(n):
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 8 * 1e3
     x[n // 2] = -7777.0  # the amax sits in one thread's share only
-    out, amax = native.cast(x, 2.0**-4, torch.float8_e4m3fn, 448.0, with_amax=True)
+    out, amax, _ = native.cast(x, 2.0**-4, torch.float8_e4m3fn, with_amax=True)
     assert _same(out, _eager_cast(x, torch.tensor(2.0**-4), 448.0, torch.float8_e4m3fn))
     assert amax.item() == 7777.0
 
@@ -85,3 +85,14 @@ def test_saturating_cast_uses_the_kernel_only_where_it_applies():
     one_scale = torch.tensor(4.0)
     for inp, scale in ((x.t(), one_scale), (x, torch.full((64, 1), 4.0)), (x, one_scale)):
         assert _same(saturating_cast(inp, scale, E4M3), _eager_cast(inp, scale, 448.0, torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("fmt_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("deq", [torch.bfloat16, torch.float32], ids=str)
+def test_cast_reads_back_the_stored_values(fmt_dtype, deq):
+    """The dequantized output equals the payload upcast by torch, in the same call as the cast."""
+    x = torch.cat([_edge_values(), torch.randn(3000) * 50])
+    scale = 2.0**-3
+    out, _, got = native.cast(x, scale, fmt_dtype, with_amax=False, dequantized=deq, scale_inv=1 / scale)
+    assert _same(out, _eager_cast(x, torch.tensor(scale), FMAX[fmt_dtype], fmt_dtype))
+    assert _same(got, (out.to(torch.float32) / scale).to(deq))

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import E4M3, E5M2, FP16, FP32, Format, format_of
-from ..ops.cast import amax, saturating_cast, saturating_cast_with_amax
-from ..ops.gemm import BACKENDS, FP8Operand, fp8_mm
+from ..ops.cast import amax, saturating_cast, saturating_cast_dequantized, saturating_cast_with_amax
+from ..ops.gemm import BACKENDS, FP8Operand, choose_backend, emulation_dtype, fp8_mm
 from ..scaling import ScalingMeta, compute_scale
 from ..tensor import ScalingTensor, quantize
 from .state import dequantize_entries
@@ -51,33 +51,47 @@ def _propagate_nonfinite(out: torch.Tensor, amax_value: torch.Tensor, finite: bo
     return out.add_((amax_value - amax_value).to(out.dtype))  # 0, or NaN for an inf/NaN amax
 
 
-def _cast_stream(x: torch.Tensor, meta: ScalingMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cast a delayed- or current-scaled tensor stream: ``(payload, scale, amax)``. With a known
-    delayed scale, the cast and this tensor's amax come from one read of ``x``."""
+def _cast_operand(x: torch.Tensor, meta: ScalingMeta, emulated_as: torch.dtype | None) -> tuple[FP8Operand, torch.Tensor]:
+    """A delayed- or current-scaled tensor stream as a GEMM operand, and its amax. With a known
+    delayed scale, the cast and this tensor's amax come from one read of ``x``. ``emulated_as``:
+    the dtype an emulated GEMM will multiply in (None on FP8 hardware); the cast then also returns
+    the values read back in it, so the GEMM needs no separate upcast."""
     if meta.scale_known_in_advance:
         scale = meta.scale
-        data, x_amax = saturating_cast_with_amax(x, scale, meta.fmt)
+        if emulated_as is None:
+            (data, x_amax), deq = saturating_cast_with_amax(x, scale, meta.fmt), None
+        else:
+            data, deq, x_amax = saturating_cast_dequantized(x, scale, meta.fmt, emulated_as, with_amax=True)
         meta.record(x_amax)
-        return data, scale, x_amax
-    scale = meta.scale_for(x)
-    return saturating_cast(x, scale, meta.fmt), scale, meta.amax_history[0].clone()
+    else:
+        scale = meta.scale_for(x)
+        x_amax = meta.amax_history[0].clone()
+        if emulated_as is None:
+            data, deq = saturating_cast(x, scale, meta.fmt), None
+        else:
+            data, deq, _ = saturating_cast_dequantized(x, scale, meta.fmt, emulated_as)
+    return FP8Operand(data, scale.reciprocal(), _finite_hint(x_amax), dequantized=deq), x_amax
 
 
-def _quantize_weight(weight: torch.Tensor) -> tuple[FP8Operand, torch.Tensor]:
+def _quantize_weight(weight: torch.Tensor, emulated_as: torch.dtype | None) -> tuple[FP8Operand, torch.Tensor]:
     """E4M3 operand of the weight, scaled just in time; reads a ScalingTensor's payload directly
-    with one combined power-of-two scale (no float32 copy of the weight)."""
+    with one combined power-of-two scale (no float32 copy of the weight). ``emulated_as``: as in
+    `_cast_operand`."""
     if isinstance(weight, ScalingTensor):
-        payload_amax = amax(weight.payload)
+        source, payload_amax = weight.payload, amax(weight.payload)
         scale = compute_scale(payload_amax, E4M3)
-        data = saturating_cast(weight.payload, scale, E4M3)
         value_amax = payload_amax / weight.scale
         scale_inv = (scale * weight.scale).reciprocal()
     else:
-        value_amax = amax(weight.detach())
+        source = weight.detach()
+        value_amax = amax(source)
         scale = compute_scale(value_amax, E4M3)
-        data = saturating_cast(weight.detach(), scale, E4M3)
         scale_inv = scale.reciprocal()
-    return FP8Operand(data, scale_inv, _finite_hint(value_amax)), value_amax
+    if emulated_as is None:
+        data, deq = saturating_cast(source, scale, E4M3), None
+    else:  # read back with the combined scale: the weight's values, not its payload's
+        data, deq, _ = saturating_cast_dequantized(source, scale, E4M3, emulated_as, scale_inv=scale_inv)
+    return FP8Operand(data, scale_inv, _finite_hint(value_amax), dequantized=deq), value_amax
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -89,9 +103,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         else:
             out_dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        x_data, x_scale, x_amax = _cast_stream(x2, layer.input_meta)
-        x_op = FP8Operand(x_data, x_scale.reciprocal(), _finite_hint(x_amax))
-        w_op, w_amax = _quantize_weight(weight)
+        emulated_as = emulation_dtype(out_dtype) if choose_backend(x.device, layer.backend) == "emulated" else None
+        x_op, x_amax = _cast_operand(x2, layer.input_meta, emulated_as)
+        w_op, w_amax = _quantize_weight(weight, emulated_as)
         b = None if bias is None else bias.detach()
         with torch.autocast(device_type, enabled=False):
             y = fp8_mm(x_op, w_op.t(), out_dtype, bias=b, backend=layer.backend)
@@ -104,6 +118,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None else bias.dtype
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.x_finite, ctx.w_finite = x_op.finite, w_op.finite
+        ctx.emulated_as = emulated_as
         ctx.save_for_backward(
             x_op.data if need_w else None, x_op.scale_inv if need_w else None,
             w_op.data if need_x else None, w_op.scale_inv if need_x else None,
@@ -115,9 +130,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         layer: FP8Linear = ctx.layer
         x8, x_scale_inv, w8, w_scale_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_data, g_scale, g_amax = _cast_stream(g2, layer.grad_output_meta)
-        g_finite = _finite_hint(g_amax)
-        g_op = FP8Operand(g_data, g_scale.reciprocal(), g_finite)
+        g_op, g_amax = _cast_operand(g2, layer.grad_output_meta, ctx.emulated_as)
+        g_finite = g_op.finite
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:

@@ -20,7 +20,7 @@ import torch
 from ..formats import Format
 from . import native
 
-__all__ = ["amax", "saturating_cast", "saturating_cast_with_amax", "upcast", "FUSED_MIN_NUMEL"]
+__all__ = ["amax", "saturating_cast", "saturating_cast_with_amax", "saturating_cast_dequantized", "upcast", "FUSED_MIN_NUMEL"]
 
 FUSED_MIN_NUMEL = 1 << 18
 _fused_enabled = os.environ.get("FP8LM_FUSED_CAST", "1") != "0"
@@ -93,7 +93,7 @@ def _fused_or_eager(expression, eager, x, *args):
     global _fused_enabled
     scale, fmax, dtype = args
     if _native_ok(x, scale, dtype):
-        out, x_amax = native.cast(x, scale.item(), dtype, fmax, with_amax=expression is _cast_amax_expression)
+        out, x_amax, _ = native.cast(x, scale.item(), dtype, with_amax=expression is _cast_amax_expression)
         return out if x_amax is None else (out, x_amax)
     if _use_fused(x):
         if x.dtype in (torch.bfloat16, torch.float16) and args[2] == torch.float8_e5m2 and x.device.type == "cpu":
@@ -132,6 +132,27 @@ def saturating_cast_with_amax(x: torch.Tensor, scale: torch.Tensor, fmt: Format)
     if x.numel() == 0:
         return _eager_cast_amax(x, scale, fmt.max, fmt.dtype)
     return _fused_or_eager(_cast_amax_expression, _eager_cast_amax, x, scale, fmt.max, fmt.dtype)
+
+
+def saturating_cast_dequantized(
+    x: torch.Tensor, scale: torch.Tensor, fmt: Format, dtype: torch.dtype, with_amax: bool = False,
+    scale_inv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`saturating_cast` (with the amax of ``x`` when asked, else None), plus the stored values read
+    back as ``dtype``: ``payload * scale_inv`` (default ``1 / scale``), exactly. That is what an
+    emulated FP8 GEMM multiplies. On CPUs with the C kernels, one pass; otherwise the cast and then
+    `upcast`. Returns ``(payload, dequantized, amax)``."""
+    scale = scale.to(device=x.device, dtype=torch.float32)
+    scale_inv = scale.reciprocal() if scale_inv is None else scale_inv.to(device=x.device, dtype=torch.float32)
+    if x.numel() and _native_ok(x, scale, fmt.dtype) and dtype in native.DTYPE_CODES:
+        out, x_amax, deq = native.cast(x, scale.item(), fmt.dtype, with_amax, dequantized=dtype,
+                                       scale_inv=scale_inv.item())
+        return out, deq, x_amax
+    if with_amax:
+        out, x_amax = saturating_cast_with_amax(x, scale, fmt)
+    else:
+        out, x_amax = saturating_cast(x, scale, fmt), None
+    return out, upcast(out, scale_inv, dtype), x_amax
 
 
 # FP8 payload bits -> BF16 bits: the magnitude bits shifted into BF16's exponent/mantissa

@@ -40,7 +40,7 @@ import torch
 
 from .cast import FP8_DTYPES, upcast
 
-__all__ = ["FP8Operand", "fp8_mm", "upcast", "scaled_mm_supported", "choose_backend", "BACKENDS"]
+__all__ = ["FP8Operand", "fp8_mm", "upcast", "scaled_mm_supported", "choose_backend", "emulation_dtype", "BACKENDS"]
 
 BACKENDS = ("auto", "scaled_mm", "emulated")
 
@@ -78,18 +78,22 @@ class FP8Operand:
     The exact high-precision upcast is cached per dtype, so an operand that feeds two GEMMs (the
     output gradient in a linear layer's backward) is converted once. ``.t()`` is a transposed
     view that shares the cache. ``finite=True`` (known, e.g., from the quantized tensor's amax)
-    lets the upcast skip its inf/NaN check; None means unknown.
+    lets the upcast skip its inf/NaN check; None means unknown. ``dequantized``: the exact values
+    already at hand (e.g. from `saturating_cast_dequantized`), put in the cache.
     """
 
     __slots__ = ("_base", "scale_inv", "_transposed", "_cache", "finite")
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, finite: bool | None = None):
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, finite: bool | None = None,
+                 dequantized: torch.Tensor | None = None):
         if data.dtype not in FP8_DTYPES or data.dim() != 2:
             raise TypeError(f"an FP8Operand is a 2-D float8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
         self._base = data
         self.scale_inv = scale_inv
         self._transposed = False
         self._cache: dict[torch.dtype, torch.Tensor] = {}
+        if dequantized is not None:
+            self._cache[dequantized.dtype] = dequantized
         self.finite = finite
 
     @property
@@ -141,13 +145,18 @@ def fp8_mm(
     backend = choose_backend(a.device, backend)
     if backend == "scaled_mm" and not (a.device.type == "cuda" and a.dtype == b.dtype == torch.float8_e5m2):
         return _scaled_mm(a, b, out_dtype, bias)
-    compute = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    compute = emulation_dtype(out_dtype)
     a_hp, b_hp = a.dequantize(compute), b.dequantize(compute)
     if bias is None:
         out = torch.mm(a_hp, b_hp)
     else:
         out = torch.addmm(bias.to(compute), a_hp, b_hp)
     return out.to(out_dtype)
+
+
+def emulation_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the emulated backend upcasts FP8 operands to for an ``out_dtype`` result."""
+    return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
 
 
 def _round_up(n: int, multiple: int = 16) -> int:

@@ -41,7 +41,7 @@ DTYPE_CODES = {
 }
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "fp8_cast": [_p, _int, _i64, _f32, _p, _int, _p, _int],
+    "fp8_cast": [_p, _int, _i64, _f32, _p, _int, _p, _p, _int, _f32, _int],
     "fp8_upcast": [_p, _int, _i64, _f32, _p, _int, _int],
     "adam_step": [_i64, _p, _p, _p, _p, _p, _p, _int, _p, _int],
     "stored_amax": [_i64, _p, _p, _p, _p, _int],
@@ -118,18 +118,21 @@ def supports(t: torch.Tensor) -> bool:
     return t.is_cpu and t.dtype in DTYPE_CODES and t.is_contiguous()
 
 
-def cast(x: torch.Tensor, scale: float, dtype: torch.dtype, fmax: float, with_amax: bool):
-    """``round(clamp(x * scale, -fmax, fmax))`` as ``dtype`` (``fmax`` is the format's largest
-    value: the kernel knows it from ``dtype``), and the exact amax of ``x`` as a float32 0-d
-    tensor (NaN where one is NaN) when asked, else None. ``x``: see `supports`."""
-    del fmax  # documented for the reader; the kernel takes it from the dtype
+def cast(x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool,
+         dequantized: torch.dtype | None = None, scale_inv: float = 1.0):
+    """``round(clamp(x * scale))`` as ``dtype`` (clamped to the format's range), the exact amax of
+    ``x`` as a float32 0-d tensor when asked (NaN where one is NaN), and with ``dequantized`` a
+    ``dequantized`` copy of the stored values times ``scale_inv``; None for what is not asked.
+    ``x``: see `supports`."""
     out = torch.empty(x.shape, dtype=dtype)
     amax = torch.empty((), dtype=torch.float32) if with_amax else None
+    deq = torch.empty(x.shape, dtype=dequantized) if dequantized is not None else None
     library().fp8_cast(
         x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), scale, out.data_ptr(), DTYPE_CODES[dtype],
-        amax.data_ptr() if with_amax else None, torch.get_num_threads(),
+        amax.data_ptr() if with_amax else None, deq.data_ptr() if deq is not None else None,
+        DTYPE_CODES[dequantized] if deq is not None else 0, scale_inv, torch.get_num_threads(),
     )
-    return out, amax
+    return out, amax, deq
 
 
 def upcast(data: torch.Tensor, scale_inv: float, dtype: torch.dtype) -> torch.Tensor:

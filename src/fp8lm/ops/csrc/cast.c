@@ -20,9 +20,11 @@ static void block_range(int64_t n, int64_t *lo, int64_t *hi) {
     if (*hi > n) *hi = n;
 }
 
-/* amax_out may be NULL (no amax wanted). Returns 0. */
+/* amax_out may be NULL (no amax wanted). deq (NULL for none) receives the stored values read back,
+   dst * deq_scale_inv as deq_dtype: what an emulated FP8 GEMM multiplies, without a second pass.
+   Returns 0. */
 int fp8_cast(const void *src, int src_dtype, int64_t n, float scale, void *dst, int dst_dtype, float *amax_out,
-             int n_threads) {
+             void *deq, int deq_dtype, float deq_scale_inv, int n_threads) {
     uint32_t maxima[MAX_THREADS] = {0};
     n_threads = threads_for(n, n_threads > MAX_THREADS ? MAX_THREADS : n_threads);
     const float fmax = format_max(dst_dtype);
@@ -46,6 +48,11 @@ int fp8_cast(const void *src, int src_dtype, int64_t n, float scale, void *dst, 
             }
             scale_clamp(buf, len, scale, fmax);
             encode(dst_dtype, buf, (char *)dst + s * out_size, len);
+            if (deq) {
+                decode(dst_dtype, (const char *)dst + s * out_size, buf, len);
+                for (int64_t k = 0; k < len; k++) buf[k] *= deq_scale_inv;
+                encode(deq_dtype, buf, (char *)deq + s * itemsize(deq_dtype), len);
+            }
         }
         maxima[omp_get_thread_num()] = mx;
     }
