@@ -144,7 +144,7 @@ def test_delayed_and_current_scaling():
     # current scaling fits the last tensor; delayed keeps a window of the last 4 amaxes
     last_amax = x.abs().max()
     assert torch.equal(current.input_meta.scale, fp8lm.compute_scale(last_amax, fp8lm.E4M3))
-    assert torch.equal(delayed.input_meta.amax_history[0], last_amax)
+    assert torch.equal(delayed.input_meta.last_amax, last_amax)
 
 
 def test_high_precision_fallback_switch():

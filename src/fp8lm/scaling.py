@@ -68,6 +68,9 @@ class ScalingMeta:
     ``history_len`` > 0 is delayed scaling: the scale for this step comes from the max over the
     last ``history_len`` amaxes, which were recorded by earlier steps. ``history_len == 0`` is
     current (just-in-time) scaling: the scale comes from the tensor itself.
+
+    ``amax_history`` is a ring buffer: the amax of recorded step ``k`` sits at ``k % history_len``
+    (only the max over it matters; writing in place spares the shift of every step).
     """
 
     fmt: Format
@@ -89,6 +92,11 @@ class ScalingMeta:
     @property
     def scale_inv(self) -> torch.Tensor:
         return self.scale.reciprocal()
+
+    @property
+    def last_amax(self) -> torch.Tensor:
+        """The amax recorded last (0-d view into the history)."""
+        return self.amax_history[(self.step - 1) % self.amax_history.numel() if self.delayed else 0]
 
     @property
     def scale_known_in_advance(self) -> bool:
@@ -115,8 +123,7 @@ class ScalingMeta:
 
     def record(self, amax: torch.Tensor) -> None:
         """Delayed scaling: add a tensor's amax to the history and derive the next scale."""
-        self.amax_history = torch.roll(self.amax_history, 1)
-        self.amax_history[0] = amax
+        self.amax_history[self.step % self.amax_history.numel()] = amax
         self.scale = compute_scale(self.amax_history.amax(), self.fmt, self.margin, self.scale)
         self.step += 1
 

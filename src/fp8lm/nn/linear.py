@@ -65,7 +65,7 @@ def _cast_operand(x: torch.Tensor, meta: ScalingMeta, emulated_as: torch.dtype |
         meta.record(x_amax)
     else:
         scale = meta.scale_for(x)
-        x_amax = meta.amax_history[0].clone()
+        x_amax = meta.last_amax.clone()
         if emulated_as is None:
             data, deq = saturating_cast(x, scale, meta.fmt), None
         else:
