@@ -50,11 +50,16 @@ def test_cast_equals_torch_on_format_edges(src, dst, scale):
 
 
 @pytest.mark.parametrize("dst", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_cast_of_every_fp16_value(dst):
-    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+@pytest.mark.parametrize("src", [torch.float16, torch.bfloat16], ids=str)
+def test_cast_of_every_16_bit_value(src, dst):
+    """Every FP16 / BF16 bit pattern; BF16 takes the AVX-512 loop where the CPU has it, with the
+    read-back and the amax."""
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(src)
     for scale in (1.0, 2.0**-3, 2.0**4):
-        out, _, _ = native.cast(x, scale, dst, with_amax=False)
+        out, amax, deq = native.cast(x, scale, dst, with_amax=True, dequantized=torch.bfloat16, scale_inv=1 / scale)
         assert _same(out, _eager_cast(x, torch.tensor(scale), FMAX[dst], dst))
+        assert _same(deq, (out.to(torch.float32) / scale).to(torch.bfloat16))
+        assert torch.isnan(amax)  # NaN bit patterns are among them
 
 
 @pytest.mark.parametrize("n", [1, 511, 513, 100_003, 1 << 20])

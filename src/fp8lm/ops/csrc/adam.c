@@ -85,50 +85,6 @@ static void update_block(const Step *st, int64_t t, int64_t start, int64_t len) 
    a time, with the same operations in the same order. (An AVX2 version of it, 8 wide, measured
    slower than the block path's auto-vectorized loops.) */
 #if defined(__AVX512F__) && defined(__AVX2__)
-static inline __m512 load_f32(const void *p, int64_t i) { return _mm512_loadu_ps((const float *)p + i); }
-
-static inline __m512 load_f16(const void *p, int64_t i) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-}
-
-static inline __m512 load_e4m3(const void *p, int64_t i) {
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)p + i)));
-    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-}
-
-static inline void store_f32(void *p, int64_t i, __m512 x) { _mm512_storeu_ps((float *)p + i, x); }
-
-static inline void store_f16(void *p, int64_t i, __m512 x) {
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-}
-
-/* `fp8_code` for E4M3, 16 lanes. */
-static inline void store_e4m3(void *p, int64_t i, __m512 y) {
-    __m512i u = _mm512_castps_si512(y);
-    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
-    __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF)), odd), 20),
-                                      _mm512_set1_epi32(120 << 3));
-    __m512 magic = _mm512_set1_ps(16384.0f);
-    __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), magic)),
-                                         _mm512_castps_si512(magic));
-    __m512i code = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(121 << 23)), normal, subnormal);
-    code = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)), code, _mm512_set1_epi32(0x7F));
-    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80)));
-    _mm_storeu_si128((__m128i *)((uint8_t *)p + i), _mm512_cvtepi32_epi8(code));
-}
-
-static inline __m512 clamp16(__m512 y, __m512 fmax) {
-    /* max/min return their second operand when one is NaN: NaN stays NaN, like `scale_clamp`. */
-    return _mm512_min_ps(fmax, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), fmax), y));
-}
-
-static inline __m512i magnitude_max16(__m512i acc, __m512 y) {
-    return _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF)));
-}
-
 #define FUSED_STEP(NAME, LOAD_W, LOAD_G, STORE_W)                                                     \
     static int64_t NAME(const Step *st, int64_t t, int64_t start, int64_t len) {                      \
         void *const *p = st->ptrs + 4 * t;                                                            \

@@ -181,6 +181,60 @@ static inline float stored_amax_of(int dtype, float y) {
 }
 
 
+/* -- 16 lanes at a time (AVX-512): the fused loops of cast.c and adam.c ------------------------- */
+#if defined(__AVX512F__) && defined(__AVX2__)
+static inline __m512 load_f32(const void *p, int64_t i) { return _mm512_loadu_ps((const float *)p + i); }
+
+static inline __m512 load_f16(const void *p, int64_t i) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+}
+
+static inline __m512 load_e4m3(const void *p, int64_t i) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)p + i)));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+static inline void store_f32(void *p, int64_t i, __m512 x) { _mm512_storeu_ps((float *)p + i, x); }
+
+static inline void store_f16(void *p, int64_t i, __m512 x) {
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* `fp8_code` for 16 lanes (FP8 with `mbits` mantissa bits and exponent bias `bias`), as int32 lanes. */
+static inline __m512i fp8_codes16(__m512 y, int mbits, int bias) {
+    const int cut = 23 - mbits;
+    __m512i u = _mm512_castps_si512(y);
+    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, cut), _mm512_set1_epi32(1));
+    __m512i normal = _mm512_sub_epi32(
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32((1 << (cut - 1)) - 1)), odd), cut),
+        _mm512_set1_epi32((127 - bias) << mbits));
+    __m512 magic = _mm512_set1_ps(f32_of((uint32_t)(127 + 23 + 1 - bias - mbits) << 23));
+    __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), magic)),
+                                         _mm512_castps_si512(magic));
+    __m512i code = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(a, _mm512_set1_epi32((127 + 1 - bias) << 23)),
+                                           normal, subnormal);
+    code = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)), code, _mm512_set1_epi32(0x7F));
+    return _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80)));
+}
+
+static inline void store_e4m3(void *p, int64_t i, __m512 y) {
+    _mm_storeu_si128((__m128i *)((uint8_t *)p + i), _mm512_cvtepi32_epi8(fp8_codes16(y, 3, 7)));
+}
+
+static inline __m512 clamp16(__m512 y, __m512 fmax) {
+    /* max/min return their second operand when one is NaN: NaN stays NaN, like `scale_clamp`. */
+    return _mm512_min_ps(fmax, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), fmax), y));
+}
+
+static inline __m512i magnitude_max16(__m512i acc, __m512 y) {
+    return _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+
+#endif
+
 /* Threads: torch's OpenMP pool (the same libgomp), at most one per 16 blocks of work. */
 static inline int threads_for(int64_t total, int n_threads) {
     int64_t useful = total / (BLOCK * 16);
