@@ -101,3 +101,13 @@ def test_cast_reads_back_the_stored_values(fmt_dtype, deq):
     out, _, got = native.cast(x, scale, fmt_dtype, with_amax=False, dequantized=deq, scale_inv=1 / scale)
     assert _same(out, _eager_cast(x, torch.tensor(scale), FMAX[fmt_dtype], fmt_dtype))
     assert _same(got, (out.to(torch.float32) / scale).to(deq))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_amax_is_exact(dtype):
+    from fp8lm.ops.cast import amax
+
+    x = (torch.randn(70_001) * 30).clamp(-440, 440).to(dtype)
+    assert native.amax(x).item() == x.float().abs().max().item() == amax(x).item()
+    x[123] = float("nan")
+    assert torch.isnan(native.amax(x))

@@ -109,7 +109,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         b = None if bias is None else bias.detach()
         with torch.autocast(device_type, enabled=False):
             y = fp8_mm(x_op, w_op.t(), out_dtype, bias=b, backend=layer.backend)
-        y = _propagate_nonfinite(y, torch.maximum(x_amax, w_amax), x_op.finite and w_op.finite)
+        if not (x_op.finite and w_op.finite):
+            y = _propagate_nonfinite(y, torch.maximum(x_amax, w_amax), None)
 
         ctx.layer = layer
         ctx.out_dtype = out_dtype
@@ -216,8 +217,9 @@ class FP8Linear(nn.Module):
     def _store_weight_grad(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.weight_grad_format == FP32:
             return grad.to(dtype)
-        stored = quantize(grad, self.weight_grad_format)
-        return ScalingTensor(stored.payload, stored.scale, dtype)
+        fmt = self.weight_grad_format
+        scale = compute_scale(amax(grad), fmt)  # quantize's steps, presenting the weight's dtype
+        return ScalingTensor(saturating_cast(grad, scale, fmt), scale, dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, **options) -> "FP8Linear":

@@ -30,6 +30,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """Largest absolute value of ``x`` as a float32 scalar tensor (0 for an empty tensor)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    if native.supports(x) and not torch.compiler.is_compiling() and native.available():
+        return native.amax(x)
     if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         x = x.to(torch.float16)  # aminmax has no float8 kernel; every FP8 value is exact in FP16
     # One vectorised pass; measured ~15x faster on CPU than abs().amax() or an inf-norm.

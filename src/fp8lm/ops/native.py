@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["library", "available", "supports", "cast", "upcast", "DTYPE_CODES"]
+__all__ = ["library", "available", "supports", "cast", "amax", "upcast", "DTYPE_CODES"]
 
 _CSRC = Path(__file__).with_name("csrc")
 # -ffp-contract=off: no fused multiply-add, so the results equal torch's eager float32 arithmetic.
@@ -133,6 +133,17 @@ def cast(x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool,
         DTYPE_CODES[dequantized] if deq is not None else 0, scale_inv, torch.get_num_threads(),
     )
     return out, amax, deq
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """Exact ``x.abs().amax()`` as a float32 0-d tensor (NaN or inf where one is held): an integer
+    max over the magnitude bits, one call. ``x``: see `supports`, non-empty."""
+    ptr = ctypes.c_void_p(x.data_ptr())
+    dtype, numel = ctypes.c_int32(DTYPE_CODES[x.dtype]), ctypes.c_int64(x.numel())
+    out = torch.empty((), dtype=torch.float32)
+    library().stored_amax(1, ctypes.byref(ptr), ctypes.byref(dtype), ctypes.byref(numel), out.data_ptr(),
+                          torch.get_num_threads())
+    return out
 
 
 def upcast(data: torch.Tensor, scale_inv: float, dtype: torch.dtype) -> torch.Tensor:
