@@ -129,6 +129,9 @@ class ScalingTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _VIEW_OPS or func in _COPY_OPS:
+            if func is aten.detach.default:  # autograd detaches every gradient it stores: skip the pytree walk
+                src = args[0]
+                return ScalingTensor(src._data.detach(), src._scale, src.dtype)
             return _payload_op(func, args, kwargs, copy=func in _COPY_OPS)
         if func is aten._to_copy.default:
             return _to_copy(args[0], **kwargs)
