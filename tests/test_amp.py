@@ -219,3 +219,18 @@ def test_gpt_o1_trains_like_fp32():
         losses[level] = loss.item()
     assert losses["O1"] < 3.5  # from ln(256) = 5.5 at the start
     assert abs(losses["O1"] - losses["fp32"]) / losses["fp32"] < 0.05
+
+
+def test_state_formats_in_optimizer_options_point_to_the_policy():
+    """Under O2 the policy sets the optimizer's state formats per parameter: a format passed in
+    optimizer_options would be overridden, so it is refused with the way to ask for it."""
+    model = nn.Sequential(nn.Linear(32, 32))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"policy=\{'\*': \{'exp_avg_sq': 'E4M3'\}\}"):
+        fp8lm.initialize(model, opt, "O2", optimizer_options={"exp_avg_sq_dtype": "E4M3"})
+    assert isinstance(model[0], nn.Linear)  # nothing changed
+    model, opt = fp8lm.initialize(model, opt, "O2", policy={"*": {"exp_avg_sq": "E4M3"}})
+    x = torch.randn(4, 32)
+    model(x).sum().backward()
+    opt.step()
+    assert opt.state[model[0].weight]["exp_avg_sq"].dtype == torch.float8_e4m3fn

@@ -21,6 +21,8 @@ __all__ = ["initialize"]
 # torch.optim.Adam/AdamW settings with no FP8 counterpart: initialize refuses them when on.
 _UNSUPPORTED_ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 # torch.optim.Adam/AdamW group keys that the FP8 optimizers do not take.
+# FP8Adam arguments that the precision policy sets per parameter (its field for each).
+_STATE_FORMAT_OPTIONS = {"exp_avg_dtype": "exp_avg", "exp_avg_sq_dtype": "exp_avg_sq", "master_dtype": "master"}
 _TORCH_ADAM_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
@@ -88,6 +90,13 @@ def initialize(
         _check_optimizer(model, optimizer, opt_level)
     if optimizer_options and (optimizer is None or opt_level == "O1"):
         raise ValueError("optimizer_options apply to the FP8 optimizer that O2/O3 create; pass an optimizer and O2 or O3")
+    formats = sorted(set(optimizer_options or {}) & set(_STATE_FORMAT_OPTIONS))
+    if formats:
+        fields = ", ".join(f"{_STATE_FORMAT_OPTIONS[k]!r}: {optimizer_options[k]!r}" for k in formats)
+        raise ValueError(
+            f"optimizer_options cannot set {', '.join(formats)}: under {opt_level} the state formats come from "
+            f"the precision policy, per parameter; pass policy={{'*': {{{fields}}}}} instead"
+        )
 
     # -- build (nothing of the user's is changed yet) ------------------------------------------
     modules = dict(model.named_modules())
