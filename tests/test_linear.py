@@ -266,3 +266,34 @@ def test_empty_batch():
     assert y.shape == (0, 16)
     y.sum().backward()
     assert x.grad.shape == (0, 32)
+
+
+def test_model_with_more_fp8_layers_than_the_recompile_limit_compiles_once_not_per_layer():
+    """Each FP8Linear runs outside the compiled graph: a compiled model with more of them than
+    torch.compile's recompile limit (8) compiles the layer's frame once per input kind (here: with
+    and without requires_grad), not once per layer, and the FP8 results equal eager ones."""
+    import copy
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(10):
+        layers += [FP8Linear(32, 32), nn.GELU()]
+    model = nn.Sequential(*layers)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model)
+    x = torch.randn(16, 32)
+    for _ in range(3):  # the delayed scales change between calls: no recompile for that either
+        out = compiled(x)
+        out.sum().backward()
+        ref = eager(x)
+        ref.sum().backward()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    from fp8lm.nn.linear import _FP8LinearFunction
+
+    for code in (FP8Linear.forward.__code__, _FP8LinearFunction.forward.__code__):
+        assert len(_debug_get_cache_entry_list(code)) <= 2
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad.dequantize() if isinstance(a.grad, fp8lm.ScalingTensor) else a.grad,
+                                   b.grad.dequantize() if isinstance(b.grad, fp8lm.ScalingTensor) else b.grad)

@@ -26,7 +26,7 @@ def compute_scale(
     """
     if isinstance(amax, torch.Tensor) and amax.device.type == "cpu" and amax.numel() == 1 and (
         previous is None or previous.numel() == 1
-    ):
+    ) and not torch.compiler.is_compiling():  # traced, a Python float would specialize the graph on its value
         return _scalar_scale(float(amax), fmt, margin, previous, amax.shape)
     return pow2_scale(torch.as_tensor(amax, dtype=torch.float32), fmt.max, margin, previous)
 

@@ -39,8 +39,11 @@ SCALING_MODES = ("delayed", "current")
 
 
 def _finite_hint(amax_value: torch.Tensor) -> bool | None:
-    """Whether a tensor with this amax is finite, where asking costs no device sync (CPU)."""
-    return math.isfinite(amax_value.item()) if amax_value.device.type == "cpu" else None
+    """Whether a tensor with this amax is finite, where asking costs no device sync (CPU) and does
+    not make torch.compile specialize on the value."""
+    if amax_value.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return math.isfinite(amax_value.item())
 
 
 def _propagate_nonfinite(out: torch.Tensor, amax_value: torch.Tensor, finite: bool | None) -> torch.Tensor:
@@ -148,6 +151,13 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+# Inside a torch.compile-d model the layer runs as compiled-out eager code: traced, its autograd
+# Function would be compiled once per layer (guards on the layer object), and a model has more
+# FP8 layers than torch.compile's recompile limit (measured: the limit hit at 17 layers, then eager
+# anyway). Its casts are fused kernels of their own (the C kernels on CPU, compiled ones on CUDA).
+_fp8_linear = torch.compiler.disable(_FP8LinearFunction.apply, recursive=True)
+
+
 class FP8Linear(nn.Module):
     """``nn.Linear`` with FP8 GEMMs, FP8 weight gradient and a low-precision weight.
 
@@ -244,7 +254,7 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled or self.high_precision or x.numel() == 0:  # an empty batch has no amax to scale by
             return F.linear(x, self.weight, self.bias)
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, self)
+        return _fp8_linear(x, self.weight, self.bias, self)
 
     # -- checkpoints: plain tensors in the original layout ----------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -182,7 +182,9 @@ def upcast(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, fini
     scale_inv = scale_inv.to(device=data.device, dtype=torch.float32)
     if data.dtype in _BIT_LAYOUT and dtype in native.DTYPE_CODES and _native_ok(data, scale_inv, dtype):
         return native.upcast(data, scale_inv.item(), dtype)
-    if data.device.type != "cpu" or data.dtype not in _BIT_LAYOUT:
+    if data.device.type != "cpu" or data.dtype not in _BIT_LAYOUT or torch.compiler.is_compiling():
+        # Traced, the plain expression compiles to one kernel (the bit rebuild's inf/NaN check
+        # below would break the graph).
         return (data.to(torch.float32) * scale_inv).to(dtype)
     shift, mask, factor, first_nonfinite = _BIT_LAYOUT[data.dtype]
     bits = data.view(torch.int8).to(torch.int16)
