@@ -19,7 +19,9 @@ def setup(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, in
 
     ``backend`` defaults to NCCL when CUDA is available, gloo otherwise. ``timeout_s`` bounds
     every collective: when a rank dies, the others fail with an error instead of waiting forever.
-    Calling it again once initialized returns the current (rank, world size).
+    Calling it again once initialized returns the current (rank, world size). In a worker that
+    ``torchrun --max-restarts`` started again, the process group's keys get a prefix of their own
+    (see `_init_restarted`).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -34,8 +36,26 @@ def setup(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, in
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt > 0:
+        _init_restarted(backend, attempt, timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _init_restarted(backend: str, attempt: int, timeout: timedelta) -> None:
+    """Join the process group in a worker that torchrun restarted. Its agent keeps one store for
+    all attempts, and the process group's keys carry no attempt number: a restarted gloo rank can
+    read a dead rank's address and fail to connect ("Connection refused", measured with torch
+    2.13). The keys of each attempt get their own prefix here."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"fp8lm/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def is_distributed() -> bool:

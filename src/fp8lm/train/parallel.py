@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,28 +48,8 @@ def join() -> Ranks:
     environment) is joined once; without torchrun, a single process."""
     if "WORLD_SIZE" not in os.environ:
         return Ranks()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt > 0 and not dist.is_initialized():
-        _init_restarted(attempt)
     rank, world = setup(timeout_s=COLLECTIVE_TIMEOUT_S)
     return Ranks(rank, world)
-
-
-def _init_restarted(attempt: int) -> None:
-    """Join the process group in a worker that torchrun restarted. Its agent keeps one store for
-    all attempts, and the process group's keys carry no attempt number: a restarted gloo rank can
-    read a dead rank's address and fail to connect ("Connection refused", measured with torch
-    2.13). The keys of each attempt get their own prefix here."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"  # as fp8lm.distributed.setup chooses
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"fp8lm/attempt_{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
 
 
 def restarts_allowed() -> bool:
