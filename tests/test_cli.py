@@ -84,6 +84,8 @@ def test_bad_inputs_give_one_clear_line_and_leave_nothing_complete(tmp_path, cac
         "does not exist": ["train", *TINY, "--data", str(tmp_path / "missing"), "--out", str(out)],
         "holds no non-empty text files": ["train", *TINY, "--data", str(empty), "--out", str(out)],
         "unknown opt level(s) O7": ["compare", *TINY, "--levels", "bf16,O7", "--out", str(out)],
+        "--grad-sync-scaling sets the FP8 gradient all-reduce of O1/O2 (this run is bf16)":
+            ["train", *TINY, "--grad-sync-scaling", "shared", "--out", str(out)],
         "needs the 'datasets' package": ["train", *TINY, "--hf-dataset", "wikitext", "--out", str(out)],
     }
     if _importable("datasets"):

@@ -175,3 +175,20 @@ def test_resuming_at_another_rank_count_is_one_clear_error(uninterrupted, work, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "written by 2 rank(s), this run has 1" in err and "--nproc_per_node 2" in err
     assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_shared_grad_sync_scaling_logs_mu_and_must_be_resumed_alike(work):
+    """--grad-sync-scaling shared: FP8DataParallel's shared per-bucket scale with the automatic
+    factor mu, logged every step; a resume with the other scaling is one clear error."""
+    out = work / "shared"
+    args = ["-m", "fp8lm.cli", "train", "--opt-level", "O2", "--grad-sync-scaling", "shared",
+            *run_options(out, work / "cache")]
+    check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train_loss" in r]
+    assert len(steps) == STEPS and all(r["grad_sync_mu"] and all(mu > 0 for mu in r["grad_sync_mu"]) for r in steps)
+    assert all(r["train_loss"] == r["train_loss"] for r in steps)  # finite: no NaN
+    args = ["-m", "fp8lm.cli", "train", "--opt-level", "O2", *run_options(out, work / "cache", "--resume"),
+            "--steps", str(STEPS + 4)]
+    proc = subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode != 0 and "resume with --grad-sync-scaling shared" in proc.stdout + proc.stderr

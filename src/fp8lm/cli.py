@@ -15,7 +15,7 @@ from .bench import BENCHMARKS, DEFAULT, BenchError, run_benchmark, scripts_dir
 from .telemetry import KINDS
 from .train.checkpoint import CheckpointError
 from .train.compare import compare, parse_levels
-from .train.config import OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
+from .train.config import GRAD_SYNC_SCALINGS, OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
 from .train.data import DataError
 from .train.loop import train
 from .train.model import MLP_KINDS, PRESETS
@@ -72,6 +72,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     n.add_argument("--telemetry-every", type=int, default=d.telemetry_every,
                    help="record FP8 telemetry (amax, scale, underflow, saturation of every FP8 layer's tensors) to "
                         "OUT/telemetry.jsonl every N steps; 0 = off (default: %(default)s)")
+    n.add_argument("--grad-sync-scaling", choices=GRAD_SYNC_SCALINGS, default=d.grad_sync_scaling,
+                   help="O1/O2 under torchrun: scaling of the FP8 gradient all-reduce. local: each rank scales its "
+                        "own tensors, sums in FP32; shared: one scale per bucket with the automatic factor mu of "
+                        "FP8-LM, logged as grad_sync_mu (default: %(default)s)")
     n.add_argument("--fallback", action="store_true",
                    help="move a layer to BF16 while its telemetry shows too much underflow or saturation, and back "
                         "(fp8lm.fallback; switches logged to metrics.jsonl)")
@@ -87,6 +91,7 @@ def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, out=args.out, save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, init_from=args.init_from,
         progress=not args.no_progress, telemetry_every=args.telemetry_every, fallback=args.fallback,
+        grad_sync_scaling=args.grad_sync_scaling,
     )
 
 

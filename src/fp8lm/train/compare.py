@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import atomic_write_bytes, list_checkpoints
-from .config import FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
+from .config import FP8_DATA_PARALLEL_LEVELS, FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
 from .loop import check_output, train
 from .parallel import join
 from .report import format_table, plot_losses, read_metrics, rel_gap
@@ -31,7 +31,9 @@ def parse_levels(spec: str) -> list[str]:
 def _level_config(cfg: TrainConfig, level: str, out: Path) -> TrainConfig:
     run = replace(cfg, opt_level=level, out=str(out / level), cache_dir=cfg.cache_dir or str(out / "cache"),
                   # FP8-optimizer options (the second moment's format) go to the O2/O3 runs alone
-                  exp_avg_sq=cfg.exp_avg_sq if level in FP8_OPTIMIZER_LEVELS else None)
+                  exp_avg_sq=cfg.exp_avg_sq if level in FP8_OPTIMIZER_LEVELS else None,
+                  # the FP8 gradient all-reduce's scaling goes to the O1/O2 runs alone
+                  grad_sync_scaling=cfg.grad_sync_scaling if level in FP8_DATA_PARALLEL_LEVELS else "local")
     if cfg.resume:  # a level that had not started yet when the comparison stopped starts now
         run.resume = bool(list_checkpoints(Path(run.out) / "checkpoints"))
     return run

@@ -25,6 +25,8 @@ OPT_LEVELS = ("fp32", "bf16", "O1", "O2", "O3")
 SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
 FP8_LEVELS = ("O1", "O2", "O3")
 FP8_OPTIMIZER_LEVELS = ("O2", "O3")  # the levels that replace AdamW by fp8lm.optim.FP8AdamW
+FP8_DATA_PARALLEL_LEVELS = ("O1", "O2")  # under torchrun: fp8lm.distributed.FP8DataParallel
+GRAD_SYNC_SCALINGS = ("local", "shared")
 
 
 class RunError(ValueError):
@@ -77,6 +79,8 @@ class TrainConfig:
     # FP8 numerics
     telemetry_every: int = 100  # record FP8 telemetry every N steps; 0 = off
     fallback: bool = False  # move layers to BF16 (and back) by telemetry (fp8lm.fallback)
+    # O1/O2 under torchrun: scaling of the FP8 gradient all-reduce (fp8lm.distributed.FP8DataParallel)
+    grad_sync_scaling: str = "local"
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
     def model_config(self) -> GPTConfig:
@@ -109,6 +113,11 @@ class TrainConfig:
                 raise RunError(f"--exp-avg-sq sets the FP8 optimizer's second moment, which only {'/'.join(FP8_OPTIMIZER_LEVELS)} have (this run is {self.opt_level})")
             if self.exp_avg_sq.upper() not in SECOND_MOMENT_FORMATS:
                 raise RunError(f"unknown --exp-avg-sq format {self.exp_avg_sq!r}: use one of {', '.join(SECOND_MOMENT_FORMATS)}")
+        if self.grad_sync_scaling not in GRAD_SYNC_SCALINGS:
+            raise RunError(f"unknown --grad-sync-scaling {self.grad_sync_scaling!r}: use one of {', '.join(GRAD_SYNC_SCALINGS)}")
+        if self.grad_sync_scaling != "local" and self.opt_level not in FP8_DATA_PARALLEL_LEVELS:
+            raise RunError(f"--grad-sync-scaling sets the FP8 gradient all-reduce of {'/'.join(FP8_DATA_PARALLEL_LEVELS)} "
+                           f"(this run is {self.opt_level})")
         if self.fallback and (self.opt_level not in FP8_LEVELS or self.telemetry_every == 0):
             raise RunError(f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
                            f"{self.opt_level}) and --telemetry-every >= 1 (got {self.telemetry_every})")

@@ -172,6 +172,12 @@ def _check_resume(cfg: TrainConfig, state: dict, model: GPT, ranks: Ranks) -> No
         )
     if state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {state['path']!r} has format {state.get('format')!r}, this version reads {CHECKPOINT_FORMAT!r}")
+    saved_scaling = (state.get("data_parallel") or {}).get("scaling")
+    if saved_scaling is not None and saved_scaling != cfg.grad_sync_scaling:
+        raise CheckpointError(
+            f"checkpoint {state['path']!r} was trained with --grad-sync-scaling {saved_scaling}, not "
+            f"{cfg.grad_sync_scaling}; resume with --grad-sync-scaling {saved_scaling}"
+        )
     saved_world = len(state["ranks"])
     if saved_world != ranks.world:
         launch = f"torchrun --nproc_per_node {saved_world}" if saved_world > 1 else "one process (no torchrun)"
@@ -213,7 +219,8 @@ def train(cfg: TrainConfig) -> dict | None:
         _check_resume(cfg, resume, model, ranks)
     model.to(device)
     optimizer = _build_optimizer(model, cfg)
-    model, optimizer = wrap_for_level(model, optimizer, cfg.opt_level, FP8_LEVELS, ranks, cfg.initialize_options())
+    model, optimizer = wrap_for_level(model, optimizer, cfg.opt_level, FP8_LEVELS, ranks, cfg.initialize_options(),
+                                      grad_sync_scaling=cfg.grad_sync_scaling)
     core = unwrap(model)
     sharded = is_sharded(optimizer)
 
@@ -290,6 +297,8 @@ def train(cfg: TrainConfig) -> dict | None:
                       "tokens": done * tokens_per_step}
             if ranks.distributed:
                 record["comm_bytes"] = step_bytes
+                if cfg.grad_sync_scaling == "shared":  # the all-reduce's automatic scaling factor, per bucket
+                    record["grad_sync_mu"] = [b["mu"] for b in model.autoscale_stats()]
             if telemetry is not None and telemetry.sampled(step):
                 _telemetry_step(done, records, fallback, telemetry, record, logs, bar, ranks)
             if done % cfg.eval_every == 0 or done == cfg.steps:

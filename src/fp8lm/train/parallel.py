@@ -58,10 +58,12 @@ def restarts_allowed() -> bool:
 
 
 def wrap_for_level(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str, fp8_levels,
-                   ranks: Ranks, initialize_options: dict) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Convert and parallelize ``model``/``optimizer`` for ``opt_level`` (see the module docstring)."""
+                   ranks: Ranks, initialize_options: dict, grad_sync_scaling: str = "local",
+                   ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Convert and parallelize ``model``/``optimizer`` for ``opt_level`` (see the module docstring);
+    ``grad_sync_scaling`` is `FP8DataParallel`'s ``scaling``."""
     if opt_level in fp8_levels:
-        return wrap(model, optimizer, opt_level, **initialize_options)
+        return wrap(model, optimizer, opt_level, scaling=grad_sync_scaling, **initialize_options)
     if ranks.distributed:
         return nn.parallel.DistributedDataParallel(model), optimizer
     return model, optimizer
