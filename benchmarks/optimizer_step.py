@@ -24,6 +24,7 @@ import time
 import torch
 
 import fp8lm
+from common import machine
 from fp8lm.optim import FP8AdamW
 
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -188,6 +189,8 @@ def main() -> None:
             r["time_ratio_vs_torch_best"] = r["step_ms"] / torch_best["step_ms"]
             r["state_memory_ratio_vs_torch"] = r["state_bytes"] / torch_best["state_bytes"]
     print(json.dumps({
+        "benchmark": "optimizer_step",
+        "machine": machine(),
         "device": dev,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
