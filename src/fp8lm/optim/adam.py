@@ -21,10 +21,12 @@ state of the model. Its new scales are set before the pass, from a-priori bounds
 integer reductions) and Adam's bound on its update ratio (`adam_ratio_bound`); the pass dequantizes,
 updates and writes the state requantized. Tensors with an FP8 second moment first take an exact
 amax pass (its range is too small to give up a binade). A non-finite gradient or bound anywhere is
-found before anything is written, and the step is skipped as a whole. The passes are
-`torch.compile`-d (dynamic shapes: one graph per combination of dtypes, whatever the tensor sizes)
-or run eagerly on bounded chunks (``compiled=False``). docs/optimizer.md has the reasoning and the
-measurements.
+found before anything is written, and the step is skipped as a whole. On CPUs the passes over all
+tensors are one call into fp8lm's C kernel (`fp8lm.optim.native`), which also measures the amaxes
+of what it stores so the next step need not re-read the state; elsewhere they are
+`torch.compile`-d per tensor (dynamic shapes: one graph per combination of dtypes, whatever the
+tensor sizes); ``compiled=False`` runs them eagerly on bounded chunks. docs/optimizer.md has the
+reasoning and the measurements.
 """
 
 from __future__ import annotations
