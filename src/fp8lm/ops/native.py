@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["library", "available", "supports", "cast", "amax", "upcast", "DTYPE_CODES"]
+__all__ = ["library", "available", "supports", "pointers", "check", "cast", "amaxes", "amax", "upcast", "DTYPE_CODES"]
 
 _CSRC = Path(__file__).with_name("csrc")
 # -ffp-contract=off: no fused multiply-add, so the results equal torch's eager float32 arithmetic.
@@ -135,15 +135,32 @@ def cast(x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool,
     return out, amax, deq
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """Exact ``x.abs().amax()`` as a float32 0-d tensor (NaN or inf where one is held): an integer
-    max over the magnitude bits, one call. ``x``: see `supports`, non-empty."""
-    ptr = ctypes.c_void_p(x.data_ptr())
-    dtype, numel = ctypes.c_int32(DTYPE_CODES[x.dtype]), ctypes.c_int64(x.numel())
-    out = torch.empty((), dtype=torch.float32)
-    library().stored_amax(1, ctypes.byref(ptr), ctypes.byref(dtype), ctypes.byref(numel), out.data_ptr(),
-                          torch.get_num_threads())
+def pointers(tensors: list[torch.Tensor]):
+    """The kernels' view of ``tensors``: their data pointers and dtype codes (int32 tensor)."""
+    ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    dtypes = torch.tensor([DTYPE_CODES[t.dtype] for t in tensors], dtype=torch.int32)
+    return ptrs, dtypes
+
+
+def check(status: int) -> None:
+    if status != 0:
+        raise MemoryError("fp8lm: a native CPU kernel could not allocate its work buffers")
+
+
+def amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Exact ``abs().amax()`` of each tensor (see `supports`, non-empty) as float32, NaN or inf
+    where one is held: an integer max over the magnitude bits, one call for all."""
+    ptrs, dtypes = pointers(tensors)
+    numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    out = torch.empty(len(tensors), dtype=torch.float32)
+    check(library().stored_amax(len(tensors), ptrs, dtypes.data_ptr(), numels.data_ptr(), out.data_ptr(),
+                                torch.get_num_threads()))
     return out
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """`amaxes` of one tensor, as a 0-d tensor."""
+    return amaxes([x])[0]
 
 
 def upcast(data: torch.Tensor, scale_inv: float, dtype: torch.dtype) -> torch.Tensor:

@@ -10,12 +10,11 @@ unavailable the optimizer uses its torch.compile step.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from ..ops import native as _kernels
-from ..ops.native import DTYPE_CODES, supports
+from ..ops.native import DTYPE_CODES, check, pointers, supports
+from ..ops.native import amaxes as stored_amaxes
 
 __all__ = ["available", "supports", "adam_pass", "stored_amaxes", "DTYPE_CODES"]
 
@@ -23,28 +22,6 @@ __all__ = ["available", "supports", "adam_pass", "stored_amaxes", "DTYPE_CODES"]
 def available() -> bool:
     """Whether the kernel is (or can be) loaded; builds it on the first call."""
     return _kernels.available()
-
-
-def _pointers(tensors: list[torch.Tensor]):
-    ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-    dtypes = torch.tensor([DTYPE_CODES[t.dtype] for t in tensors], dtype=torch.int32)
-    return ptrs, dtypes
-
-
-def _check(status: int) -> None:
-    if status != 0:
-        raise MemoryError("fp8lm: the native Adam kernel could not allocate its work buffers")
-
-
-def stored_amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Exact ``abs().amax()`` of each tensor (contiguous CPU tensors of the `DTYPE_CODES` dtypes) as
-    float32, NaN or inf where one is held: an integer max over the magnitude bits, one call."""
-    ptrs, dtypes = _pointers(tensors)
-    numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
-    out = torch.empty(len(tensors), dtype=torch.float32)
-    _check(_kernels.library().stored_amax(len(tensors), ptrs, dtypes.data_ptr(), numels.data_ptr(), out.data_ptr(),
-                               torch.get_num_threads()))
-    return out
 
 
 def adam_pass(
@@ -58,11 +35,11 @@ def adam_pass(
     payloads (n, 3); otherwise store nothing and return the amaxes of the new values (n, 3), NaN
     where one is NaN. The caller checks `available` first."""
     n = len(tensors)
-    ptrs, dtypes = _pointers([t for group in tensors for t in group])
+    ptrs, dtypes = pointers([t for group in tensors for t in group])
     numels = torch.tensor([group[0].numel() for group in tensors], dtype=torch.int64)
     scales, new_scales, hp = (x.detach().to(torch.float32).contiguous() for x in (scales, new_scales, hp))
     amax = torch.empty(n, 3, dtype=torch.float32)
-    _check(_kernels.library().adam_step(
+    check(_kernels.library().adam_step(
         n, ptrs, dtypes.data_ptr(), numels.data_ptr(), scales.data_ptr(), new_scales.data_ptr(), hp.data_ptr(),
         int(write), amax.data_ptr(), torch.get_num_threads(),
     ))

@@ -98,9 +98,9 @@ static void update_block(const Step *st, int64_t t, int64_t start, int64_t len) 
         const __m512 one_minus_beta2 = _mm512_set1_ps(1.0f - hp[2]);                                  \
         const __m512 inv_bc2 = _mm512_set1_ps(1.0f / hp[7]), step_size = _mm512_set1_ps(hp[0] / hp[6]); \
         const __m512 sw = _mm512_set1_ps(new_sc[0]), sm = _mm512_set1_ps(new_sc[1]);                  \
-        const __m512 sv = _mm512_set1_ps(new_sc[2]), v_zero = _mm512_set1_ps(0x1p-25f);               \
+        const __m512 sv = _mm512_set1_ps(new_sc[2]), v_zero = _mm512_set1_ps(underflow_threshold(F16)); \
         const __m512 max_w = _mm512_set1_ps(format_max(st->dtypes[4 * t]));                           \
-        const __m512 max_m = _mm512_set1_ps(448.0f), max_v = _mm512_set1_ps(65504.0f);                \
+        const __m512 max_m = _mm512_set1_ps(format_max(E4M3)), max_v = _mm512_set1_ps(format_max(F16));  \
         __m512i aw = _mm512_setzero_si512(), am = aw, av = aw;                                        \
         int64_t end = start + len / 16 * 16;                                                          \
         for (int64_t i = start; i < end; i += 16) {                                                   \
@@ -152,10 +152,8 @@ static int64_t fused_part(const Step *st, int64_t t, int64_t start, int64_t len)
 typedef void (*BlockFn)(const void *ctx, int64_t t, int64_t start, int64_t len);
 
 static void for_each_block(int64_t n_tensors, const int64_t *numels, int64_t total, const void *ctx, BlockFn fn) {
-    int64_t blocks = (total + BLOCK - 1) / BLOCK;
-    int i = omp_get_thread_num(), nt = omp_get_num_threads();
-    int64_t lo = blocks * i / nt * BLOCK, hi = blocks * (i + 1) / nt * BLOCK;
-    int64_t offset = 0;
+    int64_t lo, hi, offset = 0;
+    thread_range(total, &lo, &hi);
     for (int64_t t = 0; t < n_tensors && offset < hi; offset += numels[t], t++) {
         int64_t a = lo > offset ? lo - offset : 0;
         int64_t b = hi - offset < numels[t] ? hi - offset : numels[t];

@@ -12,14 +12,6 @@
 
 enum { MAX_THREADS = 256 };
 
-static void block_range(int64_t n, int64_t *lo, int64_t *hi) {
-    int64_t blocks = (n + BLOCK - 1) / BLOCK;
-    int i = omp_get_thread_num(), nt = omp_get_num_threads();
-    *lo = blocks * i / nt * BLOCK;
-    *hi = blocks * (i + 1) / nt * BLOCK;
-    if (*hi > n) *hi = n;
-}
-
 /* -- training's casts in one fused loop (AVX-512) ------------------------------------------------
    BF16 or float32 in, E4M3 or E5M2 out, with the amax and the BF16 read-back: the casts of FP8
    layers' inputs, weights and output gradients. 16 elements at a time in registers, the same
@@ -95,7 +87,7 @@ int fp8_cast(const void *src, int src_dtype, int64_t n, float scale, void *dst, 
         float buf[BLOCK];
         uint32_t mx = 0;
         int64_t lo, hi;
-        block_range(n, &lo, &hi);
+        thread_range(n, &lo, &hi);
         lo += fused_cast(src, src_dtype, lo, hi, scale, dst, dst_dtype, amax_out != NULL, &mx, deq, deq_dtype,
                          deq_scale_inv);
         for (int64_t s = lo; s < hi; s += BLOCK) {
@@ -134,7 +126,7 @@ int fp8_upcast(const void *src, int src_dtype, int64_t n, float scale_inv, void 
     {
         float buf[BLOCK];
         int64_t lo, hi;
-        block_range(n, &lo, &hi);
+        thread_range(n, &lo, &hi);
         for (int64_t s = lo; s < hi; s += BLOCK) {
             int64_t len = hi - s < BLOCK ? hi - s : BLOCK;
             decode(src_dtype, (const char *)src + s * in_size, buf, len);

@@ -235,6 +235,15 @@ static inline __m512i magnitude_max16(__m512i acc, __m512 y) {
 
 #endif
 
+/* The calling OpenMP thread's share [lo, hi) of `total` elements, cut at multiples of BLOCK. */
+static inline void thread_range(int64_t total, int64_t *lo, int64_t *hi) {
+    int64_t blocks = (total + BLOCK - 1) / BLOCK;
+    int i = omp_get_thread_num(), nt = omp_get_num_threads();
+    *lo = blocks * i / nt * BLOCK;
+    *hi = blocks * (i + 1) / nt * BLOCK;
+    if (*hi > total) *hi = total;
+}
+
 /* Threads: torch's OpenMP pool (the same libgomp), at most one per 16 blocks of work. */
 static inline int threads_for(int64_t total, int n_threads) {
     int64_t useful = total / (BLOCK * 16);
