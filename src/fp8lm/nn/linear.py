@@ -106,7 +106,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         else:
             out_dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        emulated_as = emulation_dtype(out_dtype) if choose_backend(x.device, layer.backend) == "emulated" else None
+        emulated_as = emulation_dtype(out_dtype, x.device) if choose_backend(x.device, layer.backend) == "emulated" else None
         x_op, x_amax = _cast_operand(x2, layer.input_meta, emulated_as)
         w_op, w_amax = _quantize_weight(weight, emulated_as)
         b = None if bias is None else bias.detach()

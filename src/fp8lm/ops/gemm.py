@@ -9,8 +9,14 @@ rounding to ``out_dtype``. Two backends give that result:
   row-major/column-major operand pair: other shapes are zero-padded (exact) and re-laid out;
   E5M2 x E5M2 has no kernel and is emulated.
 - ``"emulated"``: the FP8 values are upcast exactly (every FP8 value is a BF16 value) to BF16 when
-  the output is BF16, else to FP32, with the scale folded into the upcast, and multiplied by
-  torch's GEMM, which accumulates in FP32.
+  the output is BF16 and the device has fast BF16 GEMMs, else to FP32, with the scale folded into
+  the upcast, and multiplied by torch's GEMM, which accumulates in FP32.
+
+CPUs without BF16 instructions (no AVX512-BF16 or AMX, e.g. AVX2-only ones) run torch's BF16 GEMM
+through a slow reference path, ~40x slower than its FP32 GEMM (docs/performance.md). There the
+emulated FP8 GEMM multiplies in FP32, and `CPUBF16Linear` does the same for the BF16 GEMMs of
+``F.linear`` under ``torch.autocast``: an FP32 GEMM of the BF16-rounded operands, rounded to BF16,
+which has the rounding points of a BF16 GEMM with FP32 accumulation.
 
 On CPU both accumulate in FP32 and agree within FP32 summation-order error. Hopper's FP8 tensor
 cores accumulate with fewer bits: on an H200, ``_scaled_mm`` results were off by up to 5e-5
@@ -36,11 +42,18 @@ under torch.compile); the emulation instead rebuilds the BF16 bit pattern with t
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from .cast import FP8_DTYPES, upcast
 
-__all__ = ["FP8Operand", "fp8_mm", "upcast", "scaled_mm_supported", "choose_backend", "emulation_dtype", "BACKENDS"]
+__all__ = [
+    "FP8Operand", "fp8_mm", "upcast", "scaled_mm_supported", "choose_backend", "emulation_dtype", "BACKENDS",
+    "bf16_gemm_is_fast", "CPUBF16Linear",
+]
 
 BACKENDS = ("auto", "scaled_mm", "emulated")
 
@@ -154,9 +167,53 @@ def fp8_mm(
     return out.to(out_dtype)
 
 
-def emulation_dtype(out_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the emulated backend upcasts FP8 operands to for an ``out_dtype`` result."""
-    return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+def emulation_dtype(out_dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype the emulated backend upcasts FP8 operands to for an ``out_dtype`` result on
+    ``device``: BF16 for a BF16 result where BF16 GEMMs are fast, else FP32."""
+    return torch.bfloat16 if out_dtype == torch.bfloat16 and bf16_gemm_is_fast(device) else torch.float32
+
+
+@functools.cache
+def _cpu_has_bf16_gemm() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without these probes: assume the native kernels
+        return True
+
+
+def bf16_gemm_is_fast(device: torch.device | str) -> bool:
+    """Whether torch's BF16 GEMM runs on BF16 hardware on ``device``: any non-CPU device, or a CPU
+    with AVX512-BF16 or AMX."""
+    return torch.device(device).type != "cpu" or _cpu_has_bf16_gemm()
+
+
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` as BF16 autocast computes it, as an FP32 GEMM of the BF16-rounded operands
+    rounded to BF16. Autograd rounds the input and weight gradients to BF16 at the same places."""
+    with torch.autocast("cpu", enabled=False):
+        def rounded(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.bfloat16).float()
+
+        out = F.linear(rounded(x), rounded(weight), None if bias is None else rounded(bias))
+        return out.to(torch.bfloat16)
+
+
+class CPUBF16Linear(TorchFunctionMode):
+    """A mode (``with CPUBF16Linear(): ...``) under which ``F.linear`` in CPU BF16 autocast, on a
+    CPU without BF16 GEMM instructions, is computed by `_bf16_linear` (see the module docstring);
+    elsewhere it changes nothing. Enter it with ``torch.autocast`` around the forward pass."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            func is F.linear
+            and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            and args[0].device.type == "cpu"
+            and not _cpu_has_bf16_gemm()
+        ):
+            return _bf16_linear(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 def _round_up(n: int, multiple: int = 16) -> int:

@@ -20,6 +20,7 @@ from ..fallback import PrecisionFallback
 from ..grad import clip_grad_norm_
 from ..memory import memory_report
 from ..nn import load_scaling_state_dict, scaling_state_dict
+from ..ops.gemm import CPUBF16Linear
 from ..telemetry import Telemetry, worst
 from .checkpoint import CheckpointError, atomic_write_bytes, list_checkpoints, load_checkpoint, save_checkpoint, shards_name
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
@@ -71,10 +72,28 @@ def _check_state_fits(model: GPT, state: dict, where: str) -> None:
     )
 
 
+class _BF16Autocast:
+    """``torch.autocast(bfloat16)``, reusable, with ``F.linear`` computed by
+    `fp8lm.ops.gemm.CPUBF16Linear` on CPUs without BF16 GEMM instructions (same rounding points,
+    FP32 GEMM speed)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "_BF16Autocast":
+        self._stack.enter_context(torch.autocast(self.device_type, dtype=torch.bfloat16))
+        self._stack.enter_context(CPUBF16Linear())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
 def _autocast(cfg: TrainConfig, device: torch.device):
     if cfg.opt_level == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return _BF16Autocast(device.type)
 
 
 def _build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
