@@ -14,7 +14,7 @@ from pathlib import Path
 from .bench import BENCHMARKS, DEFAULT, BenchError, run_benchmark, scripts_dir
 from .telemetry import KINDS
 from .train.checkpoint import CheckpointError
-from .train.compare import compare, parse_levels
+from .train.compare import compare, parse_levels, parse_seeds
 from .train.config import GRAD_SYNC_SCALINGS, OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
 from .train.data import DataError
 from .train.loop import train
@@ -119,15 +119,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _add_compare(p: argparse.ArgumentParser) -> None:
     p.add_argument("--levels", default="bf16,O1,O2", help=f"comma-separated levels of {', '.join(OPT_LEVELS)} (default: %(default)s)")
     p.add_argument("--out", default="runs/compare", help="output folder, one sub-folder per level (default: %(default)s)")
+    p.add_argument("--seeds", metavar="S,S,...",
+                   help="train every level at each of these seeds (OUT/seed<S>/<level>/) and report each level's gap to "
+                        "bf16 per seed, its mean and spread; --seed is then ignored")
     _add_run_options(p)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     levels = parse_levels(args.levels)
-    result = compare(_config(args, levels[0]), levels)
+    seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+    result = compare(_config(args, levels[0]), levels, seeds)
     if result is None:  # a rank other than 0 under torchrun
         return 0
-    print(f"{result['steps']} steps, {result['tokens']:,} tokens per level, {result['num_params']:,} parameters, {result['device']}")
+    per = f"per level and seed, seeds {args.seeds}" if seeds else "per level"
+    print(f"{result['steps']} steps, {result['tokens']:,} tokens {per}, {result['num_params']:,} parameters, {result['device']}")
     print(result["table"])
     print(f"comparison: {args.out}/compare.json")
     print(f"plot: {result['plot']}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,9 +11,9 @@ from .checkpoint import atomic_write_bytes, list_checkpoints
 from .config import FP8_DATA_PARALLEL_LEVELS, FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
 from .loop import check_output, train
 from .parallel import join
-from .report import format_table, plot_losses, read_metrics, rel_gap
+from .report import format_seed_table, format_table, plot_losses, read_metrics, rel_gap
 
-__all__ = ["compare", "parse_levels", "BASELINE"]
+__all__ = ["compare", "parse_levels", "parse_seeds", "aggregate_seeds", "BASELINE"]
 
 BASELINE = "bf16"
 
@@ -48,14 +49,19 @@ def _finished(run: TrainConfig) -> dict | None:
     return summary if summary["steps"] == run.steps else None
 
 
-def compare(cfg: TrainConfig, levels: list[str]) -> dict | None:
-    """Train ``cfg`` once per level into ``<out>/<level>/`` (sharing one token cache), then write
-    ``<out>/compare.json`` and ``<out>/loss.png``. Returns the comparison (with ``table`` and
-    ``plot`` entries). With ``cfg.resume``, an interrupted comparison continues: finished levels
-    are kept, interrupted ones resume from their checkpoints, the others start. Under ``torchrun``
-    every level trains data-parallel; rank 0 writes and returns the comparison, the others None."""
-    ranks = join()
-    out = Path(cfg.out)
+def parse_seeds(spec: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``: distinct non-negative integers."""
+    try:
+        seeds = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise RunError(f"--seeds takes comma-separated integers, e.g. 0,1,2; got {spec!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise RunError(f"--seeds needs distinct non-negative integers, e.g. 0,1,2; got {spec!r}")
+    return seeds
+
+
+def _train_levels(cfg: TrainConfig, levels: list[str], out: Path, ranks) -> tuple[dict, dict]:
+    """Train every level of one comparison into ``<out>/<level>/``; returns (runs, summaries)."""
     runs = {level: _level_config(cfg, level, out) for level in levels}
     finished = {level: _finished(run) for level, run in runs.items()}  # decided once, alike on every rank
     for level, run in runs.items():  # all levels checked before the first one trains
@@ -64,14 +70,13 @@ def compare(cfg: TrainConfig, levels: list[str]) -> dict | None:
             check_output(run)
     if ranks.main:
         (out / "compare.json").unlink(missing_ok=True)
-    summaries = {level: finished[level] or train(run) for level, run in runs.items()}
-    if not ranks.main:
-        return None
+    return runs, {level: finished[level] or train(run) for level, run in runs.items()}
 
+
+def _rows(summaries: dict) -> dict:
     base = summaries.get(BASELINE)
-    rows = {}
-    for level, s in summaries.items():
-        rows[level] = {
+    return {
+        level: {
             "val_loss": s["val_loss"],
             "rel_gap_vs_bf16": rel_gap(s["val_loss"], base["val_loss"]) if base else None,
             "train_loss": s["train_loss"],
@@ -80,12 +85,81 @@ def compare(cfg: TrainConfig, levels: list[str]) -> dict | None:
             "tokens_per_s": s["tokens_per_s"],
             "skipped_steps": s["skipped_steps"],
         }
+        for level, s in summaries.items()
+    }
+
+
+def compare(cfg: TrainConfig, levels: list[str], seeds: list[int] | None = None) -> dict | None:
+    """Train ``cfg`` once per level into ``<out>/<level>/`` (sharing one token cache), then write
+    ``<out>/compare.json`` and ``<out>/loss.png``. Returns the comparison (with ``table`` and
+    ``plot`` entries). With ``seeds``, one such comparison per seed in ``<out>/seed<S>/``, and the
+    top-level files aggregate them: each level's gap to bf16 per seed, its mean and spread (see
+    `aggregate_seeds`). With ``cfg.resume``, an interrupted comparison continues: finished levels
+    are kept, interrupted ones resume from their checkpoints, the others start. Under ``torchrun``
+    every level trains data-parallel; rank 0 writes and returns the comparison, the others None."""
+    ranks = join()
+    out = Path(cfg.out)
+    if seeds is None:
+        runs, summaries = _train_levels(cfg, levels, out, ranks)
+        if not ranks.main:
+            return None
+        return _write(out, _rows(summaries), summaries, {level: Path(r.out) for level, r in runs.items()})
+    cache = cfg.cache_dir or str(out / "cache")
+    per_seed = {}
+    for seed in seeds:
+        seed_cfg = replace(cfg, seed=seed, out=str(out / f"seed{seed}"), cache_dir=cache)
+        runs, summaries = _train_levels(seed_cfg, levels, Path(seed_cfg.out), ranks)
+        if ranks.main:
+            per_seed[seed] = (runs, summaries)
+            _write(Path(seed_cfg.out), _rows(summaries), summaries, {lv: Path(r.out) for lv, r in runs.items()})
+    if not ranks.main:
+        return None
+    rows = aggregate_seeds({seed: _rows(s) for seed, (_, s) in per_seed.items()})
+    first_seed = per_seed[seeds[0]][1]
+    dirs = {f"{level}@{seed}": Path(r.out) for seed, (runs, _) in per_seed.items() for level, r in runs.items()}
+    result = _write(out, rows, first_seed, dirs, seeds=seeds)
+    result["table"] = format_seed_table(rows, seeds)
+    return result
+
+
+def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
+    """Rows of several seeds' comparisons -> one row per level: ``rel_gap_vs_bf16`` and
+    ``val_loss`` are means over the seeds, ``gaps_vs_bf16`` each seed's gap, ``gap_std`` their
+    sample standard deviation (0 for one seed), ``gap_min``/``gap_max`` their range."""
+    levels = next(iter(per_seed.values())).keys()
+    rows = {}
+    for level in levels:
+        seed_rows = {seed: rows_[level] for seed, rows_ in per_seed.items()}
+        gaps = {seed: r["rel_gap_vs_bf16"] for seed, r in seed_rows.items()}
+        known = [g for g in gaps.values() if g is not None]
+        mean = lambda key: statistics.fmean(r[key] for r in seed_rows.values())  # noqa: E731
+        rows[level] = {
+            "val_loss": mean("val_loss"),
+            "rel_gap_vs_bf16": statistics.fmean(known) if known else None,
+            "gaps_vs_bf16": {str(seed): g for seed, g in gaps.items()},
+            "gap_std": statistics.stdev(known) if len(known) > 1 else (0.0 if known else None),
+            "gap_min": min(known) if known else None,
+            "gap_max": max(known) if known else None,
+            "train_loss": mean("train_loss"),
+            "bytes_per_param": mean("bytes_per_param"),
+            "act_bytes_per_token": mean("act_bytes_per_token"),
+            "tokens_per_s": mean("tokens_per_s"),
+            "skipped_steps": sum(r["skipped_steps"] for r in seed_rows.values()),
+        }
+    return rows
+
+
+def _write(out: Path, rows: dict, summaries: dict, run_dirs: dict[str, Path], seeds: list[int] | None = None) -> dict:
+    """Write ``compare.json`` and ``loss.png`` into ``out``; returns the comparison."""
     first = next(iter(summaries.values()))
     title = f"GPT {first['num_params'] / 1e6:.2f}M params, {first['steps']} steps, {first['tokens']:,} tokens"
-    plot = plot_losses({level: read_metrics(Path(r.out) / "metrics.jsonl") for level, r in runs.items()},
-                       out / "loss.png", title)
+    if seeds is not None:
+        title += f", seeds {','.join(map(str, seeds))}"
+    plot = plot_losses({name: read_metrics(d / "metrics.jsonl") for name, d in run_dirs.items()}, out / "loss.png",
+                       title, baseline=BASELINE)
     result = {
         "levels": rows,
+        **({"seeds": seeds} if seeds is not None else {}),
         "steps": first["steps"],
         "tokens": first["tokens"],
         "num_params": first["num_params"],
