@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import fp8lm
 from fp8lm import ScalingTensor
 from fp8lm.nn import (
     FP8Linear,
@@ -76,7 +77,7 @@ def test_convert_keeps_ties_values_and_checkpoint_format():
     assert len(list(model.parameters())) == len(list(ref.parameters()))
 
     sd = model.state_dict()
-    assert sorted(sd) == sorted(keys)
+    assert list(sd) == keys
     assert all(type(v) is torch.Tensor for v in sd.values())
     for k, v in ref.state_dict().items():
         assert v.shape == sd[k].shape
@@ -98,6 +99,31 @@ def test_convert_keeps_ties_values_and_checkpoint_format():
     (logits.sum() + odd.sum()).backward()
     assert isinstance(model.c_fc.weight.grad, ScalingTensor)
     assert model.emb.weight.grad is not None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp8_linear_registers_weight_then_bias_like_nn_linear(bias):
+    torch.manual_seed(0)
+    ref = nn.Linear(32, 16, bias=bias)
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 16, bias=bias)
+    assert [n for n, _ in layer.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert list(layer.state_dict()) == list(ref.state_dict())
+    for (name, p), q in zip(layer.named_parameters(), ref.parameters()):  # same draws in the same order
+        torch.testing.assert_close(p.detach().float(), q.detach(), rtol=2**-11, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_initialize_keeps_parameter_and_state_dict_order(opt_level):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32, bias=False), nn.LayerNorm(32), nn.Linear(32, 16))
+    names, keys = [n for n, _ in model.named_parameters()], list(model.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fp8lm.initialize(model, optimizer, opt_level=opt_level)
+    assert isinstance(model[0], FP8Linear) and isinstance(model[4], FP8Linear)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == keys
+    assert [id(p) for g in optimizer.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
 
 
 def test_converting_twice_changes_nothing():

@@ -208,14 +208,17 @@ class FP8Linear(nn.Module):
         self.grad_output_meta = ScalingMeta(E5M2, history_len=steps)
         factory = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         weight = torch.empty(out_features, in_features, **factory)
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        bias_value = torch.empty(out_features, **factory) if bias else None
         if weight.device.type != "meta":
             bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
             # nn.Linear's initialization (kaiming_uniform with a=sqrt(5) is this bound for the weight).
             nn.init.uniform_(weight, -bound, bound)
-            if self.bias is not None:
-                nn.init.uniform_(self.bias, -bound, bound)
+            if bias_value is not None:
+                nn.init.uniform_(bias_value, -bound, bound)
+        # Registered in nn.Linear's order, weight then bias: optimizer param indices, DDP buckets and
+        # saved optimizer states follow named_parameters().
         self.weight = self._stored_weight(weight)
+        self.register_parameter("bias", None if bias_value is None else nn.Parameter(bias_value))
 
     def _stored_weight(self, value: torch.Tensor) -> nn.Parameter:
         """``value`` as this layer's weight parameter, in ``weight_format``."""
