@@ -58,5 +58,34 @@ def checks(rank, world):
         fp8_all_reduce(torch.arange(4))
     except TypeError as e:
         out["int_error"] = str(e)
+
+    nan_shard = x[:100].clone()
+    if rank == world - 1:
+        nan_shard[5] = math.nan
+    out["nonfinite_gather"] = fp8_all_gather(nan_shard)
+    out["comm"] = comm_checks(rank, world)
+    return out
+
+
+def comm_checks(rank, world):
+    """Every helper of fp8lm.distributed.comm once, on small known tensors, and the bytes counted."""
+    from fp8lm.distributed import comm, comm_stats, reset_comm_stats
+
+    out = {}
+    reset_comm_stats()
+    out["all_reduce"] = comm.all_reduce(torch.arange(8.0) + 10 * rank)
+    out["reduce_scatter"] = comm.reduce_scatter(torch.empty(4), torch.arange(4.0 * world) + rank)
+    fp8 = torch.full((3,), rank + 1.0).to(torch.float8_e4m3fn)
+    out["all_gather"] = comm.all_gather(torch.empty(3 * world, dtype=torch.float8_e4m3fn), fp8)
+    out["all_to_all"] = comm.all_to_all(torch.empty(world), torch.arange(float(world)) + 100 * rank)
+    out["broadcast"] = comm.broadcast(torch.full((5,), float(rank)), src=1)
+    sent = comm.send(torch.full((6,), float(rank)), (rank + 1) % world, async_op=True)
+    out["recv"] = comm.recv(torch.empty(6), (rank - 1) % world)
+    sent.wait()
+    out["stats"] = comm_stats()
+    try:
+        comm.all_reduce(fp8)
+    except TypeError as e:
+        out["fp8_sum_error"] = str(e)
     return out
 

@@ -9,8 +9,9 @@ import torch
 from dist_collectives import rank_input
 from dist_launch import run_workers_once
 from fp8lm import E4M3, E5M2
-from fp8lm.distributed import FlatLayout, fp8_all_reduce_error_bound
+from fp8lm.distributed import FlatLayout, LocalScaling, SharedScaling, fp8_all_reduce_error_bound
 from fp8lm.distributed.accounting import collective_bytes
+from fp8lm.distributed.reduction import scaling_strategy
 from fp8lm.scaling import compute_scale
 
 
@@ -23,15 +24,18 @@ def exact_sum(world, n=1000):
     return torch.stack([rank_input(r, n).double() for r in range(world)]).sum(0)
 
 
+@pytest.mark.slow
 def test_all_reduce_identical_on_every_rank(ranks):
     for key in ("all_reduce", "all_reduce_mean", "all_reduce_e5m2", "all_reduce_2d", "nonfinite"):
         for r in ranks[1:]:
             assert torch.equal(r[key].nan_to_num(7.0), ranks[0][key].nan_to_num(7.0)), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key,fmt,average", [
     ("all_reduce", E4M3, False), ("all_reduce_mean", E4M3, True), ("all_reduce_e5m2", E5M2, False),
 ])
+@pytest.mark.slow
 def test_all_reduce_error_within_fp8_bound(ranks, key, fmt, average):
     world = len(ranks)
     inputs = [rank_input(r) for r in range(world)]
@@ -46,6 +50,7 @@ def test_all_reduce_error_within_fp8_bound(ranks, key, fmt, average):
     assert float(err.max()) > 100 * float(fp32_err) / (world if average else 1)
 
 
+@pytest.mark.slow
 def test_all_reduce_of_odd_sized_2d_tensor(ranks):
     world = len(ranks)
     inputs = [rank_input(r)[:999].view(27, 37) for r in range(world)]
@@ -55,6 +60,7 @@ def test_all_reduce_of_odd_sized_2d_tensor(ranks):
     assert bool(((out.double() - exact).abs() <= fp8_all_reduce_error_bound(inputs)).all())
 
 
+@pytest.mark.slow
 def test_reduce_scatter_gives_each_rank_its_chunk(ranks):
     world = len(ranks)
     chunk = math.ceil(999 / world)
@@ -66,12 +72,14 @@ def test_reduce_scatter_gives_each_rank_its_chunk(ranks):
         assert bool(((res["reduce_scatter"].double() - exact[lo:hi]).abs() <= bound[lo:hi]).all())
 
 
+@pytest.mark.slow
 def test_all_gather_is_exact_for_fp8_shards(ranks):
     expected = torch.cat([r["all_gather_input"] for r in ranks])
     for r in ranks:
         assert torch.equal(r["all_gather"], expected)
 
 
+@pytest.mark.slow
 def test_shared_scale_post_scaling_saturates_and_pre_scaling_does_not(ranks):
     world = len(ranks)
     x = rank_input(0).double()
@@ -92,12 +100,14 @@ def test_shared_scale_post_scaling_saturates_and_pre_scaling_does_not(ranks):
     assert bool(((pre.double() - world * x).abs() <= bound).all())
 
 
+@pytest.mark.slow
 def test_non_finite_value_on_one_rank_reaches_every_rank(ranks):
     for r in ranks:
         out = r["nonfinite"]
         assert bool(out[3].isnan()) and bool(out[-1].isfinite())
 
 
+@pytest.mark.slow
 def test_comm_stats_counts_standard_algorithm_bytes(ranks):
     world = len(ranks)
     chunk = math.ceil(20000 / world)
@@ -114,10 +124,50 @@ def test_comm_stats_counts_standard_algorithm_bytes(ranks):
     assert stats["total_bytes"] / fp32_ddp < 0.26
 
 
+@pytest.mark.slow
 def test_bad_inputs_raise_clear_errors(ranks):
     for r in ranks:
         assert "equal shard sizes" in r["unequal_gather_error"]
         assert "floating-point" in r["int_error"]
+        assert "float8" in r["comm"]["fp8_sum_error"] and "fp8_all_reduce" in r["comm"]["fp8_sum_error"]
+
+
+@pytest.mark.slow
+def test_all_gather_of_a_non_finite_shard_reads_nan(ranks):
+    world = len(ranks)
+    for r in ranks:
+        parts = r["nonfinite_gather"].view(world, 100)
+        assert bool(parts[-1].isnan().all()) and bool(parts[:-1].isfinite().all())
+
+
+@pytest.mark.slow
+def test_comm_helpers_move_the_right_values(ranks):
+    world = len(ranks)
+    for r, res in enumerate(ranks):
+        c = res["comm"]
+        assert torch.equal(c["all_reduce"], world * torch.arange(8.0) + 10 * sum(range(world)))
+        total = world * torch.arange(4.0 * world) + sum(range(world))
+        assert torch.equal(c["reduce_scatter"], total[4 * r : 4 * r + 4])
+        assert c["all_gather"].dtype == torch.float8_e4m3fn  # sent as its bits
+        assert c["all_gather"].float().tolist() == [i + 1.0 for i in range(world) for _ in range(3)]
+        assert c["all_to_all"].tolist() == [100.0 * i + r for i in range(world)]
+        assert c["broadcast"].tolist() == [1.0] * 5  # from rank 1
+        assert c["recv"].tolist() == [float((r - 1) % world)] * 6  # a ring of sends
+
+
+@pytest.mark.slow
+def test_comm_helpers_count_bytes_by_kind(ranks):
+    world = len(ranks)
+    share = (world - 1) / world
+    expected = {  # the full tensor's bytes times the kind's cost; a send counts all, a recv none
+        "all_reduce": 2 * share * 8 * 4, "reduce_scatter": share * 4 * world * 4, "all_gather": share * 3 * world,
+        "all_to_all": share * world * 4, "broadcast": share * 5 * 4, "send": 6 * 4, "recv": 0,
+    }
+    for r in ranks:
+        stats = r["comm"]["stats"]
+        for kind, nbytes in expected.items():
+            assert (stats[f"{kind}_bytes"], stats[f"{kind}_calls"]) == (pytest.approx(nbytes), 1), kind
+        assert stats["total_bytes"] == pytest.approx(sum(expected.values()))
 
 
 # -- pure parts ----------------------------------------------------------------------------
@@ -125,6 +175,7 @@ def test_collective_bytes_formula():
     assert collective_bytes("all_reduce", 400, 4) == 600
     assert collective_bytes("reduce_scatter", 400, 4) == 300
     assert collective_bytes("all_gather", 400, 1) == 0
+    assert collective_bytes("send", 400, 4) == 400 and collective_bytes("recv", 400, 4) == 0
     with pytest.raises(ValueError, match="unknown collective kind"):
         collective_bytes("gather", 1, 2)
 
@@ -144,6 +195,34 @@ def test_flat_layout_by_owner_keeps_segments_whole():
     assert lay.pieces(1) == [(1, 0, 2), (2, 2, 5)]
     with pytest.raises(ValueError, match="one owner"):
         FlatLayout.by_owner([1, 2], owners=[0, 2], world_size=2)
+
+
+def test_scaling_strategies_put_the_right_factor_on_the_wire():
+    local = scaling_strategy("local", E4M3, 4, average=True)
+    assert isinstance(local, LocalScaling) and (local.wire_factor, local.divisor) == (1.0, 4.0)
+    shared = scaling_strategy("shared", E4M3, 4, average=True, mu=0.25)
+    assert isinstance(shared, SharedScaling) and shared.wire_factor == shared.divisor == 1.0  # mu * N
+    assert scaling_strategy("shared", E4M3, 4, average=False, mu=0.5).wire_factor == 0.5
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        scaling_strategy("global", E4M3, 2, average=False)
+    with pytest.raises(ValueError, match="mu must be a finite positive number"):
+        scaling_strategy("shared", E4M3, 2, average=False, mu=0.0)
+
+
+def test_local_scaling_gives_each_segment_its_own_scale_and_nan_when_not_finite():
+    local = LocalScaling(E4M3, 2, average=False)
+    dst = torch.empty(3, dtype=E4M3.dtype)
+    scale = local.quantize_input(0, torch.tensor([0.5, -2.0, 1.0]), dst)
+    assert scale == compute_scale(torch.tensor(2.0), E4M3)
+    assert dst.float().div(scale).tolist() == [0.5, -2.0, 1.0]
+    assert bool(local.quantize_input(1, torch.tensor([1.0, math.inf]), torch.empty(2, dtype=E4M3.dtype)).isnan())
+    assert local.saturated == 0
+
+
+def test_shared_scaling_saturates_and_counts_the_sum_beyond_the_shared_scale():
+    shared = SharedScaling(E4M3, world_size=2, average=False, mu=1.0)
+    out = shared.quantize_output(torch.tensor([1.0, 500.0, -600.0]), torch.tensor(1.0))
+    assert out.float().tolist() == [1.0, E4M3.max, -E4M3.max] and shared.saturated == 2
 
 
 def test_collectives_need_a_process_group():

@@ -14,24 +14,28 @@ def ranks(request):
     return [r["data_parallel"] for r in run_workers_once("dist_sync.py", request.param)]
 
 
+@pytest.mark.slow
 def test_replicas_start_from_rank0_weights(ranks):
     for r in ranks[1:]:
         for name, w in r["weights"].items():
             assert torch.equal(w, ranks[0]["weights"][name]), name
 
 
+@pytest.mark.slow
 def test_fp8_and_plain_gradients_side_by_side(ranks):
     types = ranks[0]["synced_types"]
     assert types["w"] == "ScalingTensor" and types["emb.weight"] == "Tensor"
     assert types == ranks[0]["grad_types"]  # each gradient keeps its kind through the sync
 
 
+@pytest.mark.slow
 def test_every_rank_holds_identical_gradients(ranks):
     for r in ranks[1:]:
         for name, g in r["synced"].items():
             assert torch.equal(g, ranks[0]["synced"][name]), name
 
 
+@pytest.mark.slow
 def test_gradients_within_fp8_bound_of_exact_mean(ranks):
     worst = 0.0
     for name, synced in ranks[0]["synced"].items():
@@ -43,15 +47,18 @@ def test_gradients_within_fp8_bound_of_exact_mean(ranks):
     assert worst > 0.1  # the bound is tight enough to mean something
 
 
+@pytest.mark.slow
 def test_no_sync_sends_nothing(ranks):
     assert ranks[0]["no_sync_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_buckets_launch_during_backward(ranks):
     assert ranks[0]["buckets"] == 4
     assert ranks[0]["last_sync"] == {"buckets": 4, "launched_during_backward": 4}
 
 
+@pytest.mark.slow
 def test_grad_sync_bytes_per_param_vs_ddp(ranks):
     world = len(ranks)
     stats, n = ranks[0]["mlp_stats"], ranks[0]["mlp_params"]
@@ -61,6 +68,7 @@ def test_grad_sync_bytes_per_param_vs_ddp(ranks):
     assert stats["all_to_all_bytes"] == pytest.approx((world - 1) / world * world * -(-n // world))
 
 
+@pytest.mark.slow
 def test_shared_scaling_adapts_mu(ranks):
     world = len(ranks)
     # Equal gradients on every rank: at mu = 1 the FP8 sum of N values saturates; mu halves
@@ -73,6 +81,7 @@ def test_shared_scaling_adapts_mu(ranks):
             assert torch.equal(g, ranks[0]["shared_grads"][name])
 
 
+@pytest.mark.slow
 def test_mu_is_saved_and_loaded_with_state_dict(ranks):
     r = ranks[0]
     assert r["shared_extra_state"]["autoscalers"][0]["mu"] == r["shared_mus"][-1]
@@ -108,6 +117,7 @@ def test_autoscaler_state_round_trip_and_bad_values():
     assert t.mu == 0.5  # a rejected state leaves the scaler as it was
 
 
+@pytest.mark.slow
 def test_dead_rank_makes_the_others_fail_fast():
     from dist_kill import TIMEOUT_S
     from dist_launch import launch
@@ -118,6 +128,7 @@ def test_dead_rank_makes_the_others_fail_fast():
     assert results[0]["seconds"] <= TIMEOUT_S + 10
 
 
+@pytest.mark.slow
 def test_o2_training_through_wrap_keeps_replicas_identical(ranks):
     types = ranks[0]["o2_grad_types"]
     assert types["blocks.0.mlp.c_fc.weight"] == "ScalingTensor" and types["wte.weight"] == "ScalingTensor"

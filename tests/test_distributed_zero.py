@@ -29,28 +29,33 @@ def ranks(request):
     return request.getfixturevalue(request.param)
 
 
+@pytest.mark.slow
 def test_weights_are_fp8_except_vectors(ranks):
     for name, dtype in ranks[0]["payload_dtypes"].items():
         assert dtype == (torch.float32 if name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight"))
                          else torch.float8_e4m3fn), name
 
 
+@pytest.mark.slow
 def test_every_tensor_has_exactly_one_owner(ranks):
     owned = [n for r in ranks for n in r["owned"]]
     assert sorted(owned) == sorted(ranks[0]["payload_dtypes"])
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_unsharded_optimizer_bit_for_bit(ranks):
     for r in ranks:
         assert all(r["matches_unsharded"].values()), [k for k, v in r["matches_unsharded"].items() if not v]
 
 
+@pytest.mark.slow
 def test_all_ranks_hold_identical_weights(ranks):
     for r in ranks[1:]:
         for k, v in r["weights"].items():
             assert torch.equal(v, ranks[0]["weights"][k]), k
 
 
+@pytest.mark.slow
 def test_state_bytes_per_param_per_rank(four):
     # FP8 weight (1) + FP16 master, E4M3 m, FP16 v (5) split over 4 ranks, + 0.1 slack; counted
     # by fp8lm.memory_report on the default preset (so FP32 vectors, scales and the FP8 layers'
@@ -63,6 +68,7 @@ def test_state_bytes_per_param_per_rank(four):
         assert 0 <= r["small_memory"]["total"] - r["small_state_bytes"]["total"] <= 0.01 * r["small_memory"]["total"]
 
 
+@pytest.mark.slow
 def test_step_bytes_are_fp8_reduce_scatter_plus_fp8_all_gather(ranks):
     world = len(ranks)
     stats, params = ranks[0]["step_stats"], ranks[0]["state_bytes"]["num_params"]
@@ -75,16 +81,19 @@ def test_step_bytes_are_fp8_reduce_scatter_plus_fp8_all_gather(ranks):
     assert stats["total_bytes"] < 0.3 * 2 * share * 4 * params
 
 
+@pytest.mark.slow
 def test_global_grad_clipping(ranks):
     for r in ranks:
         assert r["grad_norm"] == pytest.approx(ranks[0]["grad_norm"])  # same global norm on every rank
         assert r["clipped_norm"] == pytest.approx(1e-3, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_on_one_rank_skips_step_everywhere(ranks):
     assert all(r["nan_skipped"] for r in ranks)
 
 
+@pytest.mark.slow
 def test_checkpoint_from_two_ranks_loads_on_four(two, four):
     saved = {k: v for r in two for k, v in r["state"].items()}
     loaded = {k: v for r in four for k, v in r["loaded_state"].items()}
@@ -96,6 +105,7 @@ def test_checkpoint_from_two_ranks_loads_on_four(two, four):
             assert torch.equal(r["loaded_weights"][k], v), k
 
 
+@pytest.mark.slow
 def test_bad_inputs_raise_clear_errors(two):
     assert "not in the model" in two[0]["foreign_param_error"]
     assert "another model" in two[0]["foreign_state_error"]

@@ -1,11 +1,12 @@
 """Distributed FP8: collectives with uint8 payloads and scales, byte accounting, automatic
-gradient scaling, `FP8DataParallel` and FP8 ZeRO (opt_level O3), on stock torch.distributed."""
+gradient scaling, `FP8DataParallel` and FP8 ZeRO (opt_level O3), on stock torch.distributed.
+`fp8lm.distributed.comm` is where all of it hands tensors to torch.distributed."""
 
+from . import comm
 from .accounting import comm_stats, ddp_bytes, reset_comm_stats
 from .autoscale import AutoScaler
+from .checkpoint import load_checkpoint, save_checkpoint
 from .collectives import (
-    FlatLayout,
-    FP8Reduction,
     fp8_all_gather,
     fp8_all_reduce,
     fp8_all_reduce_error_bound,
@@ -13,15 +14,15 @@ from .collectives import (
     shared_scale_all_reduce,
 )
 from .data_parallel import FP8DataParallel, broadcast_module
+from .reduction import SCALINGS, FlatLayout, FP8Reduction, LocalScaling, SharedScaling
 from .runtime import is_distributed, rank, setup, shutdown, world_size
-from .zero import FP8ZeroOptimizer, partition_by_size
-from .checkpoint import load_checkpoint, save_checkpoint
 from .wrap import wrap
+from .zero import FP8ZeroOptimizer, partition_by_size
 
 __all__ = [
-    "comm_stats", "reset_comm_stats", "ddp_bytes", "AutoScaler", "FP8DataParallel", "broadcast_module",
-    "FlatLayout", "FP8Reduction", "fp8_all_gather", "fp8_all_reduce", "fp8_all_reduce_error_bound",
-    "fp8_reduce_scatter", "shared_scale_all_reduce",
+    "comm", "comm_stats", "reset_comm_stats", "ddp_bytes", "AutoScaler", "FP8DataParallel", "broadcast_module",
+    "SCALINGS", "FlatLayout", "FP8Reduction", "LocalScaling", "SharedScaling",
+    "fp8_all_gather", "fp8_all_reduce", "fp8_all_reduce_error_bound", "fp8_reduce_scatter", "shared_scale_all_reduce",
     "setup", "shutdown", "is_distributed", "rank", "world_size",
     "FP8ZeroOptimizer", "partition_by_size", "save_checkpoint", "load_checkpoint", "wrap",
 ]

@@ -1,11 +1,13 @@
 """Bytes sent per collective kind, by the standard algorithm cost.
 
-Every collective fp8lm issues records what *this rank* sends under the usual ring-algorithm
-costs, for a tensor of ``size`` bytes in total on ``N`` ranks:
+Every collective fp8lm issues (all go through `fp8lm.distributed.comm`) records what *this rank*
+sends under the usual ring-algorithm costs, for a tensor of ``size`` bytes in total on ``N`` ranks:
 
 - all-reduce: ``2 (N-1)/N * size``
 - reduce-scatter, all-gather, all-to-all: ``(N-1)/N * size`` of the full (concatenated) tensor
 - broadcast: ``(N-1)/N * size`` (pipelined ring)
+- send: ``size`` (point to point: all of it); recv: nothing (the sender counts those bytes), but
+  the call is counted
 
 Scales travel in their own small collectives and are counted like any other bytes. The counts
 are per process, so they are comparable across runs whatever the backend actually does.
@@ -17,7 +19,7 @@ from collections import defaultdict
 
 __all__ = ["KINDS", "collective_bytes", "ddp_bytes", "record", "comm_stats", "reset_comm_stats"]
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv")
 
 _bytes: dict[str, float] = defaultdict(float)
 _calls: dict[str, int] = defaultdict(int)
@@ -29,6 +31,8 @@ def collective_bytes(kind: str, full_bytes: float, world_size: int) -> float:
         raise ValueError(f"unknown collective kind {kind!r}: use one of {', '.join(KINDS)}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if kind in ("send", "recv"):
+        return full_bytes if kind == "send" else 0.0
     share = (world_size - 1) / world_size
     return (2 * share if kind == "all_reduce" else share) * full_bytes
 

@@ -24,9 +24,9 @@ from torch import nn
 
 from ..formats import E4M3, Format, format_of
 from ..tensor import ScalingTensor
-from . import accounting
+from . import comm
 from .autoscale import AutoScaler
-from .collectives import SCALINGS, FlatLayout, FP8Reduction, _check_group, dequantize_payload
+from .reduction import SCALINGS, FlatLayout, FP8Reduction, dequantize_payload
 
 __all__ = ["FP8DataParallel", "broadcast_module"]
 
@@ -34,14 +34,9 @@ __all__ = ["FP8DataParallel", "broadcast_module"]
 def broadcast_module(module: nn.Module, group=None, src: int = 0) -> None:
     """Make every rank's parameters and buffers equal to rank ``src``'s (ScalingTensors by payload
     and scale, so the copies are bit-identical)."""
-    world = dist.get_world_size(group)
     for t in [*module.parameters(), *module.buffers()]:
-        parts = [t.payload, t.scale] if isinstance(t, ScalingTensor) else [t.data]
-        for part in parts:
-            if part.dtype.is_floating_point and part.element_size() == 1:
-                part = part.view(torch.uint8)  # no backend carries float8 itself
-            accounting.record("broadcast", part.numel() * part.element_size(), world)
-            dist.broadcast(part, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+        for part in [t.payload, t.scale] if isinstance(t, ScalingTensor) else [t.data]:
+            comm.broadcast(part, src, group)
 
 
 class _Bucket:
@@ -78,7 +73,7 @@ class FP8DataParallel(nn.Module):
         autoscale_window: int = 1000,
     ):
         super().__init__()
-        _check_group(process_group)
+        _, world_size = comm.check_group(process_group)
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         if scaling not in SCALINGS:
@@ -89,7 +84,7 @@ class FP8DataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self.fmt, self.scaling = fmt, scaling
-        self.world_size = dist.get_world_size(process_group)
+        self.world_size = world_size
         broadcast_module(module, process_group)
         cap = bucket_mb * 2**20
         params = [p for p in module.parameters() if p.requires_grad]

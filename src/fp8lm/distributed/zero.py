@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..tensor import ScalingTensor
-from .collectives import FlatLayout, FP8Reduction, _all_gather, _all_reduce, _check_group
+from . import comm
 from .data_parallel import broadcast_module
+from .reduction import FlatLayout, FP8Reduction
 
 __all__ = ["partition_by_size", "FP8ZeroOptimizer"]
 
@@ -60,7 +61,7 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, process_group=None):
-        self.rank, self.world_size = _check_group(process_group)
+        self.rank, self.world_size = comm.check_group(process_group)
         if any(optimizer.state.values()):
             raise ValueError(
                 "the optimizer already has state; shard it before its first step "
@@ -114,7 +115,7 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
             p = self.params[s]
             p.grad = shard[a:b].view(p.shape)
         flag = torch.tensor([float(bool(torch.isfinite(shard).all()))])
-        self._finite = bool(_all_reduce(flag, dist.ReduceOp.MIN, self.process_group)[0] > 0)
+        self._finite = bool(comm.all_reduce(flag, dist.ReduceOp.MIN, self.process_group)[0] > 0)
         self._reduced = True
         return self._finite
 
@@ -129,7 +130,7 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
         for p in self.owned:
             if p.grad is not None:
                 sq += p.grad.float().square().sum()
-        total = _all_reduce(sq, dist.ReduceOp.SUM, self.process_group).sqrt()[0]
+        total = comm.all_reduce(sq, dist.ReduceOp.SUM, self.process_group).sqrt()[0]
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1:
             for p in self.owned:
@@ -177,9 +178,9 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
             if isinstance(p, ScalingTensor):
                 scales[s] = p.scale
         gathered = torch.empty(layout.numel, dtype=torch.uint8)
-        _all_gather(gathered, mine, self.process_group)
+        comm.all_gather(gathered, mine, self.process_group)
         # Only the owner's entry is non-zero: a MAX all-reduce hands every scale to every rank.
-        _all_reduce(scales, dist.ReduceOp.MAX, self.process_group)
+        comm.all_reduce(scales, dist.ReduceOp.MAX, self.process_group)
         for s, (p, off, n) in enumerate(zip(self.params, layout.offsets, layout.lengths)):
             if self.owners[s] == self.rank:
                 continue

@@ -1,0 +1,111 @@
+"""The one place where fp8lm hands tensors to `torch.distributed`.
+
+Every function here issues one call of torch.distributed on ``group`` (the default group when
+None), records the bytes this rank sends in `fp8lm.distributed.comm_stats` under its kind (see
+`accounting`), and returns the output tensor, or the ``Work`` handle with ``async_op=True``.
+Tensors of a float8 dtype travel as their ``uint8`` bits (no backend carries float8); summing
+them is refused, since no backend can add float8 values (use the FP8 collectives instead).
+Anything in fp8lm that communicates (data parallelism, ZeRO, and sharded, tensor- or
+pipeline-parallel code) goes through these, so the counts cover all of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import accounting
+
+__all__ = ["check_group", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv"]
+
+
+def check_group(group=None) -> tuple[int, int]:
+    """``(rank, world size)`` of this process in ``group``; one clear error when torch.distributed
+    is not initialized."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call fp8lm.distributed.setup() (or "
+            "torch.distributed.init_process_group) before an fp8lm collective"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the backend can carry it: float8 as its uint8 bits, anything else as is."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
+def _summable(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        raise TypeError(
+            f"{name} cannot sum {t.dtype} (no backend adds float8 values): "
+            "use fp8lm.distributed.fp8_all_reduce or fp8_reduce_scatter"
+        )
+    return t
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """Reduce ``tensor`` over the ranks in place with ``op``."""
+    _summable(tensor, "all_reduce")
+    accounting.record("all_reduce", _nbytes(tensor), dist.get_world_size(group))
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else tensor
+
+
+def all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op: bool = False):
+    """Every rank's ``input_tensor`` concatenated in rank order into ``output`` (``world_size`` times as
+    many elements)."""
+    accounting.record("all_gather", _nbytes(output), dist.get_world_size(group))
+    work = dist.all_gather_into_tensor(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
+    return work if async_op else output
+
+
+def reduce_scatter(
+    output: torch.Tensor, input_tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False
+):
+    """Rank ``r``'s ``output`` becomes chunk ``r`` of ``input_tensor`` reduced over the ranks with ``op``."""
+    _summable(input_tensor, "reduce_scatter")
+    accounting.record("reduce_scatter", _nbytes(input_tensor), dist.get_world_size(group))
+    work = dist.reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else output
+
+
+def all_to_all(output: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op: bool = False):
+    """Chunk ``j`` of this rank's ``input_tensor`` goes to rank ``j``; chunk ``i`` of ``output`` comes from
+    rank ``i`` (equal chunks along the first dimension)."""
+    accounting.record("all_to_all", _nbytes(input_tensor), dist.get_world_size(group))
+    work = dist.all_to_all_single(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
+    return work if async_op else output
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
+    """Rank ``src``'s ``tensor`` (``src`` counted within ``group``) copied into every rank's."""
+    accounting.record("broadcast", _nbytes(tensor), dist.get_world_size(group))
+    source = dist.get_global_rank(group, src) if group is not None else src
+    work = dist.broadcast(_wire(tensor), src=source, group=group, async_op=async_op)
+    return work if async_op else tensor
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, async_op: bool = False):
+    """Send ``tensor`` to rank ``dst`` of ``group`` (all its bytes count as sent)."""
+    return _point_to_point("send", tensor, dst, group, async_op)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    """Receive into ``tensor`` from rank ``src`` of ``group`` (counted as a call; its bytes are the
+    sender's)."""
+    return _point_to_point("recv", tensor, src, group, async_op)
+
+
+def _point_to_point(kind: str, tensor: torch.Tensor, peer: int, group, async_op: bool):
+    accounting.record(kind, _nbytes(tensor), dist.get_world_size(group))
+    peer = dist.get_global_rank(group, peer) if group is not None else peer
+    blocking, non_blocking = (dist.send, dist.isend) if kind == "send" else (dist.recv, dist.irecv)
+    if async_op:
+        return non_blocking(_wire(tensor), peer, group=group)
+    blocking(_wire(tensor), peer, group=group)
+    return tensor
