@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads")
-    ap.add_argument("--skip-eager", action="store_true", help="leave out FP8AdamW(compiled=False) (slow on big models)")
+    ap.add_argument("--skip-eager", action="store_true", help="leave out FP8AdamW(kernel='eager') (slow on big models)")
     ap.add_argument("--peak-memory-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not args.peak_memory_only and not args.device.startswith("cuda") and sys.platform == "linux":
@@ -158,7 +158,7 @@ def main() -> None:
         "torch_adamw_fused": lambda: torch.optim.AdamW(torch_params(shapes, dev), fused=True),
         "fp8adamw": lambda: FP8AdamW(fp8_params(shapes, dev)),
         "fp8adamw_fp8_exp_avg_sq": lambda: FP8AdamW(fp8_params(shapes, dev), exp_avg_sq_dtype=fp8lm.E4M3),
-        "fp8adamw_eager": lambda: FP8AdamW(fp8_params(shapes, dev), compiled=False),
+        "fp8adamw_eager": lambda: FP8AdamW(fp8_params(shapes, dev), kernel="eager"),
     }
     if args.skip_eager:
         del variants["fp8adamw_eager"]

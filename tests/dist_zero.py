@@ -35,7 +35,7 @@ def checks(rank, world, save_dir, load_dir=None):
     torch.manual_seed(rank)  # replicas differ until wrap() broadcasts rank 0's
     model = GPT(preset("tiny"))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = wrap(model, opt, "O3", optimizer_options={"compiled": False})
+    model, opt = wrap(model, opt, "O3", optimizer_options={"kernel": "eager"})
     assert isinstance(opt, FP8ZeroOptimizer)
     out["payload_dtypes"] = {n: (p.payload.dtype if isinstance(p, fp8lm.ScalingTensor) else p.dtype)
                              for n, p in model.named_parameters()}
@@ -45,7 +45,7 @@ def checks(rank, world, save_dir, load_dir=None):
     torch.manual_seed(0)
     ref = GPT(preset("tiny"))
     ref, ref_opt = fp8lm.initialize(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3), "O3",
-                                    optimizer_options={"compiled": False})
+                                    optimizer_options={"kernel": "eager"})
     ref.load_state_dict(model.state_dict())
     ref_params = dict(ref.named_parameters())
 
@@ -95,7 +95,7 @@ def checks(rank, world, save_dir, load_dir=None):
     # Memory of the default ("small") preset after a step, all state counted by memory_report.
     small = GPT(preset("small"))
     small, small_opt = wrap(small, torch.optim.AdamW(small.parameters(), lr=1e-3), "O3",
-                            optimizer_options={"compiled": False})
+                            optimizer_options={"kernel": "eager"})
     x, y = batch(rank, 0, world)
     small(x, y)[1].backward()
     small_opt.step()

@@ -10,7 +10,7 @@ from fp8lm.nn import FP8Linear
 from fp8lm.optim import FP8Adam, FP8AdamW
 from fp8lm.train.model import GPT, GPTConfig
 
-EAGER = {"optimizer_options": {"compiled": False}}
+EAGER = {"optimizer_options": {"kernel": "eager"}}
 
 
 class Net(nn.Module):

@@ -52,7 +52,7 @@ def _give_grads(params, gen):
 
 def test_optimizer_state_dict_round_trips_exactly_with_weights_only():
     params = _mixed_params()
-    opt = FP8AdamW(params, lr=1e-2, exp_avg_sq_dtype=fp8lm.E5M2, compiled=False)
+    opt = FP8AdamW(params, lr=1e-2, exp_avg_sq_dtype=fp8lm.E5M2, kernel="eager")
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         _give_grads(params, gen)
@@ -62,7 +62,7 @@ def test_optimizer_state_dict_round_trips_exactly_with_weights_only():
     assert "master" in saved["state"][2] and saved["state"][2]["master"].dtype == torch.float16
     loaded = _roundtrip(saved)
 
-    fresh = FP8AdamW(_mixed_params(seed=5), lr=1.0, compiled=False)
+    fresh = FP8AdamW(_mixed_params(seed=5), lr=1.0, kernel="eager")
     fresh.load_state_dict(loaded)
     _assert_equal_nested(_roundtrip(opt.state_dict()), _roundtrip(fresh.state_dict()))
     assert fresh.param_groups[0]["lr"] == 1e-2
@@ -94,15 +94,15 @@ def _save(model, opt, **extra):
 def test_plain_model_resume_is_bit_identical():
     batches = _batches(6)
     model = _plain_model()
-    opt = FP8AdamW(model.parameters(), lr=1e-2, compiled=False)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, kernel="eager")
     _train(model, opt, batches)
 
     first = _plain_model()
-    first_opt = FP8AdamW(first.parameters(), lr=1e-2, compiled=False)
+    first_opt = FP8AdamW(first.parameters(), lr=1e-2, kernel="eager")
     _train(first, first_opt, batches[:3])
     ckpt = _save(first, first_opt)
     resumed = _plain_model()
-    resumed_opt = FP8AdamW(resumed.parameters(), lr=1.0, compiled=False)
+    resumed_opt = FP8AdamW(resumed.parameters(), lr=1.0, kernel="eager")
     resumed.load_state_dict(ckpt["model"])
     resumed_opt.load_state_dict(ckpt["optimizer"])
     _train(resumed, resumed_opt, batches[3:])
@@ -113,7 +113,7 @@ def test_plain_model_resume_is_bit_identical():
 def _fp8_model():
     model = _plain_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return fp8lm.initialize(model, opt, "O2", optimizer_options={"compiled": False})
+    return fp8lm.initialize(model, opt, "O2", optimizer_options={"kernel": "eager"})
 
 
 def test_fp8_model_resume_through_initialize_o2_is_bit_identical():
@@ -139,7 +139,7 @@ def test_fp8_model_resume_through_initialize_o2_is_bit_identical():
 
 
 def _stepped(params):
-    opt = FP8AdamW(params, compiled=False)
+    opt = FP8AdamW(params, kernel="eager")
     _give_grads(params, torch.Generator().manual_seed(0))
     opt.step()
     return opt

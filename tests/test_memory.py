@@ -17,7 +17,7 @@ def _gpt_o2(exp_avg_sq=fp8lm.FP16):
     model = GPT(GPTConfig(n_layer=4, n_embd=384, n_head=6, block_size=64))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     policy = fp8lm.policy.preset("O2").override("*", exp_avg_sq=exp_avg_sq)
-    model, opt = fp8lm.initialize(model, opt, "O2", policy=policy, optimizer_options={"compiled": False})
+    model, opt = fp8lm.initialize(model, opt, "O2", policy=policy, optimizer_options={"kernel": "eager"})
     idx = torch.randint(0, 256, (2, 64))
     _, loss = model(idx, idx)
     loss.backward()

@@ -8,7 +8,9 @@ from torch import nn
 
 import fp8lm
 from fp8lm.optim import FP8Adam, FP8AdamW
-from fp8lm.optim.adam import AdamSlot, adam_ratio_bound, adam_update, fused_adam_step_, stored_amaxes
+from fp8lm.optim.functional import adam_ratio_bound, adam_update
+from fp8lm.optim.fused import fused_adam_step_, run_pass, stored_amaxes, write_pass
+from fp8lm.optim.slots import AdamSlot
 
 
 def _linear(seed=0, n=64):
@@ -140,7 +142,7 @@ def test_scales_from_bounds_never_overflow(exp_avg_sq_dtype):
 def test_fp8adamw_vs_torch_adamw_64x64_linear_within_3e4():
     """The issue's check: identical gradients, 4 steps, lr 1e-3, weight decay 1e-3."""
     ours, ref = _linear(), _linear()
-    opt = FP8AdamW(ours.parameters(), lr=1e-3, weight_decay=1e-3, compiled=False)
+    opt = FP8AdamW(ours.parameters(), lr=1e-3, weight_decay=1e-3, kernel="eager")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-3)
     for _ in _feed([ours, ref], 4):
         opt.step()
@@ -153,7 +155,7 @@ def test_fp8adamw_with_fp16_scaled_master_and_fp8_grads_tracks_torch():
     """O2 layout: the ScalingTensor FP16 weight is the master; gradients arrive in E4M3."""
     ours, ref = _linear(), _linear()
     ours.weight = nn.Parameter(fp8lm.quantize(ours.weight.detach(), fp8lm.FP16))
-    opt = FP8AdamW(ours.parameters(), lr=1e-3, weight_decay=1e-3, compiled=False)
+    opt = FP8AdamW(ours.parameters(), lr=1e-3, weight_decay=1e-3, kernel="eager")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-3)
     payload, scale = ours.weight.payload, ours.weight.scale
     for _ in _feed([ours, ref], 4):
@@ -170,7 +172,7 @@ def test_fp8adamw_with_fp16_scaled_master_and_fp8_grads_tracks_torch():
 
 def test_fp8adam_is_adam_with_l2_penalty():
     ours, ref = _linear(), _linear()
-    opt = FP8Adam(ours.parameters(), lr=1e-3, weight_decay=0.1, compiled=False)
+    opt = FP8Adam(ours.parameters(), lr=1e-3, weight_decay=0.1, kernel="eager")
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3, weight_decay=0.1)
     for _ in _feed([ours, ref], 4):
         opt.step()
@@ -183,7 +185,7 @@ def test_fp8adam_is_adam_with_l2_penalty():
 
 def test_state_formats_and_power_of_two_scales():
     model = _linear()
-    opt = FP8AdamW(model.parameters(), compiled=False)
+    opt = FP8AdamW(model.parameters(), kernel="eager")
     for _ in _feed([model], 2):
         opt.step()
     state = opt.state[model.weight]
@@ -201,7 +203,7 @@ def test_state_formats_and_power_of_two_scales():
 def test_bf16_parameter_keeps_fp16_master_in_state_and_gets_the_result():
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(32, 32).bfloat16())
-    opt = FP8AdamW([p], lr=1e-3, compiled=False)
+    opt = FP8AdamW([p], lr=1e-3, kernel="eager")
     p.grad = torch.randn(32, 32).bfloat16()
     opt.step()
     state = opt.state[p]
@@ -213,7 +215,7 @@ def test_bf16_parameter_keeps_fp16_master_in_state_and_gets_the_result():
 @pytest.mark.parametrize("fmt", [fp8lm.E4M3, fp8lm.E5M2])
 def test_second_moment_in_fp8(fmt):
     ours, ref = _linear(), _linear()
-    opt = FP8AdamW(ours.parameters(), lr=1e-3, exp_avg_sq_dtype=fmt, compiled=False)
+    opt = FP8AdamW(ours.parameters(), lr=1e-3, exp_avg_sq_dtype=fmt, kernel="eager")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for step, _ in enumerate(_feed([ours, ref], 3)):
         opt.step()
@@ -241,7 +243,7 @@ def test_compiled_and_eager_steps_agree():
     params[True][0] = nn.Parameter(fp8lm.quantize(params[False][0].detach(), fp8lm.FP16))
     params[False][0] = nn.Parameter(fp8lm.quantize(params[False][0].detach(), fp8lm.FP16))
     params[True][1] = nn.Parameter(params[False][1].detach().clone())
-    opts = {c: FP8AdamW(params[c], compiled=c) for c in (True, False)}
+    opts = {c: FP8AdamW(params[c], kernel="auto" if c else "eager") for c in (True, False)}
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         grads = [fp8lm.quantize(torch.randn(s, generator=gen)) for s in shapes]
@@ -266,8 +268,8 @@ def test_non_finite_gradient_skips_whole_step(bad, caplog):
     model, clean = _linear(), _linear()
     model.weight = nn.Parameter(fp8lm.quantize(model.weight.detach(), fp8lm.FP16))
     clean.weight = nn.Parameter(fp8lm.quantize(clean.weight.detach(), fp8lm.FP16))
-    opt = FP8AdamW(model.parameters(), compiled=False)
-    clean_opt = FP8AdamW(clean.parameters(), compiled=False)
+    opt = FP8AdamW(model.parameters(), kernel="eager")
+    clean_opt = FP8AdamW(clean.parameters(), kernel="eager")
     feed = _feed([model, clean], 3)
     next(feed)
     opt.step()
@@ -276,7 +278,7 @@ def test_non_finite_gradient_skips_whole_step(bad, caplog):
     state = _state_snapshot(opt)
     next(feed)
     model.bias.grad[3] = bad  # one bad element in one tensor: the other tensor must not move either
-    with caplog.at_level(logging.WARNING, logger="fp8lm.optim.adam"):
+    with caplog.at_level(logging.WARNING, logger="fp8lm.optim.skipping"):
         opt.step()
     assert opt.skipped_steps == 1 and opt.last_step_skipped
     assert "skipped" in caplog.text
@@ -295,7 +297,7 @@ def test_non_finite_gradient_skips_whole_step(bad, caplog):
 
 def test_nan_in_fp8_gradient_payload_skips():
     p = nn.Parameter(fp8lm.quantize(torch.randn(8, 8), fp8lm.FP16))
-    opt = FP8AdamW([p], compiled=False)
+    opt = FP8AdamW([p], kernel="eager")
     g = fp8lm.quantize(torch.randn(8, 8))
     g.payload[0, 0] = float("nan")
     p.grad = g
@@ -312,7 +314,7 @@ def test_first_moment_is_dropped_where_second_moment_underflows():
     one = lambda: torch.ones(())  # noqa: E731
     hp = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 1.0, 0.0, 0.1, 0.03])
     slot = AdamSlot(w, one(), True, torch.zeros(2), one(), m, one(), v, one(), hp)
-    assert fused_adam_step_([slot], compiled=False)
+    assert fused_adam_step_([slot], kernel="eager")
     assert slot.m[0].float() != 0 and slot.m[1].float() == 0 and slot.v[1].float() == 0
 
 
@@ -324,7 +326,7 @@ def test_param_groups_hyperparameters_and_lr_scheduler():
     a, b = nn.Parameter(torch.randn(16, 16)), nn.Parameter(torch.randn(16))
     ra, rb = nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())
     groups = lambda x, y: [{"params": [x], "lr": 1e-2}, {"params": [y], "weight_decay": 0.0}]  # noqa: E731
-    opt = FP8AdamW(groups(a, b), lr=1e-3, weight_decay=0.1, compiled=False)
+    opt = FP8AdamW(groups(a, b), lr=1e-3, weight_decay=0.1, kernel="eager")
     ref = torch.optim.AdamW(groups(ra, rb), lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.1)
@@ -345,7 +347,7 @@ def test_param_groups_hyperparameters_and_lr_scheduler():
 
 def test_add_param_group_with_its_own_formats():
     p, q = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
-    opt = FP8AdamW([p], compiled=False)
+    opt = FP8AdamW([p], kernel="eager")
     opt.add_param_group({"params": q, "exp_avg_sq_dtype": torch.float8_e5m2, "lr": 0.0, "weight_decay": 0.0})
     assert opt.param_groups[1]["exp_avg_sq_dtype"] == "E5M2" and opt.param_groups[0]["exp_avg_dtype"] == "E4M3"
     p.grad, q.grad = torch.randn(4, 4), torch.randn(4, 4)
@@ -387,7 +389,7 @@ def test_integer_parameters_and_sparse_gradients_are_rejected():
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         FP8AdamW([torch.zeros(2, dtype=torch.int64)])
     emb = nn.Embedding(10, 4, sparse=True)
-    opt = FP8AdamW(emb.parameters(), compiled=False)
+    opt = FP8AdamW(emb.parameters(), kernel="eager")
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
@@ -395,15 +397,15 @@ def test_integer_parameters_and_sparse_gradients_are_rejected():
 
 def test_empty_parameter_is_left_alone():
     empty, full = nn.Parameter(torch.zeros(0, 4)), nn.Parameter(torch.ones(4))
-    opt = FP8AdamW([empty, full], compiled=False)
+    opt = FP8AdamW([empty, full], kernel="eager")
     empty.grad, full.grad = torch.zeros(0, 4), torch.ones(4)
     opt.step()
     assert empty not in opt.state and opt.state[full]["step"] == 1
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("kernel", ["compile", "eager"])
 @pytest.mark.parametrize("fmt", [fp8lm.FP16, fp8lm.E4M3, fp8lm.E5M2])
-def test_first_moment_is_dropped_exactly_where_stored_second_moment_is_zero(compiled, fmt):
+def test_first_moment_is_dropped_exactly_where_stored_second_moment_is_zero(kernel, fmt):
     """The underflow rule tests the unrounded v against half the smallest subnormal: it must agree
     with the stored payload being 0, ties (which round to the even 0) included."""
     tiny = fmt.min_subnormal
@@ -416,9 +418,7 @@ def test_first_moment_is_dropped_exactly_where_stored_second_moment_is_zero(comp
         torch.zeros(n, dtype=torch.float16), one(), False, v_vals.sqrt(), one(),
         torch.full((n,), 100.0).to(torch.float8_e4m3fn), one(), torch.zeros(n, dtype=fmt.dtype), one(), hp,
     )
-    from fp8lm.optim.adam import _call, _write_pass
-
-    _call(_write_pass, compiled, *slot.pass_args(), torch.ones(3), slot.formats())
+    run_pass(write_pass, slot, kernel, torch.ones(3), slot.formats())
     stored_zero = slot.v.float() == 0
     assert stored_zero.tolist() == [True, True, True, False, False, False, False, False]
     assert torch.equal(slot.m.float() == 0, stored_zero)
@@ -430,7 +430,7 @@ def test_optimizer_falls_back_with_a_warning_when_the_native_kernel_cannot_be_bu
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("FP8LM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_failed", False)
+    monkeypatch.setattr(native.KERNELS, "enabled", True)
     with pytest.warns(UserWarning, match="native CPU kernels unavailable"):
         assert not native.available()
     ref, ours = _linear(), _linear()
@@ -441,3 +441,19 @@ def test_optimizer_falls_back_with_a_warning_when_the_native_kernel_cannot_be_bu
         opt.step()
     for a, b in zip(ref.parameters(), ours.parameters()):
         assert (a - b).abs().max() <= 3e-4
+
+
+# -- the kernel option ----------------------------------------------------------------------------
+
+
+def test_compiled_is_a_deprecated_name_of_kernel():
+    p = nn.Parameter(torch.zeros(2))
+    with pytest.warns(DeprecationWarning, match="kernel='eager'"):
+        assert FP8AdamW([p], compiled=False).kernel == "eager"
+    with pytest.warns(DeprecationWarning, match="kernel='auto'"):
+        assert FP8Adam([p], compiled=True).kernel == "auto"
+    assert FP8AdamW([p]).kernel == "auto"
+    with pytest.raises(ValueError, match="kernel must be one of 'auto', 'compile', 'eager'"):
+        FP8AdamW([p], kernel="native")
+    with pytest.raises(ValueError, match="pass kernel= only"):
+        FP8AdamW([p], kernel="eager", compiled=False)

@@ -72,7 +72,7 @@ def initialize(
     whose features are not multiples of ``multiple_of`` (16) stay high precision. ``policy``: a
     `fp8lm.policy.Policy`, or ``{pattern: {field: format, "fp8_gemm": bool}}`` overrides of the
     level's preset. ``history_len``, ``scaling``, ``backend`` go to every FP8Linear.
-    ``optimizer_options`` go to the FP8 optimizer under O2/O3 (e.g. ``{"compiled": False}``).
+    ``optimizer_options`` go to the FP8 optimizer under O2/O3 (e.g. ``{"kernel": "eager"}``).
     Returns ``(model, optimizer)``: the same model object, and the optimizer to use from now on.
     """
     if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:

@@ -11,21 +11,21 @@ same results.
 
 from __future__ import annotations
 
-import os
 import types
-import warnings
 
 import torch
 
 from ..formats import Format
 from . import native
+from .fastpath import FastPath
 
 __all__ = [
     "amax", "saturating_cast", "saturating_cast_with_amax", "saturating_cast_dequantized", "upcast", "FUSED_MIN_NUMEL",
+    "FUSED_CAST",
 ]
 
 FUSED_MIN_NUMEL = 1 << 18
-_fused_enabled = os.environ.get("FP8LM_FUSED_CAST", "1") != "0"
+FUSED_CAST = FastPath("fused cast", fallback="eager ops", env_switch="FP8LM_FUSED_CAST")
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _fused(expression, x: torch.Tensor, dtype: torch.dtype):
 
 
 def _use_fused(x: torch.Tensor) -> bool:
-    return _fused_enabled and x.numel() >= FUSED_MIN_NUMEL and not torch.compiler.is_compiling()
+    return FUSED_CAST.enabled and x.numel() >= FUSED_MIN_NUMEL and not torch.compiler.is_compiling()
 
 
 def _flat_alias(x: torch.Tensor) -> torch.Tensor:
@@ -94,25 +94,24 @@ def _native_ok(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool
 
 
 def _fused_or_eager(expression, eager, x, *args):
-    global _fused_enabled
     scale, _, dtype = args
     if _native_ok(x, scale, dtype):
         out, x_amax, _ = native.cast(x, scale.item(), dtype, with_amax=expression is _cast_amax_expression)
         return out if x_amax is None else (out, x_amax)
-    if _use_fused(x):
-        if x.dtype in (torch.bfloat16, torch.float16) and args[2] == torch.float8_e5m2 and x.device.type == "cpu":
-            # Inductor's CPU code for half -> E5M2 is slow: measured 596 us for 2^20 BF16 values,
-            # against 180 us for a separate widening to float32 and the float32 kernel.
-            x = x.float()
-        try:
-            # Elementwise: one 1-D graph for tensors of any rank; no autograd state to guard on.
-            with torch.no_grad():
-                out = _fused(expression, x, args[2])(_flat_alias(x), *args)
-            return (out[0].view(x.shape), out[1]) if isinstance(out, tuple) else out.view(x.shape)
-        except Exception as err:  # compilation is an optimisation: any failure falls back to eager
-            _fused_enabled = False
-            warnings.warn(f"fp8lm: fused cast unavailable ({type(err).__name__}: {err}); using eager ops", stacklevel=3)
-    return eager(x, *args)
+    if not _use_fused(x):
+        return eager(x, *args)
+    if x.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float8_e5m2 and x.device.type == "cpu":
+        # Inductor's CPU code for half -> E5M2 is slow: measured 596 us for 2^20 BF16 values,
+        # against 180 us for a separate widening to float32 and the float32 kernel.
+        x = x.float()
+
+    def fused():
+        # Elementwise: one 1-D graph for tensors of any rank; no autograd state to guard on.
+        with torch.no_grad():
+            out = _fused(expression, x, dtype)(_flat_alias(x), *args)
+        return (out[0].view(x.shape), out[1]) if isinstance(out, tuple) else out.view(x.shape)
+
+    return FUSED_CAST.run(fused, lambda: eager(x, *args))
 
 
 def saturating_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:

@@ -23,12 +23,16 @@ import os
 import platform
 import subprocess
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["library", "available", "supports", "pointers", "check", "cast", "amaxes", "amax", "upcast", "DTYPE_CODES"]
+from .fastpath import FastPath
+
+__all__ = [
+    "KERNELS", "library", "loaded_library", "available", "supports", "pointers", "check", "cast", "amaxes", "amax",
+    "upcast", "DTYPE_CODES",
+]
 
 _CSRC = Path(__file__).with_name("csrc")
 # -ffp-contract=off: no fused multiply-add, so the results equal torch's eager float32 arithmetic.
@@ -48,7 +52,8 @@ _SIGNATURES = {
 }
 
 _library: ctypes.CDLL | None = None
-_failed = os.environ.get("FP8LM_NATIVE", "1") == "0"
+# Where the library cannot be built, fp8lm warns once and uses its torch paths.
+KERNELS = FastPath("native CPU kernels", fallback="torch ops", env_switch="FP8LM_NATIVE")
 
 
 def _cpu_signature() -> str:
@@ -91,21 +96,31 @@ def _build() -> Path:
     return target
 
 
+def _load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(_build()))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return lib
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on the first call; None where it cannot be built."""
-    global _library, _failed
-    if _library is None and not _failed:
-        try:
-            lib = ctypes.CDLL(str(_build()))
-            for name, argtypes in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.restype, fn.argtypes = ctypes.c_int, argtypes
-            _library = lib
-        except Exception as err:  # the kernels are an optimization: the torch paths remain
-            _failed = True
-            warnings.warn(f"fp8lm: native CPU kernels unavailable ({type(err).__name__}: {err}); using torch ops",
-                          stacklevel=2)
+    """The loaded kernel library, built on the first call; None where it cannot be built or
+    `KERNELS` is disabled."""
+    global _library
+    if not KERNELS.enabled:
+        return None
+    if _library is None:
+        _library = KERNELS.run(_load, lambda: None)
     return _library
+
+
+def loaded_library() -> ctypes.CDLL:
+    """`library` for a caller that checked `available` first."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("fp8lm: the native CPU kernels are not loaded; check fp8lm.ops.native.available() first")
+    return lib
 
 
 def available() -> bool:
@@ -127,7 +142,7 @@ def cast(x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool,
     out = torch.empty(x.shape, dtype=dtype)
     amax = torch.empty((), dtype=torch.float32) if with_amax else None
     deq = torch.empty(x.shape, dtype=dequantized) if dequantized is not None else None
-    library().fp8_cast(
+    loaded_library().fp8_cast(
         x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), scale, out.data_ptr(), DTYPE_CODES[dtype],
         amax.data_ptr() if with_amax else None, deq.data_ptr() if deq is not None else None,
         DTYPE_CODES[dequantized] if deq is not None else 0, scale_inv, torch.get_num_threads(),
@@ -153,7 +168,7 @@ def amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:
     ptrs, dtypes = pointers(tensors)
     numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
     out = torch.empty(len(tensors), dtype=torch.float32)
-    check(library().stored_amax(len(tensors), ptrs, dtypes.data_ptr(), numels.data_ptr(), out.data_ptr(),
+    check(loaded_library().stored_amax(len(tensors), ptrs, dtypes.data_ptr(), numels.data_ptr(), out.data_ptr(),
                                 torch.get_num_threads()))
     return out
 
@@ -166,6 +181,6 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def upcast(data: torch.Tensor, scale_inv: float, dtype: torch.dtype) -> torch.Tensor:
     """``data * scale_inv`` as ``dtype`` (exact for FP8 data into BF16 or float32); NaN codes stay NaN."""
     out = torch.empty(data.shape, dtype=dtype)
-    library().fp8_upcast(data.data_ptr(), DTYPE_CODES[data.dtype], data.numel(), scale_inv, out.data_ptr(),
+    loaded_library().fp8_upcast(data.data_ptr(), DTYPE_CODES[data.dtype], data.numel(), scale_inv, out.data_ptr(),
                          DTYPE_CODES[dtype], torch.get_num_threads())
     return out

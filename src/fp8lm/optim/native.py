@@ -5,7 +5,7 @@ which made the compiled per-tensor step 4x slower than torch's fused FP32 AdamW;
 those conversions with vectorized bit operations and updates all tensors in one call, on torch's own
 OpenMP threads. Its results equal a float32 reference of the step bit for bit
 (``tests/test_native_adam.py``). Building and loading: `fp8lm.ops.native`; where the library is
-unavailable the optimizer uses its torch.compile step.
+unavailable the optimizer uses its torch.compile step (`fp8lm.optim.fused`).
 """
 
 from __future__ import annotations
@@ -26,21 +26,23 @@ def available() -> bool:
 
 def adam_pass(
     tensors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-    scales: torch.Tensor, new_scales: torch.Tensor, hp: torch.Tensor, write: bool,
+    scales: torch.Tensor, new_scales: torch.Tensor, hyperparams: torch.Tensor, write: bool,
 ) -> torch.Tensor:
     """Run the kernel over ``tensors`` (per tensor: weight, gradient, first and second moment
     payloads, contiguous CPU tensors of the `DTYPE_CODES` dtypes) with ``scales`` (n, 4: current
-    scales of w, g, m, v), ``new_scales`` (n, 3: w, m, v) and ``hp`` (n, 8: `adam_update`'s
-    hyper-parameters). ``write``: store the new w, m, v in place and return the amaxes of the stored
+    scales of w, g, m, v), ``new_scales`` (n, 3: w, m, v) and ``hyperparams`` (n, 8: `adam_update`'s
+    coefficients). ``write``: store the new w, m, v in place and return the amaxes of the stored
     payloads (n, 3); otherwise store nothing and return the amaxes of the new values (n, 3), NaN
     where one is NaN. The caller checks `available` first."""
     n = len(tensors)
     ptrs, dtypes = pointers([t for group in tensors for t in group])
     numels = torch.tensor([group[0].numel() for group in tensors], dtype=torch.int64)
-    scales, new_scales, hp = (x.detach().to(torch.float32).contiguous() for x in (scales, new_scales, hp))
+    scales, new_scales, hyperparams = (
+        x.detach().to(torch.float32).contiguous() for x in (scales, new_scales, hyperparams)
+    )
     amax = torch.empty(n, 3, dtype=torch.float32)
-    check(_kernels.library().adam_step(
-        n, ptrs, dtypes.data_ptr(), numels.data_ptr(), scales.data_ptr(), new_scales.data_ptr(), hp.data_ptr(),
+    check(_kernels.loaded_library().adam_step(
+        n, ptrs, dtypes.data_ptr(), numels.data_ptr(), scales.data_ptr(), new_scales.data_ptr(), hyperparams.data_ptr(),
         int(write), amax.data_ptr(), torch.get_num_threads(),
     ))
     return amax

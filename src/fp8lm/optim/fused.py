@@ -1,0 +1,212 @@
+"""The fused multi-tensor Adam step over low-precision state (`fused_adam_step_`).
+
+The step is fused per tensor in one pass over the low-precision state, never materializing the FP32
+state of the model. Its new scales are set before the pass, from a-priori bounds on the new amaxes
+(`fp8lm.optim.functional.amax_bounds`) built from the exact amaxes of the stored state and gradients
+(`stored_amaxes`, integer reductions) and Adam's bound on its update ratio; the pass dequantizes,
+updates and writes the state requantized. Tensors with an FP8 second moment first take an exact
+amax pass (its range is too small to give up a binade). A non-finite gradient or bound anywhere is
+found before anything is written, and the step is skipped as a whole.
+
+Where the passes run (``kernel``): ``"auto"`` puts all CPU tensors of a step in one call into
+fp8lm's C kernel (`fp8lm.optim.native`, which also measures the amaxes of what it stores so the next
+step need not re-read the state) and `torch.compile`-s the pass per tensor elsewhere (dynamic shapes:
+one graph per combination of dtypes, whatever the tensor sizes); ``"compile"`` always uses the
+compiled pass; ``"eager"`` runs it eagerly on bounded chunks. All give the same stored values (the C
+kernel up to torch's CPU ``sqrt`` being 1 ulp off, rarely). docs/optimizer.md has the reasoning and
+the measurements.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..formats import Format
+from ..ops.cast import saturating_cast
+from ..ops.fastpath import FastPath
+from ..scaling import pow2_scale
+from . import native
+from .functional import adam_update, amax_bounds
+from .slots import AdamSlot
+
+__all__ = [
+    "KERNELS", "COMPILED_STEP", "fused_adam_step_", "stored_amaxes", "amaxes_pass", "write_pass", "run_pass",
+]
+
+KERNELS = ("auto", "compile", "eager")
+# Where compilation fails (no C++ compiler, say), warn once and run the passes eagerly.
+COMPILED_STEP = FastPath("compiled optimizer step", fallback="eager ops")
+# Elements per chunk of the eager path: its FP32 temporaries stay in the CPU caches and bounded.
+_EAGER_CHUNK = 1 << 16
+# Inductor by default stores an intermediate to memory once it has many reads or ops (an FP32
+# buffer the size of the tensor). The pass is elementwise: everything stays in registers.
+_INDUCTOR_OPTIONS = {
+    "realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20,
+}
+_NATIVE_ORDER = [0, 3, 1, 2]  # the C kernel takes the scales of w, g, m, v; slots list w, m, v, g
+
+
+def _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams):
+    """Dequantize one tensor's state and apply `adam_update`."""
+    # Multiplying by 1/scale is exact (a power of two) and much cheaper than dividing.
+    return adam_update(
+        w.float() * (1 / w_scale), g.float() * (1 / g_scale), m.float() * (1 / m_scale), v.float() * (1 / v_scale),
+        *hyperparams.unbind(),
+    )
+
+
+def amaxes_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams):
+    """The exact amaxes of the new weight, first and second moment, as a (3,) tensor (for an FP8
+    second moment, see `fused_adam_step_`). A non-finite input makes its amax non-finite."""
+    w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams)
+    return torch.stack([w_new.abs().amax(), m_new.abs().amax(), v_new.abs().amax()])
+
+
+def write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams, scales, fmts):
+    """Compute the new values and store them in place, requantized with the new ``scales`` (weight,
+    m, v)."""
+    w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams)
+    w_fmt, m_fmt, v_fmt = fmts
+    # An element whose second moment underflows to 0 loses its first moment too: otherwise the next
+    # step would divide a surviving m by eps alone and take a step far larger than lr. v >= 0 rounds
+    # to 0 exactly when v * scale <= half the smallest subnormal (a tie rounds to the even 0); the
+    # comparison needs no round trip through the storage format.
+    m_new = torch.where(v_new * scales[2] <= v_fmt.min_subnormal / 2, 0.0, m_new)
+    w.copy_(saturating_cast(w_new, scales[0], w_fmt))
+    m.copy_(saturating_cast(m_new, scales[1], m_fmt))
+    v.copy_(saturating_cast(v_new, scales[2], v_fmt))
+
+
+_compiled_passes: dict[Callable, Callable] = {}
+
+
+def _compiled(fn: Callable) -> Callable:
+    if fn not in _compiled_passes:
+        _compiled_passes[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS)
+    return _compiled_passes[fn]
+
+
+def run_pass(fn: Callable, slot: AdamSlot, kernel: str, *extra):
+    """Run a pass (`amaxes_pass` or `write_pass`) on a whole slot, compiled (``kernel`` other than
+    ``"eager"``, while `COMPILED_STEP` works), or eagerly on bounded chunks of it."""
+    args = (*slot.pass_args(), *extra)
+    if kernel != "eager" and COMPILED_STEP.enabled:
+        return COMPILED_STEP.run(lambda: _compiled(fn)(*args), lambda: fn(*args))
+    w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams = slot.pass_args()
+    n = w.numel()
+    if n <= _EAGER_CHUNK:
+        return fn(*args)
+    outs = []
+    for a in range(0, n, _EAGER_CHUNK):
+        b = a + _EAGER_CHUNK
+        outs.append(fn(w[a:b], w_scale, g[a:b], g_scale, m[a:b], m_scale, v[a:b], v_scale, hyperparams, *extra))
+    return None if outs[0] is None else torch.stack(outs).amax(dim=0)
+
+
+def stored_amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Exact ``abs().amax()`` of each (non-empty) float tensor, as float32; NaN or inf where one is held.
+
+    One vectorized reduction pass per tensor and no temporary. 2- and 4-byte floats: ``aminmax``.
+    FP8 (torch has no float reductions for it, and its conversions are scalar on CPU): the bits are
+    sign-magnitude, so the largest positive code is the max of the int8 view and the largest negative
+    one the max of the uint8 view (less 128).
+    """
+    out = torch.empty(len(tensors), dtype=torch.float32, device=tensors[0].device if tensors else "cpu")
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, rows in by_dtype.items():
+        if dtype.itemsize == 1:
+            positive = torch.stack([tensors[i].view(torch.int8).max() for i in rows]).to(torch.int16)
+            negative = torch.stack([tensors[i].view(torch.uint8).max() for i in rows]).to(torch.int16) - 128
+            codes = torch.maximum(positive, negative).clamp(min=0)
+            out[rows] = codes.to(torch.uint8).view(dtype).float()
+        else:
+            lo, hi = zip(*(torch.aminmax(tensors[i]) for i in rows))
+            out[rows] = torch.maximum(torch.stack(hi).float(), -torch.stack(lo).float())
+    return out
+
+
+def _state_amaxes(slots: list[AdamSlot], use_native: bool) -> torch.Tensor:
+    """The stored amaxes (n, 4: w, m, v, g payloads): those the slots know, the others measured
+    (gradients are always new)."""
+    payloads = [t for s in slots for t in (s.w, s.m, s.v, s.g)]
+    known = [a for s in slots for a in (*s.stored, None)]
+    missing = [i for i, a in enumerate(known) if a is None]
+    stored = torch.tensor([0.0 if a is None else a for a in known], dtype=torch.float32, device=slots[0].w.device)
+    if missing:
+        stored[missing] = (native.stored_amaxes if use_native else stored_amaxes)([payloads[i] for i in missing])
+    return stored.view(len(slots), 4)
+
+
+def _exact_amaxes(slots, rows, current, hyperparams, use_native: bool, kernel: str) -> torch.Tensor:
+    """The exact amaxes of the new w, m, v of the slots at ``rows`` (n, 3), from a pass that writes nothing."""
+    if use_native:
+        return native.adam_pass(
+            [(slots[i].w, slots[i].g, slots[i].m, slots[i].v) for i in rows],
+            current[rows][:, _NATIVE_ORDER], current[rows, :3], hyperparams[rows], write=False,
+        )
+    return torch.stack([run_pass(amaxes_pass, slots[i], kernel) for i in rows])
+
+
+def _new_scales(slots: list[AdamSlot], bounds: torch.Tensor, previous: torch.Tensor, fmts) -> torch.Tensor:
+    """Power-of-two scales (n, 3) for amaxes up to ``bounds``; a non-finite bound keeps the previous
+    scale, and a plain (unscaled) weight keeps its scale of 1."""
+    fmax = torch.tensor([[f.max for f in row] for row in fmts], dtype=torch.float32, device=bounds.device)
+    unscaled = torch.tensor([not s.w_scaled for s in slots], device=bounds.device)
+    bounds[:, 0] = torch.where(unscaled, torch.nan, bounds[:, 0])
+    return pow2_scale(bounds, fmax, previous=previous)
+
+
+def _write(slots, current, scales, hyperparams, fmts, use_native: bool, kernel: str) -> None:
+    """Store every slot's new state with the new ``scales``; remember the stored amaxes where known."""
+    if use_native:
+        tensors = [(s.w, s.g, s.m, s.v) for s in slots]
+        written = native.adam_pass(tensors, current[:, _NATIVE_ORDER], scales, hyperparams, write=True)
+        for s, (a_w, a_m, a_v) in zip(slots, written.tolist()):
+            s.stored = (a_w, a_m, a_v)
+    else:
+        for s, row, f in zip(slots, scales, fmts):
+            run_pass(write_pass, s, kernel, row, f)
+            s.stored = (None, None, None)
+
+
+def fused_adam_step_(slots: list[AdamSlot], kernel: str = "auto") -> bool:
+    """Update every slot in place in one pass per tensor, or nothing at all when any gradient or
+    bound is non-finite. Returns True when the step was applied, False when it was skipped.
+    ``kernel``: one of `KERNELS` (see the module docstring).
+
+    The new scales come before the pass from a-priori bounds on the new amaxes (`amax_bounds`),
+    built from the exact amaxes of the stored state and gradient (cheap integer reductions).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    if not slots:
+        return True
+    payloads = [t for s in slots for t in (s.w, s.m, s.v, s.g)]
+    use_native = kernel == "auto" and all(map(native.supports, payloads)) and native.available()
+    stored = _state_amaxes(slots, use_native)
+    current = torch.stack([t for s in slots for t in (s.w_scale, s.m_scale, s.v_scale, s.g_scale)]).view(-1, 4)
+    hyperparams = torch.stack([s.hyperparams for s in slots])
+    max_ratio = torch.tensor([s.max_ratio for s in slots], device=hyperparams.device)
+    bounds = amax_bounds(stored / current, hyperparams, max_ratio)
+    # An FP8 second moment has too little range to give up a binade of it: its tensors take an exact
+    # first pass for their new amaxes (measured: bounds cost accuracy there, docs/optimizer.md).
+    exact = [i for i, s in enumerate(slots) if s.v.element_size() == 1]
+    checked = [stored.view(-1), bounds[:, 1], bounds[:, 2]]
+    if exact:
+        exact_amaxes = _exact_amaxes(slots, exact, current, hyperparams, use_native, kernel)
+        checked.append(exact_amaxes.view(-1))
+    if not bool(torch.isfinite(torch.cat(checked)).all()):
+        return False
+    if exact:
+        bounds[exact] = exact_amaxes
+    fmts: list[tuple[Format, Format, Format]] = [s.formats() for s in slots]
+    scales = _new_scales(slots, bounds, current[:, :3], fmts)
+    _write(slots, current, scales, hyperparams, fmts, use_native, kernel)
+    # The pass reads the old scales; all of them change only now, in one multi-tensor copy.
+    old = [t for s in slots for t in (s.w_scale, s.m_scale, s.v_scale)]
+    torch._foreach_copy_(old, list(scales.reshape(-1).unbind()))
+    return True
