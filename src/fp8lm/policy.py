@@ -89,7 +89,7 @@ class Policy:
     fp8_gemm: bool = True
     overrides: tuple[Override, ...] = ()
 
-    def override(self, pattern: str, *, fp8_gemm: bool | None = None, **formats) -> "Policy":
+    def override(self, pattern: str, *, fp8_gemm: bool | None = None, **formats) -> Policy:
         """A copy of this policy with ``pattern`` overridden; ``formats`` are `ParamPrecision`
         fields (``weight``, ``grad``, ``master``, ``exp_avg``, ``exp_avg_sq``)."""
         if not isinstance(pattern, str) or not pattern:

@@ -18,8 +18,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .formats import E4M3, Format, format_of
-from .ops.cast import amax as _amax
 from .ops.cast import FP8_DTYPES, saturating_cast, upcast
+from .ops.cast import amax as _amax
 from .scaling import compute_scale
 
 __all__ = ["ScalingTensor", "quantize"]
@@ -90,16 +90,16 @@ class ScalingTensor(torch.Tensor):
             return upcast(self._data, self.scale_inv, wide).to(dtype)
         return (self._data.to(torch.float32) / self._scale).to(dtype)
 
-    def requantize_(self, value: torch.Tensor) -> "ScalingTensor":
+    def requantize_(self, value: torch.Tensor) -> ScalingTensor:
         """Store ``value`` in place, with a scale fitted to its amax (just-in-time scaling)."""
         scale = compute_scale(_amax(value), self.fmt, previous=self._scale)
         self._data.copy_(saturating_cast(value, scale, self.fmt))
         self._scale.copy_(scale)
         return self
 
-    def __repr__(self) -> str:  # must not dispatch: keep to the payload and scale
-        scale = self._scale.item()  # a symbolic float while torch.compile traces
-        scale = f"{scale:g}" if isinstance(scale, float) else str(scale)
+    def __repr__(self) -> str:  # type: ignore[override]  # must not dispatch: keep to the payload and scale
+        value = self._scale.item()  # a symbolic float while torch.compile traces
+        scale = f"{value:g}" if isinstance(value, float) else str(value)
         return (
             f"ScalingTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}, scale={scale})"
@@ -123,10 +123,10 @@ class ScalingTensor(torch.Tensor):
         memo[id(self)] = out
         return out
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if func in _VIEW_OPS or func in _COPY_OPS:
             if func is aten.detach.default:  # autograd detaches every gradient it stores: skip the pytree walk
@@ -153,7 +153,7 @@ def _param_flags(t: torch.Tensor) -> tuple[bool, bool]:
 
 def _rebuild(
     payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, is_param: bool = False, requires_grad: bool = False
-) -> ScalingTensor:
+) -> torch.Tensor:
     out = ScalingTensor(payload, scale, dtype)
     return torch.nn.Parameter(out, requires_grad=requires_grad) if is_param else out.requires_grad_(requires_grad)
 
@@ -217,7 +217,7 @@ def _inplace(func, args, kwargs):
     write_positions = {i for i, a in enumerate(schema_args) if a.alias_info is not None and a.alias_info.is_write}
     write_names = {schema_args[i].name for i in write_positions}
     # Which flat leaves are written: the leaves under written positional args or kwargs.
-    written_ids = set()
+    written_ids: set[int] = set()
     for i, a in enumerate(args):
         if i in write_positions:
             written_ids.update(id(t) for t in tree_flatten(a)[0] if isinstance(t, ScalingTensor))

@@ -6,7 +6,15 @@ from .linear import FP8Linear, is_conv1d
 from .state import load_scaling_state_dict, register_plain_state_dict, scaling_state_dict
 
 __all__ = [
-    "FP8Linear", "convert_linears", "linear_targets", "is_convertible", "is_conv1d",
-    "replace_modules", "replace_parameters", "freeze_fp8",
-    "scaling_state_dict", "load_scaling_state_dict", "register_plain_state_dict",
+    "FP8Linear",
+    "convert_linears",
+    "linear_targets",
+    "is_convertible",
+    "is_conv1d",
+    "replace_modules",
+    "replace_parameters",
+    "freeze_fp8",
+    "scaling_state_dict",
+    "load_scaling_state_dict",
+    "register_plain_state_dict",
 ]

@@ -7,13 +7,13 @@ Parameter maps to exactly one new one, and every module that held the old one is
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 from torch import nn
 
+from ..tensor import ScalingTensor
 from .linear import FP8Linear, is_conv1d
 from .state import register_plain_state_dict
-from ..tensor import ScalingTensor
 
 __all__ = ["is_convertible", "linear_targets", "replace_modules", "replace_parameters", "convert_linears"]
 
@@ -46,7 +46,7 @@ def linear_targets(model: nn.Module, module_filter: ModuleFilter | None = None, 
 
 def _linear_dims(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features) of a Linear (weight (out, in)) or Conv1D (weight (in, out))."""
-    rows, cols = module.weight.shape
+    rows, cols = module.get_parameter("weight").shape
     return (rows, cols) if is_conv1d(module) else (cols, rows)
 
 
@@ -60,7 +60,7 @@ def replace_parameters(model: nn.Module, mapping: dict[int, nn.Parameter]) -> No
             register_plain_state_dict(module)
 
 
-def replace_modules(model: nn.Module, new_modules: dict[str, nn.Module]) -> None:
+def replace_modules(model: nn.Module, new_modules: Mapping[str, nn.Module]) -> None:
     """Swap ``model``'s submodules by name for ``new_modules`` (all names checked first), keeping
     parameters that the old modules shared, with each other or with other modules, shared."""
     old_modules = dict(model.named_modules(remove_duplicate=False))
@@ -76,7 +76,7 @@ def replace_modules(model: nn.Module, new_modules: dict[str, nn.Module]) -> None
             if id(old_param) in mapping:  # tied to a module converted earlier: share its new Parameter
                 new._parameters[pname] = mapping[id(old_param)]
             else:
-                mapping[id(old_param)] = new._parameters[pname]
+                mapping[id(old_param)] = new.get_parameter(pname)
     # Re-point every parent, so a module registered under several names is swapped everywhere.
     swaps = {id(old_modules[name]): new for name, new in new_modules.items()}
     for parent in list(model.modules()):

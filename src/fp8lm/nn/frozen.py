@@ -12,6 +12,7 @@ needs no optimizer state.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..formats import E4M3, E5M2, FP16, Format, format_of
@@ -22,7 +23,7 @@ from .linear import FP8Linear
 __all__ = ["freeze_fp8"]
 
 
-def _embedding_weights(model: nn.Module) -> list[nn.Parameter]:
+def _embedding_weights(model: nn.Module) -> list[torch.Tensor]:
     return [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
 
 
@@ -36,11 +37,16 @@ def freeze_fp8(model: nn.Module, weight_format: Format | str = E4M3, multiple_of
     if fmt not in (E4M3, E5M2, FP16):
         raise ValueError(f"freeze_fp8 stores weights in a scaled format (E4M3, E5M2 or FP16), not {fmt.name}")
     if any(isinstance(m, FP8Linear) for m in model.modules()):
-        raise ValueError("freeze_fp8 converts a plain model, this one already has FP8Linear layers; "
-                         "freeze a copy made before fp8lm.initialize")
+        raise ValueError(
+            "freeze_fp8 converts a plain model, this one already has FP8Linear layers; "
+            "freeze a copy made before fp8lm.initialize"
+        )
     model.zero_grad(set_to_none=True)
     convert_linears(model, multiple_of=multiple_of, weight_format=fmt, scaling="current")
-    tables = {id(w): nn.Parameter(quantize(w.detach(), fmt), requires_grad=False)
-              for w in _embedding_weights(model) if not isinstance(w, ScalingTensor)}
+    tables = {
+        id(w): nn.Parameter(quantize(w.detach(), fmt), requires_grad=False)
+        for w in _embedding_weights(model)
+        if not isinstance(w, ScalingTensor)
+    }
     replace_parameters(model, tables)
     return model.requires_grad_(False).eval()

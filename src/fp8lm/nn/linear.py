@@ -54,7 +54,19 @@ def _propagate_nonfinite(out: torch.Tensor, amax_value: torch.Tensor, finite: bo
     return out.add_((amax_value - amax_value).to(out.dtype))  # 0, or NaN for an inf/NaN amax
 
 
-def _cast_operand(x: torch.Tensor, meta: ScalingMeta, emulated_as: torch.dtype | None) -> tuple[FP8Operand, torch.Tensor]:
+def _cast_with(
+    x: torch.Tensor, scale: torch.Tensor, meta: ScalingMeta, emulated_as: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The FP8 payload of ``x`` with a known scale, and its values read back in ``emulated_as``."""
+    if emulated_as is None:
+        return saturating_cast(x, scale, meta.fmt), None
+    data, deq, _ = saturating_cast_dequantized(x, scale, meta.fmt, emulated_as)
+    return data, deq
+
+
+def _cast_operand(
+    x: torch.Tensor, meta: ScalingMeta, emulated_as: torch.dtype | None
+) -> tuple[FP8Operand, torch.Tensor]:
     """A delayed- or current-scaled tensor stream as a GEMM operand, and its amax. With a known
     delayed scale, the cast and this tensor's amax come from one read of ``x``. ``emulated_as``:
     the dtype an emulated GEMM will multiply in (None on FP8 hardware); the cast then also returns
@@ -64,15 +76,16 @@ def _cast_operand(x: torch.Tensor, meta: ScalingMeta, emulated_as: torch.dtype |
         if emulated_as is None:
             (data, x_amax), deq = saturating_cast_with_amax(x, scale, meta.fmt), None
         else:
-            data, deq, x_amax = saturating_cast_dequantized(x, scale, meta.fmt, emulated_as, with_amax=True)
-        meta.record(x_amax)
+            data, deq, cast_amax = saturating_cast_dequantized(x, scale, meta.fmt, emulated_as, with_amax=True)
+            assert cast_amax is not None  # asked for with with_amax
+            x_amax = cast_amax
+        if meta.record(x_amax):  # an outlier for the delayed scale: cast again with its own scale
+            scale = meta.scale
+            data, deq = _cast_with(x, scale, meta, emulated_as)
     else:
         scale = meta.scale_for(x)
         x_amax = meta.last_amax.clone()
-        if emulated_as is None:
-            data, deq = saturating_cast(x, scale, meta.fmt), None
-        else:
-            data, deq, _ = saturating_cast_dequantized(x, scale, meta.fmt, emulated_as)
+        data, deq = _cast_with(x, scale, meta, emulated_as)
     return FP8Operand(data, scale.reciprocal(), _finite_hint(x_amax), dequantized=deq), x_amax
 
 
@@ -99,14 +112,16 @@ def _quantize_weight(weight: torch.Tensor, emulated_as: torch.dtype | None) -> t
 
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: "FP8Linear"):
+    def forward(ctx, x, weight, bias, layer: FP8Linear):
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             out_dtype = torch.get_autocast_dtype(device_type)
         else:
             out_dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        emulated_as = emulation_dtype(out_dtype, x.device) if choose_backend(x.device, layer.backend) == "emulated" else None
+        emulated_as = (
+            emulation_dtype(out_dtype, x.device) if choose_backend(x.device, layer.backend) == "emulated" else None
+        )
         x_op, x_amax = _cast_operand(x2, layer.input_meta, emulated_as)
         w_op, w_amax = _quantize_weight(weight, emulated_as)
         b = None if bias is None else bias.detach()
@@ -124,8 +139,10 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.x_finite, ctx.w_finite = x_op.finite, w_op.finite
         ctx.emulated_as = emulated_as
         ctx.save_for_backward(
-            x_op.data if need_w else None, x_op.scale_inv if need_w else None,
-            w_op.data if need_x else None, w_op.scale_inv if need_x else None,
+            x_op.data if need_w else None,
+            x_op.scale_inv if need_w else None,
+            w_op.data if need_x else None,
+            w_op.scale_inv if need_x else None,
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -144,7 +161,9 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_x = _propagate_nonfinite(grad_x, g_amax, g_finite).to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 x_op = FP8Operand(x8, x_scale_inv, ctx.x_finite)
-                grad_w = _propagate_nonfinite(fp8_mm(g_op.t(), x_op, ctx.out_dtype, backend=layer.backend), g_amax, g_finite)
+                grad_w = _propagate_nonfinite(
+                    fp8_mm(g_op.t(), x_op, ctx.out_dtype, backend=layer.backend), g_amax, g_finite
+                )
                 grad_w = layer._store_weight_grad(grad_w, ctx.weight_dtype)
             if ctx.needs_input_grad[2]:
                 grad_b = g2.sum(0).to(ctx.bias_dtype)
@@ -170,6 +189,9 @@ class FP8Linear(nn.Module):
         scaling: ``"delayed"`` (default) or ``"current"`` (scale each tensor from its own amax).
         backend: FP8 GEMM backend, see `fp8lm.ops.gemm` (``"auto"``, ``"scaled_mm"``, ``"emulated"``).
     """
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -235,22 +257,26 @@ class FP8Linear(nn.Module):
         return ScalingTensor(saturating_cast(grad, scale, fmt), scale, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, **options) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Module, **options) -> FP8Linear:
         """An FP8Linear with ``linear``'s weight and bias values (an ``nn.Linear``, or a GPT-2
         ``Conv1D``: weight of shape (in, out), attribute ``nf``, detected without importing
         transformers). ``options`` are FP8Linear's keyword arguments."""
-        weight = linear.weight.detach()
         conv1d = is_conv1d(linear)
-        if conv1d:
-            weight = weight.t()
-        elif not isinstance(linear, nn.Linear):
-            raise TypeError(f"FP8Linear.from_linear expects an nn.Linear or a GPT-2 Conv1D, got {type(linear).__name__}")
+        if not conv1d and not isinstance(linear, nn.Linear):
+            raise TypeError(
+                f"FP8Linear.from_linear expects an nn.Linear or a GPT-2 Conv1D, got {type(linear).__name__}"
+            )
+        source_weight = linear.get_parameter("weight")
+        source_bias = None if linear.bias is None else linear.get_parameter("bias")
+        weight = source_weight.detach().t() if conv1d else source_weight.detach()
         out_features, in_features = weight.shape
-        layer = cls(in_features, out_features, bias=linear.bias is not None, device="meta", dtype=weight.dtype, **options)
+        layer = cls(
+            in_features, out_features, bias=source_bias is not None, device="meta", dtype=weight.dtype, **options
+        )
         layer.weight = layer._stored_weight(weight.contiguous())
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-        layer.weight.requires_grad_(linear.weight.requires_grad)
+        if source_bias is not None:
+            layer.bias = nn.Parameter(source_bias.detach().clone(), requires_grad=source_bias.requires_grad)
+        layer.weight.requires_grad_(source_weight.requires_grad)
         layer.transposed_checkpoint = conv1d
         return layer
 
@@ -268,11 +294,15 @@ class FP8Linear(nn.Module):
         if self.transposed_checkpoint:
             destination[prefix + "weight"] = destination[prefix + "weight"].t().contiguous()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         key = prefix + "weight"
         if self.transposed_checkpoint and isinstance(state_dict.get(key), torch.Tensor):
             state_dict = {**state_dict, key: state_dict[key].t()}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         return (

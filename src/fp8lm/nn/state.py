@@ -36,7 +36,7 @@ def register_plain_state_dict(module: nn.Module) -> None:
     if getattr(module, "_fp8lm_plain_state_dict", False):
         return
     module.register_state_dict_post_hook(_plain_state_dict_hook)
-    module._fp8lm_plain_state_dict = True
+    module._fp8lm_plain_state_dict = True  # type: ignore[assignment]  # a flag, not a tensor or submodule
 
 
 def _metas(model: nn.Module):
