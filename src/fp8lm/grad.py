@@ -57,8 +57,14 @@ def clip_grad_norm_(
     """Scale the gradients so their total ``norm_type``-norm is at most ``max_norm``, like
     ``torch.nn.utils.clip_grad_norm_``; returns the total norm before clipping (float32).
 
-    ScalingTensor gradients are clipped by dividing their scale (exact, no requantization).
+    ``parameters``: a module, an iterable of tensors, or an optimizer. An optimizer with a
+    ``clip_grad_norm_`` method of its own (every fp8lm optimizer: `fp8lm.optim.SkipsNonFiniteSteps`)
+    does the clipping, so that `fp8lm.distributed.FP8ZeroOptimizer` clips by the global norm over its
+    shards. ScalingTensor gradients are clipped by dividing their scale (exact, no requantization).
     """
+    own_clip = getattr(parameters, "clip_grad_norm_", None) if isinstance(parameters, torch.optim.Optimizer) else None
+    if own_clip is not None:
+        return own_clip(max_norm, norm_type, error_if_nonfinite)
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not max_norm >= 0:
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")

@@ -42,7 +42,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: FP8Zer
     if missing:
         raise ValueError(f"checkpoint at {path!r} lacks model entries {missing[:5]}: it is from another model")
     for key, meta in metadata.items():
-        if key.startswith(_OPTIM) and key[len(_OPTIM):].rpartition("/")[0] in owned:
+        owner = key[len(_OPTIM):].rpartition("/")[0]  # "": the optimizer's own entries (skipped_steps)
+        if key.startswith(_OPTIM) and (owner in owned or not owner):
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict({k[len(_MODEL):]: v for k, v in state.items() if k.startswith(_MODEL)})

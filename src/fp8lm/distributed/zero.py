@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..optim.skipping import SkipsNonFiniteSteps
 from ..tensor import ScalingTensor
 from . import comm
 from .data_parallel import broadcast_module
@@ -50,7 +51,7 @@ def _storage(p: torch.Tensor) -> torch.Tensor:
     return p.payload if isinstance(p, ScalingTensor) else p.data
 
 
-class FP8ZeroOptimizer(torch.optim.Optimizer):
+class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
     """Shards ``optimizer`` (built over ``model``'s parameters, e.g. by ``fp8lm.initialize(...,
     "O3")``) across ``process_group``.
 
@@ -58,6 +59,8 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
     owns. This object's ``param_groups`` hold every parameter with the hyper-parameters (an LR
     scheduler may change them); they are copied to the shard at each step. Gradients accumulate
     locally until `step` (or `reduce_gradients`), so gradient accumulation needs no ``no_sync``.
+    Skipped steps and clipping follow `fp8lm.optim.SkipsNonFiniteSteps` (one count for all ranks;
+    `clip_grad_norm_` by the global norm).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, process_group=None):
@@ -90,8 +93,6 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
             [_storage(p).numel() * _storage(p).element_size() for p in params], self.owners, self.world_size
         )
         self._reduced = False
-        self.skipped_steps = 0
-        self.last_step_skipped = False
         broadcast_module(model, process_group)  # every replica starts from rank 0's weights
 
     @property
@@ -120,9 +121,11 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
         return self._finite
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip the reduced gradients by their global norm (computed across the shards); returns
-        the norm before clipping. Call instead of `fp8lm.clip_grad_norm_` under O3."""
+        the norm before clipping. `fp8lm.clip_grad_norm_(optimizer, max_norm)` calls this."""
         if norm_type != 2.0:
             raise ValueError(f"FP8ZeroOptimizer.clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}")
         self.reduce_gradients()
@@ -131,6 +134,11 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
             if p.grad is not None:
                 sq += p.grad.float().square().sum()
         total = comm.all_reduce(sq, dist.ReduceOp.SUM, self.process_group).sqrt()[0]
+        if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same answer on every rank
+            raise RuntimeError(
+                f"the global norm of the gradients is non-finite ({total.item()}); "
+                "set error_if_nonfinite=False to let the step be skipped"
+            )
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1:
             for p in self.owned:
@@ -146,9 +154,8 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         finite = self.reduce_gradients()
         self._reduced = False
-        self.last_step_skipped = not finite
+        self.record_step(finite)
         if not finite:
-            self.skipped_steps += 1
             for p in self.params:
                 p.grad = None
             return loss
@@ -222,14 +229,16 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard keyed by parameter name, ``"<name>/<state key>"`` -> tensor (numbers
-        as 0-d tensors with a ``#int`` / ``#float`` suffix). Every key lives on exactly one rank, so
-        all ranks' shards together are the whole state, loadable at any world size."""
+        as 0-d tensors with a ``#int`` / ``#float`` suffix). Every such key lives on exactly one rank, so
+        all ranks' shards together are the whole state, loadable at any world size. The optimizer's own
+        count, ``"skipped_steps#int"``, is the same on every rank."""
         name_of = dict(zip(map(id, self.params), self.names))
         params = self._shard_params()
         out: dict[str, torch.Tensor] = {}
         for index, state in self.shard.state_dict()["state"].items():
             for key, value in state.items():
                 out.update(_encode(f"{name_of[id(params[index])]}/{key}", value))
+        out.update(_encode("skipped_steps", self.skipped_steps))
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -238,6 +247,8 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
         by_name: dict[str, dict] = {}
         for key, value in state_dict.items():
             name, _, field = key.rpartition("/")
+            if key == "skipped_steps#int":
+                continue  # the optimizer's own count, set once the shard has loaded
             if name not in self.names:
                 raise ValueError(f"checkpoint entry {key!r} names no parameter of this model: it is from another model")
             k, v = _decode(field, value)
@@ -248,6 +259,8 @@ class FP8ZeroOptimizer(torch.optim.Optimizer):
             i: by_name[name_of[id(p)]] for i, p in enumerate(self._shard_params()) if name_of[id(p)] in by_name
         }
         self.shard.load_state_dict(sd)
+        if "skipped_steps#int" in state_dict:
+            self.skipped_steps = int(state_dict["skipped_steps#int"])
 
     def owned_names(self) -> list[str]:
         """Names of the parameters whose optimizer state lives on this rank."""
