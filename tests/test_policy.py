@@ -2,14 +2,14 @@ import pytest
 import torch
 
 import fp8lm
-from fp8lm.policy import OPT_LEVELS, ParamPrecision, Policy, preset
+from fp8lm.policy import FP8_LEVELS, ParamPrecision, Policy, preset
 
 W = torch.zeros(4, 4)
 V = torch.zeros(4)
 
 
 def test_presets():
-    o1, o2, o3 = (preset(level) for level in OPT_LEVELS)
+    o1, o2, o3 = (preset(level) for level in FP8_LEVELS)
     assert o1.linear == ParamPrecision(fp8lm.FP16, fp8lm.E4M3, None, fp8lm.FP32, fp8lm.FP32)
     assert o1.precision("wte.weight", W, in_linear=False).weight == fp8lm.FP32  # O1: only linears change
     assert o2.linear == ParamPrecision(fp8lm.FP16, fp8lm.E4M3, None, fp8lm.E4M3, fp8lm.FP16)

@@ -13,7 +13,7 @@ from torch import nn
 
 from .formats import FP16, Format
 from .nn import FP8Linear, linear_targets, replace_modules, replace_parameters
-from .policy import OPT_LEVELS, ParamPrecision, Policy, preset
+from .policy import FP8_LEVELS, ParamPrecision, Policy, preset
 from .tensor import ScalingTensor, quantize
 
 __all__ = ["initialize"]
@@ -75,8 +75,8 @@ def initialize(
     ``optimizer_options`` go to the FP8 optimizer under O2/O3 (e.g. ``{"kernel": "eager"}``).
     Returns ``(model, optimizer)``: the same model object, and the optimizer to use from now on.
     """
-    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
-        raise ValueError(f"unknown opt_level {opt_level!r}: valid levels are {', '.join(OPT_LEVELS)}")
+    if not isinstance(opt_level, str) or opt_level not in FP8_LEVELS:
+        raise ValueError(f"unknown opt_level {opt_level!r}: valid levels are {', '.join(FP8_LEVELS)}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize expects an nn.Module, got {type(model).__name__}")
     done = getattr(model, "_fp8lm_opt_level", None)

@@ -31,9 +31,10 @@ import torch
 
 from .formats import E4M3, FP16, FP32, Format, format_of
 
-__all__ = ["ParamPrecision", "Override", "Policy", "preset", "OPT_LEVELS"]
+__all__ = ["ParamPrecision", "Override", "Policy", "preset", "FP8_LEVELS"]
 
-OPT_LEVELS = ("O1", "O2", "O3")
+# The FP8-LM optimization levels: the opt_level values of fp8lm.initialize.
+FP8_LEVELS = ("O1", "O2", "O3")
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,8 @@ class Policy:
 
 def preset(opt_level: str) -> Policy:
     """The policy of an FP8-LM optimization level: ``"O1"``, ``"O2"`` or ``"O3"``."""
-    if opt_level not in OPT_LEVELS:
-        raise ValueError(f"unknown opt_level {opt_level!r}: valid levels are {', '.join(OPT_LEVELS)}")
+    if opt_level not in FP8_LEVELS:
+        raise ValueError(f"unknown opt_level {opt_level!r}: valid levels are {', '.join(FP8_LEVELS)}")
     fp32 = ParamPrecision(FP32, FP32, None, FP32, FP32)
     vector = ParamPrecision(FP32, FP32, None, E4M3, FP16)
     if opt_level == "O1":

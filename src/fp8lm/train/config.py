@@ -18,13 +18,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..distributed import SCALINGS
+from ..policy import FP8_LEVELS
 from .model import GPTConfig, preset
 
 __all__ = ["OPT_LEVELS", "FP8_LEVELS", "FP8_OPTIMIZER_LEVELS", "SECOND_MOMENT_FORMATS", "TrainConfig", "RunError", "default_device"]
 
-OPT_LEVELS = ("fp32", "bf16", "O1", "O2", "O3")
+OPT_LEVELS = ("fp32", "bf16", *FP8_LEVELS)  # the two baselines, then fp8lm's levels
 SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
-FP8_LEVELS = ("O1", "O2", "O3")
 FP8_OPTIMIZER_LEVELS = ("O2", "O3")  # the levels that replace AdamW by fp8lm.optim.FP8AdamW
 FP8_DATA_PARALLEL_LEVELS = ("O1", "O2")  # under torchrun: fp8lm.distributed.FP8DataParallel
 GRAD_SYNC_SCALINGS = SCALINGS  # FP8DataParallel's scaling modes (--grad-sync-scaling)
