@@ -1,0 +1,1 @@
+"""Glue between fp8lm and other training frameworks; importable without them."""
