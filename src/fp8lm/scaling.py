@@ -12,7 +12,10 @@ import torch
 
 from .formats import Format
 
-__all__ = ["compute_scale", "pow2_scale", "ScalingMeta"]
+__all__ = ["compute_scale", "pow2_scale", "ScalingMeta", "OUTLIER_OVERFLOW"]
+
+# How far beyond the format's max a delayed-scaled tensor may reach before it counts as an outlier.
+OUTLIER_OVERFLOW = 16.0
 
 
 def compute_scale(
@@ -71,6 +74,14 @@ class ScalingMeta:
 
     ``amax_history`` is a ring buffer: the amax of recorded step ``k`` sits at ``k % history_len``
     (only the max over it matters; writing in place spares the shift of every step).
+
+    Outliers: a delayed scale fits the recent past, so one spike (a loss times 1e30) would
+    saturate its own step and then, kept in the history, scale the next ``history_len`` steps to
+    all zeros. A tensor whose amax, times the scale it is cast with, lands more than 16 times
+    above the format's max or below ``sqrt(max * min_normal)`` (the top half of the format's
+    normal range unused) is an outlier: the history restarts from its amax, it is scaled from its
+    own amax (current scaling for that step), and ``rescales`` counts it. Ordinary steps are
+    untouched. A non-finite amax is not recorded (it carries no scale; the step is skipped).
     """
 
     fmt: Format
@@ -79,11 +90,17 @@ class ScalingMeta:
     scale: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.float32))
     amax_history: torch.Tensor = field(init=False)
     step: int = 0
+    rescales: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         if self.history_len < 0:
             raise ValueError(f"history_len must be >= 0 (0 = current scaling), got {self.history_len}")
         self.amax_history = torch.zeros(max(self.history_len, 1), dtype=torch.float32, device=self.scale.device)
+        self.rescales = torch.zeros((), dtype=torch.int64, device=self.scale.device)
+        self._last_amax = torch.zeros((), dtype=torch.float32, device=self.scale.device)
+        # The range a tensor's scaled amax may take before it is an outlier (a margin lowers both).
+        low = math.sqrt(self.fmt.max * self.fmt.min_normal)
+        self._fits = (low * 2.0**-self.margin, self.fmt.max * OUTLIER_OVERFLOW)
 
     @property
     def delayed(self) -> bool:
@@ -95,8 +112,8 @@ class ScalingMeta:
 
     @property
     def last_amax(self) -> torch.Tensor:
-        """The amax recorded last (0-d view into the history)."""
-        return self.amax_history[(self.step - 1) % self.amax_history.numel() if self.delayed else 0]
+        """The amax recorded last, as given: inf or NaN too (the history holds 0 for those)."""
+        return self._last_amax
 
     @property
     def scale_known_in_advance(self) -> bool:
@@ -112,17 +129,47 @@ class ScalingMeta:
             self.to(amax.device)
         if not self.delayed:
             self.scale = compute_scale(amax, self.fmt, self.margin, self.scale)
-            self.amax_history[0] = amax
+            self.amax_history[0] = self._last_amax = amax
             return self.scale
         if self.step == 0:
             # No history yet: the first step scales just in time so it does not overflow.
             self.scale = compute_scale(amax, self.fmt, self.margin, self.scale)
         scale = self.scale
-        self.record(amax)
+        if self.record(amax):
+            scale = self.scale  # an outlier: scaled from its own amax
         return scale
 
-    def record(self, amax: torch.Tensor) -> None:
-        """Delayed scaling: add a tensor's amax to the history and derive the next scale."""
+    def record(self, amax: torch.Tensor) -> bool:
+        """Delayed scaling: add the amax of a tensor cast with ``scale`` to the history and derive
+        the next scale. Returns True when the tensor was an outlier for that scale (see the class
+        docstring): ``scale`` is then its own current scale, to cast it again with. Off the CPU
+        the check stays on the device (no sync): the history restarts and ``rescales`` counts,
+        but it returns False, so only the following steps are rescaled."""
+        amax = self._last_amax = amax.to(torch.float32)
+        if amax.device.type == "cpu" and not torch.compiler.is_compiling():
+            value = amax.item()
+            low, high = self._fits
+            scaled = value * self.scale.item()
+            outlier = value > 0 and math.isfinite(value) and not low <= scaled <= high
+            if outlier:
+                self.amax_history.zero_()
+                self.rescales += 1
+            self._append(value if math.isfinite(value) else 0.0)
+            return outlier
+        self._record_on_device(amax)
+        return False
+
+    def _record_on_device(self, amax: torch.Tensor) -> None:
+        """`record` in tensor ops only."""
+        low, high = self._fits
+        scaled = amax * self.scale
+        finite = torch.isfinite(amax)
+        outlier = finite & (amax > 0) & ((scaled < low) | (scaled > high))
+        self.amax_history.masked_fill_(outlier, 0.0)
+        self.rescales += outlier
+        self._append(torch.where(finite, amax, 0.0))
+
+    def _append(self, amax: torch.Tensor | float) -> None:
         self.amax_history[self.step % self.amax_history.numel()] = amax
         self.scale = compute_scale(self.amax_history.amax(), self.fmt, self.margin, self.scale)
         self.step += 1
@@ -130,10 +177,15 @@ class ScalingMeta:
     def to(self, device: torch.device | str) -> "ScalingMeta":
         self.scale = self.scale.to(device)
         self.amax_history = self.amax_history.to(device)
+        self.rescales = self.rescales.to(device)
+        self._last_amax = self._last_amax.to(device)
         return self
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step}
+        return {
+            "scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step,
+            "rescales": self.rescales.clone(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["amax_history"].shape != self.amax_history.shape:
@@ -144,3 +196,5 @@ class ScalingMeta:
         self.scale = state["scale"].to(self.scale.device, torch.float32).clone()
         self.amax_history = state["amax_history"].to(self.amax_history.device, torch.float32).clone()
         self.step = int(state["step"])
+        rescales = state.get("rescales", 0)  # absent from states saved before outliers were counted
+        self.rescales = torch.as_tensor(rescales, dtype=torch.int64).to(self.rescales.device).clone()

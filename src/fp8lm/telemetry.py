@@ -98,6 +98,19 @@ class Telemetry:
     def sampled(self, step: int) -> bool:
         return step % self.every == 0
 
+    def rescales(self) -> dict[str, int]:
+        """How many times each delayed-scaled stream met an outlier (a spike, or the drop after
+        one) and was scaled from its own amax instead (`fp8lm.ScalingMeta`), keyed
+        ``"<layer>.input"`` / ``"<layer>.grad_output"``; streams with none are left out. Counted
+        on every step, not only sampled ones."""
+        counts = {}
+        for name, layer in self.layers.items():
+            for kind, meta in (("input", layer.input_meta), ("grad_output", layer.grad_output_meta)):
+                n = int(meta.rescales)
+                if n:
+                    counts[f"{name}.{kind}"] = n
+        return counts
+
     def step(self, step: int):
         """Context manager around a step's forward and backward; records on sampled steps."""
         return _RecordingWindow(self, step)

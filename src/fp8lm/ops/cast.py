@@ -41,18 +41,23 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(hi.float(), -lo.float())
 
 
+def _saturate(xf: torch.Tensor, scale: torch.Tensor, fmax: float) -> torch.Tensor:
+    """``xf * scale`` clamped to +-fmax, with NaN where ``xf`` is +-inf: saturated, an inf would
+    pass every later finiteness check as a finite value (the C kernels do the same)."""
+    return torch.where(xf.isinf(), torch.nan, (xf * scale).clamp(-fmax, fmax))
+
+
 def _eager_cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype) -> torch.Tensor:
-    y = x.to(torch.float32) * scale.to(torch.float32)
-    return y.clamp_(-fmax, fmax).to(dtype)
+    return _saturate(x.to(torch.float32), scale.to(torch.float32), fmax).to(dtype)
 
 
 def _cast_expression(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype) -> torch.Tensor:
-    return (x.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+    return _saturate(x.to(torch.float32), scale, fmax).to(dtype)
 
 
 def _cast_amax_expression(x, scale, fmax: float, dtype: torch.dtype):
     xf = x.to(torch.float32)
-    return (xf * scale).clamp(-fmax, fmax).to(dtype), xf.abs().amax()
+    return _saturate(xf, scale, fmax).to(dtype), xf.abs().amax()
 
 
 _compiled: dict = {}
@@ -115,10 +120,11 @@ def _fused_or_eager(expression, eager, x, *args):
 
 
 def saturating_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """``cast(x * scale)`` to ``fmt.dtype``; values beyond the format's max become +-max.
+    """``cast(x * scale)`` to ``fmt.dtype``; finite values beyond the format's max become +-max.
 
     torch's own float8 casts turn out-of-range values into NaN (E4M3) or inf (E5M2), so the clamp
-    is what keeps an overflowing value finite. NaN stays NaN. Rounding is to nearest even.
+    is what keeps an overflowing value finite. NaN stays NaN and inf becomes NaN, so a non-finite
+    source stays visible. Rounding is to nearest even.
     """
     scale = scale.to(device=x.device, dtype=torch.float32)
     return _fused_or_eager(_cast_expression, _eager_cast, x, scale, fmt.max, fmt.dtype)

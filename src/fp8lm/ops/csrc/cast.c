@@ -1,6 +1,6 @@
 /* Saturating scaled casts and exact upcasts between float formats, for CPUs.
 
-   fp8_cast: dst = round-to-nearest-even(clamp(src * scale, +-max of dst's format)), with the exact
+   fp8_cast: dst = round-to-nearest-even(clamp(src * scale, +-max of dst's format)) (inf -> NaN), with the exact
    amax of src taken in the same pass: what fp8lm.ops.cast.saturating_cast_with_amax computes, one
    read of src and no temporaries (torch's eager path makes four passes; inductor's code converts
    FP8 one element at a time on CPUs without AVX-512 FP8 support and costs ~40 us of guards a call).
@@ -55,7 +55,7 @@ static int64_t fused_cast(const void *src, int src_dtype, int64_t lo, int64_t hi
     for (int64_t i = lo; i < end; i += 16) {
         __m512 x = src_dtype == BF16 ? load_bf16(src, i) : _mm512_loadu_ps((const float *)src + i);
         if (want_amax) mx = magnitude_max16(mx, x);
-        __m512i code = fp8_codes16(clamp16(_mm512_mul_ps(x, s), fmax), mbits, bias);
+        __m512i code = fp8_codes16(nan_where_inf16(x, clamp16(_mm512_mul_ps(x, s), fmax)), mbits, bias);
         _mm_storeu_si128((__m128i *)((uint8_t *)dst + i), _mm512_cvtepi32_epi8(code));
         if (deq)
             _mm256_storeu_si256((__m256i *)((uint16_t *)deq + i), bf16_bits16(_mm512_mul_ps(fp8_values16(code, e4m3), inv)));

@@ -137,10 +137,13 @@ static inline void encode(int dtype, const float *src, void *dst, int64_t n) {
 
 static inline int itemsize(int dtype) { return dtype == F32 ? 4 : (dtype == E4M3 || dtype == E5M2) ? 1 : 2; }
 
+/* x * scale saturated at +-fmax. An infinite x becomes NaN, not +-fmax: saturated, an inf would
+   pass every later finiteness check as a finite value. NaN compares false: it stays NaN. */
 static inline void scale_clamp(float *x, int64_t n, float scale, float fmax) {
     for (int64_t i = 0; i < n; i++) {
         float y = x[i] * scale;
-        x[i] = y < -fmax ? -fmax : (y > fmax ? fmax : y); /* NaN compares false: it stays NaN */
+        y = y < -fmax ? -fmax : (y > fmax ? fmax : y);
+        x[i] = (bits_of(x[i]) & 0x7FFFFFFFu) == 0x7F800000u ? NAN : y;
     }
 }
 
@@ -227,6 +230,13 @@ static inline void store_e4m3(void *p, int64_t i, __m512 y) {
 static inline __m512 clamp16(__m512 y, __m512 fmax) {
     /* max/min return their second operand when one is NaN: NaN stays NaN, like `scale_clamp`. */
     return _mm512_min_ps(fmax, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), fmax), y));
+}
+
+/* NaN in the lanes where `x` is +-inf (see `scale_clamp`), `y` elsewhere. */
+static inline __m512 nan_where_inf16(__m512 x, __m512 y) {
+    __mmask16 inf = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)),
+                                            _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_mov_ps(y, inf, _mm512_set1_ps(NAN));
 }
 
 static inline __m512i magnitude_max16(__m512i acc, __m512 y) {
