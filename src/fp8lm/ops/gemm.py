@@ -19,25 +19,12 @@ emulated FP8 GEMM multiplies in FP32, and `CPUBF16Linear` does the same for the 
 which has the rounding points of a BF16 GEMM with FP32 accumulation.
 
 On CPU both accumulate in FP32 and agree within FP32 summation-order error. Hopper's FP8 tensor
-cores accumulate with fewer bits: on an H200, ``_scaled_mm`` results were off by up to 5e-5
-(K=13) to 2e-4 (K=512) of the result's magnitude, where the FP32 emulation was exact to ~1e-7.
+cores accumulate with fewer bits, so there ``_scaled_mm`` is less exact than the emulation.
 
-``"auto"`` picks ``scaled_mm`` on capable GPUs and ``emulated`` on CPU, by measurement:
-``benchmarks/fp8_linear.py`` on the 2-core AVX-512-BF16 CPU this was written on (torch 2.13, one
-thread, machine shared with other jobs; ms per GEMM including the operands' upcast, M x K x N):
-
-==================  ==============  ============  ==============  =============  ===========
-shape               scaled_mm fp32  emulated f32  scaled_mm bf16  emulated bf16  bf16 matmul
-==================  ==============  ============  ==============  =============  ===========
-4096 x 384 x 1536   166             121           164             28             27
-4096 x 1536 x 384   185             160           172             40             27
-4096 x 384 x 384    52              37            53              11             11
-2048 x 768 x 3072   314             285           325             71             61
-==================  ==============  ============  ==============  =============  ===========
-
-torch's own float8 -> bf16 conversion is scalar on CPU (19 ms for 6.3M elements, slower still
-under torch.compile); the emulation instead rebuilds the BF16 bit pattern with three int16 ops
-(`upcast`), 1.3 ms for the same tensor (both measured on an idle machine).
+``"auto"`` picks ``scaled_mm`` on capable GPUs and ``emulated`` on CPU, where ``_scaled_mm`` is
+slower than the emulation and torch's own float8 -> bf16 conversion is scalar; `upcast` rebuilds
+the BF16 bit pattern with three int16 ops instead. The measurements behind these choices are in
+docs/performance.md ("GEMM").
 """
 
 from __future__ import annotations
