@@ -162,12 +162,12 @@ def test_telemetry_every_n_steps_goes_to_telemetry_jsonl_and_the_metrics(tmp_pat
 
 
 def test_fallback_switches_are_logged_and_checkpointed(tmp_path, cache, monkeypatch, capsys):
-    import fp8lm.train.loop as loop
+    import fp8lm.train.run as run
     from fp8lm.fallback import FallbackPolicy, PrecisionFallback
 
     # thresholds any underflow or saturation crosses: such a layer switches to BF16 at once
     eager = FallbackPolicy(underflow=1e-12, saturation=1e-12, patience=1)
-    monkeypatch.setattr(loop, "PrecisionFallback", lambda layers: PrecisionFallback(layers, eager))
+    monkeypatch.setattr(run, "PrecisionFallback", lambda layers: PrecisionFallback(layers, eager))
     s = train(cfg(tmp_path, cache, opt_level="O1", steps=3, telemetry_every=2, fallback=True))
     events = [e for m in read_metrics(tmp_path / "run" / "metrics.jsonl") for e in m.get("fallback", [])]
     assert events and events[0]["to"] == "bf16"

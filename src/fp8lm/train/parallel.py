@@ -12,17 +12,24 @@ Levels map to wrappers as follows (one process, or ``WORLD_SIZE`` unset, wraps n
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..distributed import FP8DataParallel, FP8ZeroOptimizer, comm_stats, ddp_bytes, setup, wrap
+from ..distributed import load_checkpoint as load_sharded
+from ..distributed import save_checkpoint as save_sharded
+from ..grad import clip_grad_norm_
+from .checkpoint import shards_name
 
-__all__ = ["Ranks", "join", "wrap_for_level", "unwrap", "is_sharded", "accumulating", "mean_over_ranks",
-           "gather_to_main", "broadcast_from_main", "barrier", "comm_bytes", "restarts_allowed"]
+__all__ = ["Ranks", "join", "wrap_for_level", "unwrap", "ReplicatedState", "ShardedState", "state_layout",
+           "accumulating", "mean_over_ranks", "gather_to_main", "broadcast_from_main", "barrier", "comm_bytes",
+           "restarts_allowed"]
 
 # Bounds every collective: a rank that stops answering makes the others fail instead of hang.
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -74,8 +81,66 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, (FP8DataParallel, nn.parallel.DistributedDataParallel)) else model
 
 
-def is_sharded(optimizer) -> bool:
-    return isinstance(optimizer, FP8ZeroOptimizer)
+class ReplicatedState:
+    """Every rank holds the whole model and optimizer state (one process, `FP8DataParallel`, DDP).
+    A state layout answers where the optimizer state lives, how a step is clipped and taken, and
+    how the state goes to and from a checkpoint; a new kind of parallelism is a new layout."""
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer whose state this rank holds (memory reports, telemetry)."""
+        return optimizer
+
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[float, bool]:
+        """Clip the gradients to ``max_norm`` and step; returns the norm before clipping and whether
+        the step was skipped: an inf/NaN gradient skips the update rather than poison the weights."""
+        grad_norm = float(clip_grad_norm_(model.parameters(), max_norm))
+        if not math.isfinite(grad_norm):
+            return grad_norm, True
+        optimizer.step()
+        return grad_norm, False
+
+    def save_shards(self, directory: Path, step: int, model: nn.Module, optimizer) -> str | None:
+        """Write what each rank holds alone (a collective); returns its name in ``directory``."""
+        return None
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        """The optimizer state rank 0 puts into the checkpoint file itself."""
+        return optimizer.state_dict()
+
+    def load(self, directory: Path, state: dict, model: nn.Module, optimizer) -> None:
+        """Load the model's weights and the optimizer state of checkpoint ``state`` (in ``directory``)."""
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+
+class ShardedState(ReplicatedState):
+    """FP8 ZeRO (`FP8ZeroOptimizer`): each rank holds its shard of the optimizer state, clips by the
+    global norm of the reduced gradients and skips a non-finite step itself; checkpoints keep the
+    shards in a ``step_<step>.dcp/`` folder next to the checkpoint file."""
+
+    def local_optimizer(self, optimizer: FP8ZeroOptimizer) -> torch.optim.Optimizer:
+        return optimizer.shard
+
+    def clip_and_step(self, model: nn.Module, optimizer: FP8ZeroOptimizer, max_norm: float) -> tuple[float, bool]:
+        grad_norm = float(optimizer.clip_grad_norm_(max_norm))
+        optimizer.step()
+        return grad_norm, bool(optimizer.last_step_skipped)
+
+    def save_shards(self, directory: Path, step: int, model: nn.Module, optimizer: FP8ZeroOptimizer) -> str:
+        name = shards_name(step)
+        save_sharded(directory / name, model, optimizer)
+        return name
+
+    def optimizer_state(self, optimizer: FP8ZeroOptimizer) -> None:
+        return None
+
+    def load(self, directory: Path, state: dict, model: nn.Module, optimizer: FP8ZeroOptimizer) -> None:
+        load_sharded(directory / state["optimizer_shards"], model, optimizer)
+
+
+def state_layout(optimizer: torch.optim.Optimizer) -> ReplicatedState:
+    """The layout of the state of a model and ``optimizer`` that `wrap_for_level` returned."""
+    return ShardedState() if isinstance(optimizer, FP8ZeroOptimizer) else ReplicatedState()
 
 
 def accumulating(model: nn.Module, last_micro_batch: bool):

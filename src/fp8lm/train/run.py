@@ -1,0 +1,405 @@
+"""`TrainingRun`: one training run's state (model, optimizer, data, telemetry, logs, counters) and
+what is done with it: `~TrainingRun.step`, `~TrainingRun.evaluate`, `~TrainingRun.save`,
+`~TrainingRun.restore`, `~TrainingRun.summary`, driven by `~TrainingRun.fit`.
+
+Other objectives subclass it and override the pieces that differ: `build_model`,
+`build_optimizer`, `load_data`, `next_batch`, `loss` (and `evaluate`, `summary`). How the state
+is spread over ranks (replicated, FP8 ZeRO) is the `state_layout` of `parallel`, not a branch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..distributed import FP8DataParallel, ddp_bytes, reset_comm_stats
+from ..fallback import PrecisionFallback
+from ..memory import memory_report
+from ..nn import load_scaling_state_dict, scaling_state_dict
+from ..ops.gemm import CPUBF16Linear
+from ..telemetry import Telemetry, worst
+from .checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
+from .config import FP8_LEVELS, RunError, TrainConfig, default_device
+from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents, stdlib_documents
+from .logs import RunLogs
+from .measure import saved_tensor_bytes
+from .model import GPT
+from .parallel import (accumulating, barrier, broadcast_from_main, comm_bytes, gather_to_main, join, mean_over_ranks,
+                       state_layout, unwrap, wrap_for_level)
+from .resume import CHECKPOINT_FORMAT, check_output, check_resume, check_state_fits
+
+__all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
+
+
+def lr_at(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Learning rate of 0-based ``step``: linear warmup over ``warmup_steps``, then cosine decay
+    from ``lr`` to ``lr * min_lr_ratio`` at the last step."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    decay_steps = max(total_steps - 1 - warmup_steps, 1)
+    progress = min((step - warmup_steps) / decay_steps, 1.0)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class BF16Autocast:
+    """``torch.autocast(bfloat16)``, reusable, with ``F.linear`` computed by
+    `fp8lm.ops.gemm.CPUBF16Linear` on CPUs without BF16 GEMM instructions (same rounding points,
+    FP32 GEMM speed)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> BF16Autocast:
+        self._stack.enter_context(torch.autocast(self.device_type, dtype=torch.bfloat16))
+        self._stack.enter_context(CPUBF16Linear())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+class TrainingRun:
+    """A GPT trained as ``cfg`` says, on this process's rank (see `parallel`).
+
+    Constructing it checks everything that can be wrong with the inputs before anything is
+    written, builds the model, optimizer and data, and restores the checkpoint when resuming.
+    `fit` then trains; rank 0 writes the logs, checkpoints and, last and atomically,
+    ``summary.json``, so a failed run never looks complete.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.ranks = join()
+        if cfg.batch_size % self.ranks.world:
+            raise RunError(f"--batch-size {cfg.batch_size} (sequences per step, all ranks together) must divide by the {self.ranks.world} ranks")
+        self.out = Path(cfg.out)
+        resuming = check_output(cfg)
+        self.device = self._device()
+        self.model_config = cfg.model_config()
+        torch.manual_seed(cfg.seed)
+        model = self.build_model()
+        resume = load_checkpoint(self.out / "checkpoints") if resuming else None
+        if resume is not None:
+            check_resume(cfg, resume, model, self.ranks)
+        model.to(self.device)
+        self.model, self.optimizer = wrap_for_level(model, self.build_optimizer(model), cfg.opt_level, FP8_LEVELS,
+                                                    self.ranks, cfg.initialize_options(),
+                                                    grad_sync_scaling=cfg.grad_sync_scaling)
+        self.core = unwrap(self.model)  # the model itself: state dicts, evaluation, memory, telemetry
+        self.layout = state_layout(self.optimizer)
+        self.load_data()
+        self.telemetry = self._telemetry()
+        self.fallback = PrecisionFallback(self.telemetry.layers) if cfg.fallback else None
+        self.start_step, self.skipped_steps = 0, 0
+        self.resumed = resume is not None
+        if resume is not None:
+            self.restore(resume)
+        self.autocast = contextlib.nullcontext() if cfg.opt_level == "fp32" else BF16Autocast(self.device.type)
+        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.model_config.block_size
+        self.num_params = sum(p.numel() for p in self.core.parameters())
+        self.train_time, self.timed_steps = 0.0, 0  # the first step compiles and warms up: not timed
+        self.memory: dict | None = None
+        self.logs: RunLogs | None = None
+
+    # -- pieces a subclass may override -------------------------------------------------------
+
+    def build_model(self) -> nn.Module:
+        """The plain model, on the CPU, its weights from ``--init-from`` when given."""
+        model = GPT(self.model_config)
+        if self.cfg.init_from:
+            init = load_checkpoint(self.cfg.init_from)
+            check_state_fits(model, init, repr(init["path"]))
+            model.load_state_dict({k: init["model"][k] for k in model.state_dict()})
+        return model
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """AdamW as nanoGPT sets it up: weight decay on matrices (and embeddings), none on norms
+        and biases; `wrap_for_level` then makes it the level's optimizer."""
+        cfg = self.cfg
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+    def load_data(self) -> None:
+        """Sets ``sampler`` (this rank's training batches, with ``state_dict``), ``val_batches``
+        (the fixed validation set) and ``data_info`` (for the summary)."""
+        cfg, ranks = self.cfg, self.ranks
+        source, docs = _documents(cfg)
+        if not ranks.main:
+            barrier(ranks)  # rank 0 packs the token cache; the others then read it
+        splits = pack(source, docs, cfg.cache_dir or self.out / "cache", cfg.val_fraction)
+        if ranks.main:
+            barrier(ranks)
+        seq_len = self.model_config.block_size
+        self.sampler = BatchSampler(splits.train, cfg.batch_size // ranks.world, seq_len, cfg.seed + ranks.rank)
+        self.val_batches = eval_batches(splits.val, cfg.eval_batches, cfg.batch_size, seq_len)
+        self.data_info = splits.info
+
+    def next_batch(self):
+        """This rank's next training micro-batch."""
+        return self.sampler.next()
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        """The loss of one micro-batch under ``model`` (the wrapped model in training, the plain
+        one in evaluation), computed in the level's autocast."""
+        x, y = batch
+        with self.autocast:
+            return model(x.to(self.device), y.to(self.device))[1]
+
+    def batch_tokens(self, batch) -> int:
+        """Tokens in a micro-batch (the denominator of activation bytes per token)."""
+        return batch[0].numel()
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def step(self, step: int) -> dict:
+        """Optimizer step ``step`` (0-based) with its micro-batches; returns its metrics record."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        lr = lr_at(step, cfg.lr, self._warmup_steps(), cfg.steps, cfg.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        reset_comm_stats()
+        with self.telemetry.step(step) if self.telemetry else contextlib.nullcontext():
+            loss_sum = self.forward_backward()
+        records = self.telemetry.after_backward() if self.telemetry else []
+        grad_norm = self.optimizer_step()
+        if self.telemetry:
+            records += self.telemetry.after_optimizer_step()
+        step_bytes = comm_bytes(self.model, self.num_params, self.ranks)
+        done = step + 1
+        if done == cfg.steps:  # training state at its fullest: weights, gradients, moments
+            self.memory = memory_report(self.core, self.layout.local_optimizer(self.optimizer))
+        self.optimizer.zero_grad(set_to_none=True)
+        train_loss = float(mean_over_ranks(loss_sum, self.ranks)) / cfg.grad_accum
+        if step > self.start_step or done == cfg.steps:
+            self.timed_steps += 1
+            self.train_time += time.perf_counter() - t0
+        record = {"step": done, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens": done * self.tokens_per_step}
+        if self.ranks.distributed:
+            record["comm_bytes"] = step_bytes
+            if cfg.grad_sync_scaling == "shared":  # the all-reduce's automatic scaling factor, per bucket
+                record["grad_sync_mu"] = [b["mu"] for b in self.model.autoscale_stats()]
+        if self.telemetry is not None and self.telemetry.sampled(step):
+            self.log_telemetry(records, record)
+        return record
+
+    def forward_backward(self) -> torch.Tensor:
+        """The step's micro-batches, forward and backward (gradients sync on the last one);
+        returns the sum of their losses."""
+        accum = self.cfg.grad_accum
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            loss = self.loss(self.model, self.next_batch())
+            with accumulating(self.model, micro == accum - 1):
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def optimizer_step(self) -> float:
+        """Clip, then step unless the gradients are not finite; returns the norm before clipping."""
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        grad_norm, skipped = self.layout.clip_and_step(self.core, self.optimizer, max_norm)
+        self.count_skipped(skipped)
+        return grad_norm
+
+    def count_skipped(self, skipped: bool) -> None:
+        """The run's count of steps skipped for non-finite gradients (checkpointed, summarized)."""
+        self.skipped_steps += int(skipped)
+
+    def log_telemetry(self, records: list[dict], record: dict) -> None:
+        """A sampled step: telemetry records to telemetry.jsonl, their worst values to the metrics
+        record and the output; the fallback policy judges them on rank 0, every rank applies it."""
+        done = record["step"]
+        for r in records:
+            r["step"] = done  # the step count, as in metrics.jsonl (Telemetry numbers steps from 0)
+        if self.ranks.main and records:
+            for r in records:
+                self.logs.telemetry.write(r)
+            under, sat = worst(records, "underflow", 1)[0], worst(records, "saturation", 1)[0]
+            record["telemetry_underflow"], record["telemetry_saturation"] = under["underflow"], sat["saturation"]
+            tqdm.write(f"step {done}: telemetry: worst underflow {under['underflow']:.2%} ({under['layer']} "
+                       f"{under['kind']}), worst saturation {sat['saturation']:.2%} ({sat['layer']} {sat['kind']})")
+        if self.fallback is None:
+            return
+        events = self.fallback.update(records) if self.ranks.main else []
+        switched = broadcast_from_main({n: m.high_precision for n, m in self.fallback.layers.items()}, self.ranks)
+        for name, on in switched.items():
+            self.fallback.layers[name].high_precision = on
+        if events:
+            record["fallback"] = events
+            for e in events:
+                tqdm.write(f"step {done}: fallback: {e['layer']} -> {e['to']} ({e['reason']})")
+        sys.stdout.flush()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation metrics of the model as it is now (the mean loss over the validation set)."""
+        self.core.eval()
+        total = 0.0
+        for batch in self.val_batches:
+            total += self.loss(self.core, batch).item()
+        self.core.train()
+        return {"val_loss": total / len(self.val_batches)}
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def fit(self) -> dict | None:
+        """Train from the first (or the restored) step to ``cfg.steps``: validate every
+        ``eval_every`` steps and at the end, checkpoint every ``save_every`` steps and at the end.
+        Returns the summary on rank 0, None on the other ranks."""
+        cfg = self.cfg
+        self._open_logs()
+        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not (cfg.progress and self.ranks.main),
+                   desc=f"train {cfg.opt_level}", unit="step", dynamic_ncols=True)
+        try:
+            for step in range(self.start_step, cfg.steps):
+                record = self.step(step)
+                done = record["step"]
+                if (done % cfg.eval_every == 0 or done == cfg.steps) and self.ranks.main:
+                    record.update(self.evaluate())
+                    tqdm.write(f"step {done}: train loss {record['train_loss']:.4f}, val loss {record['val_loss']:.4f}")
+                    sys.stdout.flush()  # seen at once also when piped to a file
+                if self.ranks.main:
+                    self.logs.metrics.write(record)
+                if self.timed_steps:
+                    bar.set_postfix(loss=f"{record['train_loss']:.3f}", refresh=False,
+                                    tok_s=f"{self.timed_steps * self.tokens_per_step / self.train_time:,.0f}")
+                bar.update(1)
+                if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+                    self.save(done)
+        finally:
+            bar.close()
+            if self.logs is not None:
+                self.logs.close()
+        if not self.ranks.main:
+            return None
+        summary = self.summary()
+        atomic_write_bytes(self.out / "summary.json", json.dumps(summary, indent=1, default=repr).encode())
+        return summary
+
+    def save(self, step: int) -> None:
+        """A checkpoint of every rank's state. Rank 0 writes ``step_<step>.pt`` last, so its
+        presence means the checkpoint is complete: the model, the optimizer (or the name of the
+        folder of its shards) and, per rank, the batch generator, RNG and FP8 scaling state."""
+        directory = self.out / "checkpoints"
+        own = {
+            "scaling": scaling_state_dict(self.core),  # FP8 amax histories: part of an exact resume
+            "sampler": self.sampler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []},
+        }
+        shards = self.layout.save_shards(directory, step, self.core, self.optimizer)
+        every_rank = gather_to_main(own, self.ranks)
+        if not self.ranks.main:
+            return
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "opt_level": self.cfg.opt_level,
+            "model_config": self.model_config.to_dict(),
+            "model": self.core.state_dict(),
+            "optimizer": self.layout.optimizer_state(self.optimizer),
+            "optimizer_shards": shards,
+            "data_parallel": self.model.get_extra_state() if isinstance(self.model, FP8DataParallel) else None,
+            "ranks": every_rank,
+            "fallback": self.fallback.state_dict() if self.fallback is not None else None,
+            "skipped_steps": self.skipped_steps,
+        }
+        save_checkpoint(state, directory, step, self.cfg.keep_checkpoints)
+
+    def restore(self, state: dict) -> None:
+        """Continue from checkpoint ``state`` (checked by `check_resume`): weights, optimizer,
+        gradient sync state and this rank's scaling, batch and RNG state."""
+        self.layout.load(self.out / "checkpoints", state, self.core, self.optimizer)
+        if state["data_parallel"] is not None:
+            self.model.set_extra_state(state["data_parallel"])
+        own = state["ranks"][self.ranks.rank]
+        load_scaling_state_dict(self.core, own["scaling"])
+        self.sampler.load_state_dict(own["sampler"])
+        torch.set_rng_state(own["rng"]["torch"])
+        if self.device.type == "cuda" and own["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(own["rng"]["cuda"])
+        if self.fallback is not None and state["fallback"] is not None:
+            self.fallback.load_state_dict(state["fallback"])
+        self.start_step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
+
+    def summary(self) -> dict:
+        """The run's results (rank 0, after the last step), as written to ``summary.json``."""
+        cfg, ranks, records = self.cfg, self.ranks, self.logs.metrics.records
+        last = [r["train_loss"] for r in records[-10:]]
+        return {
+            "opt_level": cfg.opt_level,
+            "steps": cfg.steps,
+            "tokens": cfg.steps * self.tokens_per_step,
+            "train_loss": sum(last) / len(last),  # mean of the last (up to) 10 steps
+            "val_loss": records[-1]["val_loss"],
+            "tokens_per_s": self.timed_steps * self.tokens_per_step / self.train_time,  # steps after the first
+            "act_bytes_per_token": self.activation_bytes_per_token(),
+            "bytes_per_param": self.memory["bytes_per_param"],
+            "memory": self.memory,  # rank 0's share under O3
+            "skipped_steps": self.skipped_steps,
+            "num_params": self.num_params,
+            "world_size": ranks.world,
+            "comm_bytes_per_step": sum(r.get("comm_bytes", 0.0) for r in records) / len(records),
+            "ddp_fp32_bytes_per_step": ddp_bytes(self.num_params, 4, ranks.world),
+            "ddp_bf16_bytes_per_step": ddp_bytes(self.num_params, 2, ranks.world),
+            "fallback_events": self.fallback.events if self.fallback else [],
+            "model_config": self.model_config.to_dict(),
+            "data": self.data_info,
+            "device": str(self.device),
+            "config": cfg.to_dict(),  # amp_options may hold callables: written as their repr
+        }
+
+    def activation_bytes_per_token(self) -> float:
+        """Bytes autograd saves per token, measured after the final checkpoint on the first
+        validation batch (this forward pass changes FP8 scaling histories, which no longer matters)."""
+        batch = self.val_batches[0]
+        saved = saved_tensor_bytes(lambda: self.loss(self.core, batch), exclude=self.core.parameters())
+        return saved / self.batch_tokens(batch)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        device = torch.device(self.cfg.device or default_device())
+        if device.type == "cuda" and self.ranks.distributed:
+            device = torch.device("cuda", torch.cuda.current_device())  # setup() picked LOCAL_RANK's GPU
+        return device
+
+    def _telemetry(self) -> Telemetry | None:
+        cfg = self.cfg
+        if not cfg.telemetry_every or cfg.opt_level not in FP8_LEVELS:
+            return None
+        return Telemetry(self.core, self.layout.local_optimizer(self.optimizer), cfg.telemetry_every)
+
+    def _warmup_steps(self) -> int:
+        return self.cfg.steps // 10 if self.cfg.warmup_steps is None else self.cfg.warmup_steps
+
+    def _open_logs(self) -> None:
+        """Rank 0's logs, truncated to the restored step when resuming; no summary until the end."""
+        (self.out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        if not self.ranks.main:
+            return
+        (self.out / "summary.json").unlink(missing_ok=True)
+        keep = self.start_step if self.resumed else None
+        self.logs = RunLogs.open(self.out, keep, telemetry=self.telemetry is not None)
+
+
+def _documents(cfg: TrainConfig):
+    if cfg.hf_dataset:
+        return hf_documents(cfg.hf_dataset)
+    if cfg.data:
+        return path_documents(cfg.data)
+    return stdlib_documents()
+
