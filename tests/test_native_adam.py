@@ -16,8 +16,13 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler fo
 
 F32, F16, BF16, E4M3, E5M2 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 # (w, g, m, v) payload dtypes: the O2 layout, plain parameters, and every other format somewhere.
-COMBOS = [(F16, E4M3, E4M3, F16), (F32, F32, E4M3, F16), (BF16, BF16, E5M2, E4M3), (F16, E5M2, F16, BF16),
-          (F32, F16, BF16, E5M2)]
+COMBOS = [
+    (F16, E4M3, E4M3, F16),
+    (F32, F32, E4M3, F16),
+    (BF16, BF16, E5M2, E4M3),
+    (F16, E5M2, F16, BF16),
+    (F32, F16, BF16, E5M2),
+]
 
 
 def _payloads(n, dtypes, gen):
@@ -106,6 +111,7 @@ def test_stored_amaxes_are_exact_nan_and_inf_included(dtype):
 def test_native_and_compiled_optimizer_steps_agree(monkeypatch):
     """FP8AdamW with the kernel and with its torch.compile step, on an O2-like model: the same state
     up to torch's CPU sqrt being 1 ulp off in float32 (which changes an FP16/FP8 rounding rarely)."""
+
     def make():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
@@ -126,7 +132,7 @@ def test_native_and_compiled_optimizer_steps_agree(monkeypatch):
                 p.grad = fp8lm.quantize(g, fp8lm.E4M3) if p.dim() > 1 else g
             opt.step()
         runs[use_native] = (model, opt)
-    for (pa, pb) in zip(runs[True][0].parameters(), runs[False][0].parameters()):
+    for pa, pb in zip(runs[True][0].parameters(), runs[False][0].parameters()):
         sa, sb = runs[True][1].state[pa], runs[False][1].state[pb]
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = sa[key].float(), sb[key].float()

@@ -32,7 +32,7 @@ def _edge_values():
     # Ties between neighbouring E4M3 / E5M2 values (round half to even) and their neighbours.
     for mant in (8, 4):
         for k in range(1, 2 * mant):
-            vals += [(1 + (k + 0.5) / (2 * mant)) * s for s in (1.0, -1.0, 2.0 ** -8, 2.0**5)]
+            vals += [(1 + (k + 0.5) / (2 * mant)) * s for s in (1.0, -1.0, 2.0**-8, 2.0**5)]
     return torch.tensor(vals, dtype=torch.float32)
 
 
@@ -83,8 +83,8 @@ def test_upcast_of_every_fp8_code(src, dst, scale_inv):
 
 def test_saturating_cast_uses_the_kernel_only_where_it_applies():
     """Non-contiguous input, several scales and autograd keep to torch's ops, with the same results."""
-    from fp8lm.ops.cast import saturating_cast
     from fp8lm.formats import E4M3
+    from fp8lm.ops.cast import saturating_cast
 
     x = torch.randn(64, 32)
     one_scale = torch.tensor(4.0)
@@ -103,7 +103,9 @@ def test_cast_reads_back_the_stored_values(fmt_dtype, deq):
     assert _same(got, (out.to(torch.float32) / scale).to(deq))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2], ids=str
+)
 def test_amax_is_exact(dtype):
     from fp8lm.ops.cast import amax
 

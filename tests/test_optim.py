@@ -30,7 +30,10 @@ def _feed(models, steps, seed=1, scale=1.0):
 
 
 def _state_snapshot(opt):
-    return {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for p, s in opt.state.items()}
+    return {
+        id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+        for p, s in opt.state.items()
+    }
 
 
 def _assert_same_state(a, b):
@@ -62,7 +65,9 @@ def test_adam_update_matches_torch_in_float64(decoupled):
         p.grad = g.clone()
         ref.step()
         decay, l2 = (1 - lr * wd, 0.0) if decoupled else (1.0, wd)
-        w, m, v = adam_update(w, g, m, v, lr, *betas, eps, decay, l2, 1 - betas[0] ** step, (1 - betas[1] ** step) ** 0.5)
+        w, m, v = adam_update(
+            w, g, m, v, lr, *betas, eps, decay, l2, 1 - betas[0] ** step, (1 - betas[1] ** step) ** 0.5
+        )
     torch.testing.assert_close(w, p.detach(), rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(m, ref.state[p]["exp_avg"], rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(v, ref.state[p]["exp_avg_sq"], rtol=1e-13, atol=1e-15)
@@ -100,15 +105,30 @@ def test_adam_ratio_bound_edge_cases():
 def test_stored_amaxes_are_exact_for_every_storage_format():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1000, generator=gen) * 3
-    cases = [x, -x.abs(), x.abs(), torch.zeros(5), x.half(), x.bfloat16(), x.to(torch.float8_e4m3fn),
-             (-x.abs()).to(torch.float8_e4m3fn), x.abs().to(torch.float8_e4m3fn), x.to(torch.float8_e5m2),
-             (-x.abs()).to(torch.float8_e5m2), torch.full((3,), 2.0**-9).to(torch.float8_e4m3fn)]
+    cases = [
+        x,
+        -x.abs(),
+        x.abs(),
+        torch.zeros(5),
+        x.half(),
+        x.bfloat16(),
+        x.to(torch.float8_e4m3fn),
+        (-x.abs()).to(torch.float8_e4m3fn),
+        x.abs().to(torch.float8_e4m3fn),
+        x.to(torch.float8_e5m2),
+        (-x.abs()).to(torch.float8_e5m2),
+        torch.full((3,), 2.0**-9).to(torch.float8_e4m3fn),
+    ]
     expected = torch.stack([t.float().abs().amax() for t in cases])
     assert torch.equal(stored_amaxes(cases), expected)
     nan = float("nan")
-    bad = [torch.tensor([1.0, nan]).to(torch.float8_e4m3fn), torch.tensor([1.0, -nan]).to(torch.float8_e4m3fn),
-           torch.tensor([-1.0, -float("inf")]).to(torch.float8_e5m2), torch.tensor([1.0, nan]).half(),
-           torch.tensor([-float("inf"), 1.0])]
+    bad = [
+        torch.tensor([1.0, nan]).to(torch.float8_e4m3fn),
+        torch.tensor([1.0, -nan]).to(torch.float8_e4m3fn),
+        torch.tensor([-1.0, -float("inf")]).to(torch.float8_e5m2),
+        torch.tensor([1.0, nan]).half(),
+        torch.tensor([-float("inf"), 1.0]),
+    ]
     got = stored_amaxes(bad)
     assert got[:2].isnan().all() and got[2] == float("inf") and got[3].isnan() and got[4] == float("inf")
 
@@ -127,9 +147,11 @@ def test_scales_from_bounds_never_overflow(exp_avg_sq_dtype):
         w.grad = fp8lm.quantize(torch.randn(256, 64, generator=gen) * spread * 1e-2, fp8lm.E4M3)
         opt.step()
         state = opt.state[w]
-        for payload, scale, fmt in [(w.payload, w.scale, fp8lm.FP16),
-                                    (state["exp_avg"], state["exp_avg_scale"], fp8lm.E4M3),
-                                    (state["exp_avg_sq"], state["exp_avg_sq_scale"], exp_avg_sq_dtype)]:
+        for payload, scale, fmt in [
+            (w.payload, w.scale, fp8lm.FP16),
+            (state["exp_avg"], state["exp_avg_scale"], fp8lm.E4M3),
+            (state["exp_avg_sq"], state["exp_avg_sq_scale"], exp_avg_sq_dtype),
+        ]:
             amax = payload.float().abs().amax()
             assert amax < fmt.max  # nothing saturated
             exact = fp8lm.scaling.compute_scale(amax / scale, fmt)
@@ -415,8 +437,16 @@ def test_first_moment_is_dropped_exactly_where_stored_second_moment_is_zero(kern
     # beta2 = 0 and the gradient sqrt(v) make the new v exactly v_vals; scale 1 keeps it unscaled.
     hp = torch.tensor([1e-3, 0.9, 0.0, 1e-8, 1.0, 0.0, 0.1, 1.0])
     slot = AdamSlot(
-        torch.zeros(n, dtype=torch.float16), one(), False, v_vals.sqrt(), one(),
-        torch.full((n,), 100.0).to(torch.float8_e4m3fn), one(), torch.zeros(n, dtype=fmt.dtype), one(), hp,
+        torch.zeros(n, dtype=torch.float16),
+        one(),
+        False,
+        v_vals.sqrt(),
+        one(),
+        torch.full((n,), 100.0).to(torch.float8_e4m3fn),
+        one(),
+        torch.zeros(n, dtype=fmt.dtype),
+        one(),
+        hp,
     )
     run_pass(write_pass, slot, kernel, torch.ones(3), slot.formats())
     stored_zero = slot.v.float() == 0

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops.cast import amax
-from .ops.cast import upcast
+from .ops.cast import amax, upcast
 from .tensor import ScalingTensor
 
 __all__ = ["clip_grad_norm_", "zero_grad", "grads_are_finite"]

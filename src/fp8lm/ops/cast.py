@@ -85,7 +85,8 @@ def _flat_alias(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 1-D tensor over the same memory that is not a view (compiled code guards on a
     view's base, so views of differently shaped bases would each recompile)."""
     x = x.detach().contiguous()
-    return torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), x.storage_offset(), (x.numel(),))
+    flat = torch.empty(0, dtype=x.dtype, device=x.device)
+    return flat.set_(x.untyped_storage(), x.storage_offset(), (x.numel(),), (1,))
 
 
 def _native_ok(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -205,7 +206,7 @@ def upcast(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, fini
     out = bits.view(torch.bfloat16)
     # Python floats (exact: powers of two) spare tiny tensor ops. factor * scale_inv can exceed
     # float32 (scale_inv up to 2**126): multiply in two steps then.
-    scale_inv = scale_inv.item()
-    if dtype == torch.bfloat16 and factor * scale_inv <= _FLOAT32_MAX:
-        return out.mul_(factor * scale_inv)
-    return out.to(torch.float32).mul_(factor).mul_(scale_inv).to(dtype)
+    inverse = scale_inv.item()
+    if dtype == torch.bfloat16 and factor * inverse <= _FLOAT32_MAX:
+        return out.mul_(factor * inverse)
+    return out.to(torch.float32).mul_(factor).mul_(inverse).to(dtype)

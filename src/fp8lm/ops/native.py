@@ -30,8 +30,18 @@ import torch
 from .fastpath import FastPath
 
 __all__ = [
-    "KERNELS", "library", "loaded_library", "available", "supports", "pointers", "check", "cast", "amaxes", "amax",
-    "upcast", "DTYPE_CODES",
+    "KERNELS",
+    "library",
+    "loaded_library",
+    "available",
+    "supports",
+    "pointers",
+    "check",
+    "cast",
+    "amaxes",
+    "amax",
+    "upcast",
+    "DTYPE_CODES",
 ]
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -41,7 +51,11 @@ _CSRC = Path(__file__).with_name("csrc")
 # second pool would compete with torch's spinning workers: measured 2x slower right after torch ops).
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 DTYPE_CODES = {
-    torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
 }
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -133,8 +147,14 @@ def supports(t: torch.Tensor) -> bool:
     return t.is_cpu and t.dtype in DTYPE_CODES and t.is_contiguous()
 
 
-def cast(x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool,
-         dequantized: torch.dtype | None = None, scale_inv: float = 1.0):
+def cast(
+    x: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype,
+    with_amax: bool,
+    dequantized: torch.dtype | None = None,
+    scale_inv: float = 1.0,
+):
     """``round(clamp(x * scale))`` as ``dtype`` (clamped to the format's range), the exact amax of
     ``x`` as a float32 0-d tensor when asked (NaN where one is NaN), and with ``dequantized`` a
     ``dequantized`` copy of the stored values times ``scale_inv``; None for what is not asked.
@@ -143,9 +163,17 @@ def cast(x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool,
     amax = torch.empty((), dtype=torch.float32) if with_amax else None
     deq = torch.empty(x.shape, dtype=dequantized) if dequantized is not None else None
     loaded_library().fp8_cast(
-        x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), scale, out.data_ptr(), DTYPE_CODES[dtype],
-        amax.data_ptr() if with_amax else None, deq.data_ptr() if deq is not None else None,
-        DTYPE_CODES[dequantized] if deq is not None else 0, scale_inv, torch.get_num_threads(),
+        x.data_ptr(),
+        DTYPE_CODES[x.dtype],
+        x.numel(),
+        scale,
+        out.data_ptr(),
+        DTYPE_CODES[dtype],
+        amax.data_ptr() if amax is not None else None,
+        deq.data_ptr() if deq is not None else None,
+        DTYPE_CODES[deq.dtype] if deq is not None else 0,
+        scale_inv,
+        torch.get_num_threads(),
     )
     return out, amax, deq
 
@@ -168,8 +196,11 @@ def amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:
     ptrs, dtypes = pointers(tensors)
     numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
     out = torch.empty(len(tensors), dtype=torch.float32)
-    check(loaded_library().stored_amax(len(tensors), ptrs, dtypes.data_ptr(), numels.data_ptr(), out.data_ptr(),
-                                torch.get_num_threads()))
+    check(
+        loaded_library().stored_amax(
+            len(tensors), ptrs, dtypes.data_ptr(), numels.data_ptr(), out.data_ptr(), torch.get_num_threads()
+        )
+    )
     return out
 
 
@@ -181,6 +212,13 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def upcast(data: torch.Tensor, scale_inv: float, dtype: torch.dtype) -> torch.Tensor:
     """``data * scale_inv`` as ``dtype`` (exact for FP8 data into BF16 or float32); NaN codes stay NaN."""
     out = torch.empty(data.shape, dtype=dtype)
-    loaded_library().fp8_upcast(data.data_ptr(), DTYPE_CODES[data.dtype], data.numel(), scale_inv, out.data_ptr(),
-                         DTYPE_CODES[dtype], torch.get_num_threads())
+    loaded_library().fp8_upcast(
+        data.data_ptr(),
+        DTYPE_CODES[data.dtype],
+        data.numel(),
+        scale_inv,
+        out.data_ptr(),
+        DTYPE_CODES[dtype],
+        torch.get_num_threads(),
+    )
     return out

@@ -9,9 +9,9 @@ docs/optimizer.md has the reasoning and the measurements.
 
 from __future__ import annotations
 
-import math
 import warnings
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -72,9 +72,14 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True; use torch.optim.{name[3:]} for AMSGrad")
         self.kernel = _kernel_option(name, kernel, compiled)
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype, master_dtype=master_dtype,
+        defaults: dict[str, Any] = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype,
+            master_dtype=master_dtype,
         )
         validate_group(name, defaults)
         # Formats by name, so that param groups (and the state_dict) hold only plain values.

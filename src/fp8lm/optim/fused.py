@@ -19,7 +19,8 @@ the measurements.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,7 +33,13 @@ from .functional import adam_update, amax_bounds
 from .slots import AdamSlot
 
 __all__ = [
-    "KERNELS", "COMPILED_STEP", "fused_adam_step_", "stored_amaxes", "amaxes_pass", "write_pass", "run_pass",
+    "KERNELS",
+    "COMPILED_STEP",
+    "fused_adam_step_",
+    "stored_amaxes",
+    "amaxes_pass",
+    "write_pass",
+    "run_pass",
 ]
 
 KERNELS = ("auto", "compile", "eager")
@@ -42,8 +49,10 @@ COMPILED_STEP = FastPath("compiled optimizer step", fallback="eager ops")
 _EAGER_CHUNK = 1 << 16
 # Inductor by default stores an intermediate to memory once it has many reads or ops (an FP32
 # buffer the size of the tensor). The pass is elementwise: everything stays in registers.
-_INDUCTOR_OPTIONS = {
-    "realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20,
+_INDUCTOR_OPTIONS: dict[str, Any] = {
+    "realize_opcount_threshold": 1 << 20,
+    "realize_reads_threshold": 1 << 20,
+    "realize_acc_reads_threshold": 1 << 20,
 }
 _NATIVE_ORDER = [0, 3, 1, 2]  # the C kernel takes the scales of w, g, m, v; slots list w, m, v, g
 
@@ -52,7 +61,10 @@ def _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams):
     """Dequantize one tensor's state and apply `adam_update`."""
     # Multiplying by 1/scale is exact (a power of two) and much cheaper than dividing.
     return adam_update(
-        w.float() * (1 / w_scale), g.float() * (1 / g_scale), m.float() * (1 / m_scale), v.float() * (1 / v_scale),
+        w.float() * (1 / w_scale),
+        g.float() * (1 / g_scale),
+        m.float() * (1 / m_scale),
+        v.float() * (1 / v_scale),
         *hyperparams.unbind(),
     )
 
@@ -132,7 +144,7 @@ def stored_amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _state_amaxes(slots: list[AdamSlot], use_native: bool) -> torch.Tensor:
     """The stored amaxes (n, 4: w, m, v, g payloads): those the slots know, the others measured
     (gradients are always new)."""
-    payloads = [t for s in slots for t in (s.w, s.m, s.v, s.g)]
+    payloads = [t for s in slots for t in s.step_payloads()]
     known = [a for s in slots for a in (*s.stored, None)]
     missing = [i for i, a in enumerate(known) if a is None]
     stored = torch.tensor([0.0 if a is None else a for a in known], dtype=torch.float32, device=slots[0].w.device)
@@ -146,7 +158,10 @@ def _exact_amaxes(slots, rows, current, hyperparams, use_native: bool, kernel: s
     if use_native:
         return native.adam_pass(
             [(slots[i].w, slots[i].g, slots[i].m, slots[i].v) for i in rows],
-            current[rows][:, _NATIVE_ORDER], current[rows, :3], hyperparams[rows], write=False,
+            current[rows][:, _NATIVE_ORDER],
+            current[rows, :3],
+            hyperparams[rows],
+            write=False,
         )
     return torch.stack([run_pass(amaxes_pass, slots[i], kernel) for i in rows])
 
@@ -185,11 +200,11 @@ def fused_adam_step_(slots: list[AdamSlot], kernel: str = "auto") -> bool:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     if not slots:
         return True
-    payloads = [t for s in slots for t in (s.w, s.m, s.v, s.g)]
+    payloads = [t for s in slots for t in s.step_payloads()]
     use_native = kernel == "auto" and all(map(native.supports, payloads)) and native.available()
     stored = _state_amaxes(slots, use_native)
-    current = torch.stack([t for s in slots for t in (s.w_scale, s.m_scale, s.v_scale, s.g_scale)]).view(-1, 4)
-    hyperparams = torch.stack([s.hyperparams for s in slots])
+    current = torch.stack([t for s in slots for t in s.step_scales()]).view(-1, 4)
+    hyperparams = torch.stack([s.step_hyperparams() for s in slots])
     max_ratio = torch.tensor([s.max_ratio for s in slots], device=hyperparams.device)
     bounds = amax_bounds(stored / current, hyperparams, max_ratio)
     # An FP8 second moment has too little range to give up a binade of it: its tensors take an exact
@@ -207,6 +222,6 @@ def fused_adam_step_(slots: list[AdamSlot], kernel: str = "auto") -> bool:
     scales = _new_scales(slots, bounds, current[:, :3], fmts)
     _write(slots, current, scales, hyperparams, fmts, use_native, kernel)
     # The pass reads the old scales; all of them change only now, in one multi-tensor copy.
-    old = [t for s in slots for t in (s.w_scale, s.m_scale, s.v_scale)]
+    old = [t for s in slots for t in s.step_scales()[:3]]
     torch._foreach_copy_(old, list(scales.reshape(-1).unbind()))
     return True

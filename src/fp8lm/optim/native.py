@@ -26,7 +26,10 @@ def available() -> bool:
 
 def adam_pass(
     tensors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-    scales: torch.Tensor, new_scales: torch.Tensor, hyperparams: torch.Tensor, write: bool,
+    scales: torch.Tensor,
+    new_scales: torch.Tensor,
+    hyperparams: torch.Tensor,
+    write: bool,
 ) -> torch.Tensor:
     """Run the kernel over ``tensors`` (per tensor: weight, gradient, first and second moment
     payloads, contiguous CPU tensors of the `DTYPE_CODES` dtypes) with ``scales`` (n, 4: current
@@ -41,8 +44,18 @@ def adam_pass(
         x.detach().to(torch.float32).contiguous() for x in (scales, new_scales, hyperparams)
     )
     amax = torch.empty(n, 3, dtype=torch.float32)
-    check(_kernels.loaded_library().adam_step(
-        n, ptrs, dtypes.data_ptr(), numels.data_ptr(), scales.data_ptr(), new_scales.data_ptr(), hyperparams.data_ptr(),
-        int(write), amax.data_ptr(), torch.get_num_threads(),
-    ))
+    check(
+        _kernels.loaded_library().adam_step(
+            n,
+            ptrs,
+            dtypes.data_ptr(),
+            numels.data_ptr(),
+            scales.data_ptr(),
+            new_scales.data_ptr(),
+            hyperparams.data_ptr(),
+            int(write),
+            amax.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )
     return amax

@@ -41,7 +41,8 @@ class SkipsNonFiniteSteps:
             self.skipped_steps += 1
             logger.warning(
                 "%s: non-finite gradient, step skipped (no parameter or state changed); %d skipped so far",
-                type(self).__name__, self.skipped_steps,
+                type(self).__name__,
+                self.skipped_steps,
             )
 
     def clip_grad_norm_(

@@ -47,9 +47,34 @@ class AdamSlot:
     max_ratio: float = math.inf
     stored: Amaxes = (None, None, None)
 
+    def step_payloads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w, m, v, g)`` of a slot set up for a step."""
+        if self.g is None:
+            raise ValueError("AdamSlot has no gradient: set g, g_scale, hyperparams (and w_scale) before a step")
+        return self.w, self.m, self.v, self.g
+
+    def step_scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The current scales of ``(w, m, v, g)`` of a slot set up for a step."""
+        if self.w_scale is None or self.g_scale is None:
+            raise ValueError("AdamSlot has no scale of its weight or gradient: set them before a step")
+        return self.w_scale, self.m_scale, self.v_scale, self.g_scale
+
+    def step_hyperparams(self) -> torch.Tensor:
+        if self.hyperparams is None:
+            raise ValueError("AdamSlot has no hyperparams: set them (adam_hyperparams as a tensor) before a step")
+        return self.hyperparams
+
     def pass_args(self) -> tuple:
         return (
-            self.w, self.w_scale, self.g, self.g_scale, self.m, self.m_scale, self.v, self.v_scale, self.hyperparams,
+            self.w,
+            self.w_scale,
+            self.g,
+            self.g_scale,
+            self.m,
+            self.m_scale,
+            self.v,
+            self.v_scale,
+            self.hyperparams,
         )
 
     def formats(self) -> tuple[Format, Format, Format]:
@@ -100,18 +125,28 @@ class ParamSlot:
             staged.append((w, w := w.contiguous()))
         m, v = state["exp_avg"], state["exp_avg_sq"]
         slot = AdamSlot(
-            w=w.view(-1), w_scale=w_scale, w_scaled=w_scaled,
-            g=None, g_scale=None, m=m.view(-1), m_scale=state["exp_avg_scale"],
-            v=v.view(-1), v_scale=state["exp_avg_sq_scale"], hyperparams=None,
+            w=w.view(-1),
+            w_scale=w_scale,
+            w_scaled=w_scaled,
+            g=None,
+            g_scale=None,
+            m=m.view(-1),
+            m_scale=state["exp_avg_scale"],
+            v=v.view(-1),
+            v_scale=state["exp_avg_sq_scale"],
+            hyperparams=None,
         )
         return cls(slot, (w_base, m, v), (w_scale, slot.m_scale, slot.v_scale), p.data_ptr(), cacheable)
 
     def holds(self, p: torch.Tensor, state: dict) -> bool:
         w_base, w_scale, w_scaled = self._sources(p, state)
         return (
-            w_base is self.bases[0] and (not w_scaled or w_scale is self.scales[0])
-            and state["exp_avg"] is self.bases[1] and state["exp_avg_sq"] is self.bases[2]
-            and state["exp_avg_scale"] is self.scales[1] and state["exp_avg_sq_scale"] is self.scales[2]
+            w_base is self.bases[0]
+            and (not w_scaled or w_scale is self.scales[0])
+            and state["exp_avg"] is self.bases[1]
+            and state["exp_avg_sq"] is self.bases[2]
+            and state["exp_avg_scale"] is self.scales[1]
+            and state["exp_avg_sq_scale"] is self.scales[2]
             and p.data_ptr() == self.data_ptr
         )
 

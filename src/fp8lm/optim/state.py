@@ -28,7 +28,12 @@ from ..scaling import compute_scale
 from ..tensor import ScalingTensor
 
 __all__ = [
-    "FORMAT_KEYS", "MASTER_FORMATS", "init_state", "param_is_master", "checked_state", "validate_group",
+    "FORMAT_KEYS",
+    "MASTER_FORMATS",
+    "init_state",
+    "param_is_master",
+    "checked_state",
+    "validate_group",
     "check_param_dtype",
 ]
 
