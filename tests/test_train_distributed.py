@@ -17,6 +17,8 @@ import pytest
 
 from dist_launch import free_port
 
+pytestmark = pytest.mark.slow  # every test here runs 2-rank training processes
+
 EMAIL = str(Path(sysconfig.get_paths()["stdlib"]) / "email")  # real text, quick to scan
 STEPS = 16
 # One thread per rank: the same float sums in every process, so runs compare bit for bit. Eager
@@ -106,14 +108,14 @@ def test_killed_rank_stops_the_other_with_a_clear_error_then_resume_matches(unin
     procs = launch_ranks(["train", "--opt-level", "O2", *run_options(out, work / "cache")])
     wait_for(out / "checkpoints" / "step_00000004.pt", procs)
     procs[1].send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
     try:
-        log = procs[0].communicate(timeout=60)[0]
+        log = procs[0].communicate(timeout=60)[0]  # the survivor stops on its own, without hanging
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 still ran 60 s after rank 1 was killed: it hangs instead of stopping")
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert time.monotonic() - killed_at < 60  # no hang
     assert procs[0].returncode == 1, log[-3000:]
     last = log.strip().splitlines()[-1]
     assert last.startswith("fp8lm train: error: rank 0: stopped: ") and "another rank" in last, last
