@@ -3,22 +3,9 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
-from pathlib import Path
 
-import pytest
-
-from fp8lm.cli import SUBCOMMANDS, build_parser
 from cli_helpers import run_main
-
-EMAIL = str(Path(sysconfig.get_paths()["stdlib"]) / "email")  # real text, quick to scan
-TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tokens"))
-
+from fp8lm.cli import SUBCOMMANDS, build_parser
 
 
 def test_parser_has_train_and_compare_with_the_same_run_options():
@@ -30,18 +17,51 @@ def test_parser_has_train_and_compare_with_the_same_run_options():
     assert c.out == "runs/compare"
 
 
-def test_train_prints_the_summary(tmp_path, cache, capsys):
-    rc, out, _ = run_main(["train", *TINY, "--data", EMAIL, "--steps", "3", "--out", str(tmp_path / "r"), "--cache-dir", cache], capsys)
+def test_train_prints_the_summary(tmp_path, token_cache, email_corpus, tiny_cli_args, capsys):
+    rc, out, _ = run_main(
+        [
+            "train",
+            *tiny_cli_args,
+            "--data",
+            email_corpus,
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path / "r"),
+            "--cache-dir",
+            token_cache,
+        ],
+        capsys,
+    )
     assert rc == 0
     printed = json.loads(out[out.index("{") : out.rindex("}") + 1])
     assert printed["steps"] == 3 and printed["opt_level"] == "bf16"
     assert (tmp_path / "r" / "summary.json").exists()
 
 
-def test_compare_writes_compare_json_and_plot_and_prints_the_table(tmp_path, cache, capsys):
+def test_compare_writes_compare_json_and_plot_and_prints_the_table(
+    tmp_path, token_cache, email_corpus, tiny_cli_args, capsys
+):
     out_dir = tmp_path / "cmp"
-    rc, out, _ = run_main(["compare", *TINY, "--data", EMAIL, "--levels", "bf16,fp32", "--steps", "4", "--eval-every", "2",
-                           "--out", str(out_dir), "--cache-dir", cache], capsys)
+    rc, out, _ = run_main(
+        [
+            "compare",
+            *tiny_cli_args,
+            "--data",
+            email_corpus,
+            "--levels",
+            "bf16,fp32",
+            "--steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--out",
+            str(out_dir),
+            "--cache-dir",
+            token_cache,
+        ],
+        capsys,
+    )
     assert rc == 0
     result = json.loads((out_dir / "compare.json").read_text())
     assert list(result["levels"]) == ["bf16", "fp32"]
@@ -53,14 +73,34 @@ def test_compare_writes_compare_json_and_plot_and_prints_the_table(tmp_path, cac
     assert (out_dir / "loss.png").stat().st_size > 10_000
     assert "val_loss" in out and "fp32" in out and f"plot: {out_dir / 'loss.png'}" in out
     # rerunning into the same folder is refused before any level trains
-    rc, _, err = run_main(["compare", *TINY, "--levels", "bf16,fp32", "--steps", "4", "--out", str(out_dir)], capsys)
+    rc, _, err = run_main(
+        ["compare", *tiny_cli_args, "--levels", "bf16,fp32", "--steps", "4", "--out", str(out_dir)], capsys
+    )
     assert rc == 2 and "already holds a training run" in err
     # an interrupted comparison (fp32 never started) continues with --resume: bf16 is kept as it was
     bf16_summary = (out_dir / "bf16" / "summary.json").read_bytes()
     shutil.rmtree(out_dir / "fp32")
     (out_dir / "compare.json").unlink()
-    rc, _, _ = run_main(["compare", *TINY, "--data", EMAIL, "--levels", "bf16,fp32", "--steps", "4", "--eval-every", "2",
-                         "--out", str(out_dir), "--cache-dir", cache, "--resume"], capsys)
+    rc, _, _ = run_main(
+        [
+            "compare",
+            *tiny_cli_args,
+            "--data",
+            email_corpus,
+            "--levels",
+            "bf16,fp32",
+            "--steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--out",
+            str(out_dir),
+            "--cache-dir",
+            token_cache,
+            "--resume",
+        ],
+        capsys,
+    )
     assert rc == 0 and (out_dir / "bf16" / "summary.json").read_bytes() == bf16_summary
     again = json.loads((out_dir / "compare.json").read_text())["levels"]
     assert again["bf16"] == result["levels"]["bf16"]
@@ -75,18 +115,26 @@ def one_error_line(rc, out, err):
     return lines[0]
 
 
-def test_bad_inputs_give_one_clear_line_and_leave_nothing_complete(tmp_path, cache, capsys):
+def test_bad_inputs_give_one_clear_line_and_leave_nothing_complete(
+    tmp_path, token_cache, email_corpus, tiny_cli_args, capsys
+):
     out = tmp_path / "out"
     empty = tmp_path / "empty"
     empty.mkdir()
     cases = {
         "invalid choice: 'O7'": ["train", "--opt-level", "O7", "--out", str(out)],
-        "does not exist": ["train", *TINY, "--data", str(tmp_path / "missing"), "--out", str(out)],
-        "holds no non-empty text files": ["train", *TINY, "--data", str(empty), "--out", str(out)],
-        "unknown opt level(s) O7": ["compare", *TINY, "--levels", "bf16,O7", "--out", str(out)],
-        "--grad-sync-scaling sets the FP8 gradient all-reduce of O1/O2 (this run is bf16)":
-            ["train", *TINY, "--grad-sync-scaling", "shared", "--out", str(out)],
-        "needs the 'datasets' package": ["train", *TINY, "--hf-dataset", "wikitext", "--out", str(out)],
+        "does not exist": ["train", *tiny_cli_args, "--data", str(tmp_path / "missing"), "--out", str(out)],
+        "holds no non-empty text files": ["train", *tiny_cli_args, "--data", str(empty), "--out", str(out)],
+        "unknown opt level(s) O7": ["compare", *tiny_cli_args, "--levels", "bf16,O7", "--out", str(out)],
+        "--grad-sync-scaling sets the FP8 gradient all-reduce of O1/O2 (this run is bf16)": [
+            "train",
+            *tiny_cli_args,
+            "--grad-sync-scaling",
+            "shared",
+            "--out",
+            str(out),
+        ],
+        "needs the 'datasets' package": ["train", *tiny_cli_args, "--hf-dataset", "wikitext", "--out", str(out)],
     }
     if _importable("datasets"):
         del cases["needs the 'datasets' package"]
@@ -95,9 +143,45 @@ def test_bad_inputs_give_one_clear_line_and_leave_nothing_complete(tmp_path, cac
         assert expected in line, line
     assert not out.exists()
     # a checkpoint of another model shape
-    assert run_main(["train", *TINY, "--data", EMAIL, "--steps", "1", "--out", str(tmp_path / "base"), "--cache-dir", cache], capsys)[0] == 0
-    line = one_error_line(*run_main(["train", *TINY, "--data", EMAIL, "--n-layer", "3", "--steps", "1", "--init-from",
-                                     str(tmp_path / "base"), "--out", str(out), "--cache-dir", cache], capsys))
+    assert (
+        run_main(
+            [
+                "train",
+                *tiny_cli_args,
+                "--data",
+                email_corpus,
+                "--steps",
+                "1",
+                "--out",
+                str(tmp_path / "base"),
+                "--cache-dir",
+                token_cache,
+            ],
+            capsys,
+        )[0]
+        == 0
+    )
+    line = one_error_line(
+        *run_main(
+            [
+                "train",
+                *tiny_cli_args,
+                "--data",
+                email_corpus,
+                "--n-layer",
+                "3",
+                "--steps",
+                "1",
+                "--init-from",
+                str(tmp_path / "base"),
+                "--out",
+                str(out),
+                "--cache-dir",
+                token_cache,
+            ],
+            capsys,
+        )
+    )
     assert "does not fit this model" in line and "n_layer=2 (here 3)" in line
     assert not out.exists()
 
@@ -109,10 +193,15 @@ def _importable(name):
 
 
 def test_the_installed_command_reports_errors_on_stderr_with_nonzero_exit(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fp8lm.cli", "train", "--data", str(tmp_path / "nope"),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp8lm.cli", "train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == (f"fp8lm train: error: data path {str(tmp_path / 'nope')!r} does not exist; "
-                                   "pass an existing text file or folder to --data")
+    assert proc.stderr.strip() == (
+        f"fp8lm train: error: data path {str(tmp_path / 'nope')!r} does not exist; "
+        "pass an existing text file or folder to --data"
+    )
     assert not (tmp_path / "out").exists()

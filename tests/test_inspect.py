@@ -4,20 +4,28 @@ import json
 
 import pytest
 
+from cli_helpers import run_main
 from fp8lm.train.config import TrainConfig
 from fp8lm.train.loop import train
 from fp8lm.train.telemetry_report import heatmap_grid
 
-from test_train import TINY
-from cli_helpers import run_main
-
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, tiny_run, token_cache):
     out = tmp_path_factory.mktemp("inspect") / "run"
-    train(TrainConfig(**{**TINY, "opt_level": "O2", "steps": 5, "telemetry_every": 2, "out": str(out)}))
+    train(
+        TrainConfig(
+            **{
+                **tiny_run,
+                "cache_dir": token_cache,
+                "opt_level": "O2",
+                "steps": 5,
+                "telemetry_every": 2,
+                "out": str(out),
+            }
+        )
+    )
     return out
-
 
 
 def test_prints_the_worst_tensors_and_writes_the_heatmap(run, capsys):
@@ -53,10 +61,12 @@ def one_error_line(rc, out, err, match):
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and match in err, (rc, out, err)
 
 
-def test_missing_folder_and_a_run_without_telemetry_are_one_clear_line(run, tmp_path, capsys):
+def test_missing_folder_and_a_run_without_telemetry_are_one_clear_line(run, tmp_path, tiny_run, token_cache, capsys):
     one_error_line(*run_main(["inspect", str(tmp_path / "nope")], capsys), "does not exist")
     bare = tmp_path / "bare"
-    train(TrainConfig(**{**TINY, "steps": 1, "out": str(bare)}))  # bf16: no FP8 layers, no telemetry
+    train(
+        TrainConfig(**{**tiny_run, "cache_dir": token_cache, "steps": 1, "out": str(bare)})
+    )  # bf16: no FP8 layers, no telemetry
     capsys.readouterr()
     one_error_line(*run_main(["inspect", str(bare)], capsys), "no telemetry recorded")
     one_error_line(*run_main(["inspect", str(run), "--top", "0"], capsys), "--top must be >= 1")

@@ -1,0 +1,43 @@
+"""Fixtures shared by the test modules. Code that tests import lives in helper modules
+(`cli_helpers`, `dist_launch`); no test module imports another."""
+
+import sysconfig
+from pathlib import Path
+from types import MappingProxyType
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def email_corpus() -> str:
+    """Real text, small enough to scan in milliseconds: the standard library's email package."""
+    return str(Path(sysconfig.get_paths()["stdlib"]) / "email")
+
+
+@pytest.fixture(scope="session")
+def token_cache(tmp_path_factory) -> str:
+    """One token cache for the session, so each corpus is packed once."""
+    return str(tmp_path_factory.mktemp("tokens"))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(email_corpus):
+    """`TrainConfig` fields of a tiny, quick run on real text (read-only: copy it into a config)."""
+    return MappingProxyType(
+        dict(
+            model="tiny",
+            batch_size=4,
+            seq_len=32,
+            eval_every=4,
+            eval_batches=2,
+            progress=False,
+            lr=1e-2,
+            data=email_corpus,
+        )
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_cli_args() -> tuple[str, ...]:
+    """`fp8lm train` / `compare` options of a tiny model on short sequences, without a progress bar."""
+    return ("--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--no-progress")
