@@ -108,6 +108,7 @@ def test_stored_amaxes_are_exact_nan_and_inf_included(dtype):
         assert native.stored_amaxes([bad.to(dtype)]).item() == float("inf")
 
 
+@pytest.mark.slow  # compiles the optimizer step: over a minute on 2 cores
 def test_native_and_compiled_optimizer_steps_agree(monkeypatch):
     """FP8AdamW with the kernel and with its torch.compile step, on an O2-like model: the same state
     up to torch's CPU sqrt being 1 ulp off in float32 (which changes an FP16/FP8 rounding rarely)."""

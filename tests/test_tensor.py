@@ -245,6 +245,7 @@ def test_cast_with_amax_matches_separate_passes(numel):
     assert got_amax.item() == x.float().abs().max().item()
 
 
+@pytest.mark.slow  # compiles the casts for every dtype and autocast: about half a minute on 2 cores
 def test_fused_casts_never_recompile_across_dtypes_and_autocast(monkeypatch):
     """Each (dtype, format, autocast) combination compiles once into its own cache: none of them
     may trigger a recompile (which would hit torch.compile's limit and drop to eager code). The
