@@ -34,7 +34,10 @@ def net_and_adamw(seed=0, **kw):
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4}],
-        lr=1e-3, betas=(0.8, 0.99), eps=1e-7, **kw,
+        lr=1e-3,
+        betas=(0.8, 0.99),
+        eps=1e-7,
+        **kw,
     )
     return model, opt
 
@@ -162,7 +165,9 @@ def assert_unchanged(model, opt, before, groups):
     assert [[id(p) for p in g["params"]] for g in opt.param_groups] == groups
 
 
-@pytest.mark.parametrize("case", ["foreign", "twice_o2", "sgd_o2", "amsgrad_o2", "stepped_o2", "bad_policy", "tensor_lr"])
+@pytest.mark.parametrize(
+    "case", ["foreign", "twice_o2", "sgd_o2", "amsgrad_o2", "stepped_o2", "bad_policy", "tensor_lr"]
+)
 def test_bad_input_leaves_model_and_optimizer_untouched(case):
     model, opt = net_and_adamw(amsgrad=case == "amsgrad_o2")
     level, options, match = "O2", dict(EAGER), None
@@ -209,8 +214,8 @@ def test_gpt_o1_trains_like_fp32():
             model, opt = fp8lm.initialize(model, opt, "O1")
             assert sum(isinstance(m, FP8Linear) for m in model.modules()) == 4 * cfg.n_layer + 1
         for s in starts:
-            x = torch.stack([text[i:i + 32] for i in s])
-            y = torch.stack([text[i + 1:i + 33] for i in s])
+            x = torch.stack([text[i : i + 32] for i in s])
+            y = torch.stack([text[i + 1 : i + 33] for i in s])
             _, loss = model(x, y)
             loss.backward()
             fp8lm.clip_grad_norm_(model.parameters(), 1.0)
@@ -234,3 +239,49 @@ def test_state_formats_in_optimizer_options_point_to_the_policy():
     model(x).sum().backward()
     opt.step()
     assert opt.state[model[0].weight]["exp_avg_sq"].dtype == torch.float8_e4m3fn
+
+
+class Conv1D(nn.Module):
+    """GPT-2's layer layout (weight (in, out), ``nf`` outputs), under the class name fp8lm looks for."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.weight, self.bias = nf, nn.Parameter(torch.randn(nx, nf) * 0.1), nn.Parameter(torch.rand(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("layer", ["linear", "conv1d"])
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_a_model_that_is_itself_a_linear_layer_is_converted_and_returned(level, layer, with_optimizer):
+    torch.manual_seed(0)
+    model = nn.Linear(32, 48) if layer == "linear" else Conv1D(48, 32)
+    x = torch.randn(8, 32)
+    expected = model(x).detach()
+    weight_before = model.weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if with_optimizer else None
+    options = EAGER if with_optimizer and level == "O2" else {}
+    new, new_opt = fp8lm.initialize(model, opt, level, **options)
+    assert isinstance(new, FP8Linear) and new is not model
+    assert type(model.weight) is nn.Parameter and torch.equal(model.weight, weight_before)  # the old one untouched
+    out = new(x)
+    assert (out - expected).norm() / expected.norm() < 0.05  # FP8 GEMM of the same weights (E4M3: 2^-4 steps)
+    with pytest.raises(ValueError, match="already initialized"):
+        fp8lm.initialize(new, None, level)
+    if not with_optimizer:
+        assert new_opt is None
+        return
+    assert new_opt is opt if level == "O1" else isinstance(new_opt, FP8AdamW)
+    assert {id(p) for g in new_opt.param_groups for p in g["params"]} == {id(p) for p in new.parameters()}
+    out.square().mean().backward()
+    new_opt.step()
+    assert not torch.equal(new.weight.detach(), FP8Linear.from_linear(model).weight.detach())
+
+
+def test_replacing_the_model_together_with_its_submodules_is_refused():
+    model = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(KeyError, match="either the model or its submodules"):
+        fp8lm.nn.replace_modules(model, {"": FP8Linear(16, 16), "0": FP8Linear(16, 16)})
+    assert type(model[0]) is nn.Linear

@@ -6,7 +6,8 @@ optimizer is touched, so an error leaves both as they were.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,9 +21,9 @@ __all__ = ["initialize"]
 
 # torch.optim.Adam/AdamW settings with no FP8 counterpart: initialize refuses them when on.
 _UNSUPPORTED_ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
-# torch.optim.Adam/AdamW group keys that the FP8 optimizers do not take.
 # FP8Adam arguments that the precision policy sets per parameter (its field for each).
 _STATE_FORMAT_OPTIONS = {"exp_avg_dtype": "exp_avg", "exp_avg_sq_dtype": "exp_avg_sq", "master_dtype": "master"}
+# torch.optim.Adam/AdamW group keys that the FP8 optimizers do not take.
 _TORCH_ADAM_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
@@ -73,8 +74,26 @@ def initialize(
     `fp8lm.policy.Policy`, or ``{pattern: {field: format, "fp8_gemm": bool}}`` overrides of the
     level's preset. ``history_len``, ``scaling``, ``backend`` go to every FP8Linear.
     ``optimizer_options`` go to the FP8 optimizer under O2/O3 (e.g. ``{"kernel": "eager"}``).
-    Returns ``(model, optimizer)``: the same model object, and the optimizer to use from now on.
+    Returns ``(model, optimizer)``: the model to use (the same object, or the new `FP8Linear` when
+    ``model`` itself is an ``nn.Linear`` or ``Conv1D``) and the optimizer to use from now on.
     """
+    _check_arguments(model, optimizer, opt_level, optimizer_options)
+    policy = _resolve_policy(policy, opt_level)
+    layer_options = {"history_len": history_len, "scaling": scaling, "backend": backend}
+    plan = _build(model, policy, linear_targets(model, module_filter, multiple_of), layer_options)
+    model = _apply(model, plan)
+    model._fp8lm_opt_level = opt_level
+    model._fp8lm_policy = policy
+    if optimizer is None:
+        return model, None
+    if opt_level == "O1":
+        _repoint(optimizer, plan.param_map)
+        return model, optimizer
+    return model, _fp8_optimizer(optimizer, plan.param_map, plan.precisions, optimizer_options or {})
+
+
+def _check_arguments(model, optimizer, opt_level, optimizer_options: dict | None) -> None:
+    """Refuse what `initialize` cannot do, before it builds anything."""
     if not isinstance(opt_level, str) or opt_level not in FP8_LEVELS:
         raise ValueError(f"unknown opt_level {opt_level!r}: valid levels are {', '.join(FP8_LEVELS)}")
     if not isinstance(model, nn.Module):
@@ -85,11 +104,12 @@ def initialize(
             f"this model was already initialized by fp8lm.initialize (opt_level={done}); call it once per "
             "model (build a fresh model to use another level)"
         )
-    policy = _resolve_policy(policy, opt_level)
     if optimizer is not None:
         _check_optimizer(model, optimizer, opt_level)
     if optimizer_options and (optimizer is None or opt_level == "O1"):
-        raise ValueError("optimizer_options apply to the FP8 optimizer that O2/O3 create; pass an optimizer and O2 or O3")
+        raise ValueError(
+            "optimizer_options apply to the FP8 optimizer that O2/O3 create; pass an optimizer and O2 or O3"
+        )
     formats = sorted(set(optimizer_options or {}) & set(_STATE_FORMAT_OPTIONS))
     if formats:
         fields = ", ".join(f"{_STATE_FORMAT_OPTIONS[k]!r}: {optimizer_options[k]!r}" for k in formats)
@@ -98,56 +118,59 @@ def initialize(
             f"the precision policy, per parameter; pass policy={{'*': {{{fields}}}}} instead"
         )
 
-    # -- build (nothing of the user's is changed yet) ------------------------------------------
+
+@dataclass
+class _Plan:
+    """What `initialize` builds before it changes anything of the user's."""
+
+    layers: dict[str, FP8Linear] = field(default_factory=dict)  # name -> the layer that replaces it
+    param_map: dict[int, nn.Parameter] = field(default_factory=dict)  # id(old parameter) -> new parameter
+    precisions: dict[int, ParamPrecision] = field(default_factory=dict)  # id(new parameter) -> formats
+    other_params: dict[int, nn.Parameter] = field(default_factory=dict)  # id(old) -> new, outside the layers
+
+    def add(self, old: nn.Parameter, new: nn.Parameter, prec: ParamPrecision) -> None:
+        self.param_map[id(old)] = new
+        self.precisions[id(new)] = prec
+
+
+def _build(model: nn.Module, policy: Policy, targets: list[str], layer_options: dict) -> _Plan:
+    """The FP8Linear for every target layer and the stored form of every other parameter."""
+    plan = _Plan()
     modules = dict(model.named_modules())
-    targets = linear_targets(model, module_filter, multiple_of)
-    new_layers: dict[str, FP8Linear] = {}
-    precisions: dict[int, ParamPrecision] = {}  # id(new parameter) -> formats
-    param_map: dict[int, nn.Parameter] = {}  # id(old parameter) -> new parameter
     for name in targets:
         old = modules[name]
         prec = policy.precision(f"{name}.weight", old.weight, in_linear=True)
-        layer = FP8Linear.from_linear(
-            old, weight_format=prec.weight, weight_grad_format=prec.grad,
-            history_len=history_len, scaling=scaling, backend=backend,
-        )
+        layer = FP8Linear.from_linear(old, weight_format=prec.weight, weight_grad_format=prec.grad, **layer_options)
         layer.fp8_enabled = policy.gemm_in_fp8(name)
-        new_layers[name] = layer
-        if id(old.weight) not in param_map:
-            param_map[id(old.weight)] = layer.weight
-            precisions[id(layer.weight)] = prec
+        plan.layers[name] = layer
+        if id(old.weight) not in plan.param_map:
+            plan.add(old.weight, layer.weight, prec)
         if old.bias is not None:
             bias_prec = policy.precision(f"{name}.bias", old.bias, in_linear=False)
             layer.bias = _stored_param(old.bias, bias_prec)
-            param_map[id(old.bias)] = layer.bias
-            precisions[id(layer.bias)] = bias_prec
-    other_map: dict[int, nn.Parameter] = {}
+            plan.add(old.bias, layer.bias, bias_prec)
     for name, param in model.named_parameters():
-        if id(param) in param_map:
+        if id(param) in plan.param_map:
             continue
         prec = policy.precision(name, param, in_linear=False)
         new = _stored_param(param, prec)
         if new is not param:
-            other_map[id(param)] = new
-        param_map[id(param)] = new
-        precisions[id(new)] = prec
+            plan.other_params[id(param)] = new
+        plan.add(param, new, prec)
+    return plan
 
-    # -- apply ----------------------------------------------------------------------------------
-    replace_modules(model, new_layers)
-    replace_parameters(model, other_map)
-    owner = {id(layer.weight): layer for layer in new_layers.values()}
-    for param in {id(p): p for p in param_map.values()}.values():
-        prec = precisions[id(param)]
+
+def _apply(model: nn.Module, plan: _Plan) -> nn.Module:
+    """Swap in the planned layers and parameters and hook the FP8 gradients; returns the model to
+    use (the new layer when the model itself was a linear layer)."""
+    model = replace_modules(model, plan.layers)
+    replace_parameters(model, plan.other_params)
+    owner = {id(layer.weight): layer for layer in plan.layers.values()}
+    for param in {id(p): p for p in plan.param_map.values()}.values():
+        prec = plan.precisions[id(param)]
         if prec.scaled_grad and param.requires_grad:
             param.register_post_accumulate_grad_hook(QuantizeGrad(prec.grad, owner.get(id(param))))
-    model._fp8lm_opt_level = opt_level
-    model._fp8lm_policy = policy
-    if optimizer is None:
-        return model, None
-    if opt_level == "O1":
-        _repoint(optimizer, param_map)
-        return model, optimizer
-    return model, _fp8_optimizer(optimizer, param_map, precisions, optimizer_options or {})
+    return model
 
 
 def _resolve_policy(policy: Policy | dict | None, opt_level: str) -> Policy:
@@ -238,6 +261,8 @@ def _fp8_optimizer(optimizer, param_map, precisions, options: dict) -> torch.opt
             master = prec.master or (prec.weight if prec.scaled_weight else FP16)
             by_format.setdefault((prec.exp_avg.name, prec.exp_avg_sq.name, master.name), []).append(new)
         for (m, v, master), params in by_format.items():
-            groups.append({**settings, "params": params, "exp_avg_dtype": m, "exp_avg_sq_dtype": v, "master_dtype": master})
+            groups.append(
+                {**settings, "params": params, "exp_avg_dtype": m, "exp_avg_sq_dtype": v, "master_dtype": master}
+            )
     d = optimizer.defaults
     return cls(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"], **options)

@@ -60,13 +60,21 @@ def replace_parameters(model: nn.Module, mapping: dict[int, nn.Parameter]) -> No
             register_plain_state_dict(module)
 
 
-def replace_modules(model: nn.Module, new_modules: Mapping[str, nn.Module]) -> None:
+def replace_modules(model: nn.Module, new_modules: Mapping[str, nn.Module]) -> nn.Module:
     """Swap ``model``'s submodules by name for ``new_modules`` (all names checked first), keeping
-    parameters that the old modules shared, with each other or with other modules, shared."""
+    parameters that the old modules shared, with each other or with other modules, shared.
+    Returns the model to use: ``model``, or ``new_modules[""]`` that replaces the model itself."""
     old_modules = dict(model.named_modules(remove_duplicate=False))
     unknown = sorted(set(new_modules) - set(old_modules))
-    if unknown or "" in new_modules:
-        raise KeyError(f"cannot replace {unknown or ['<the model itself>']}: not submodules of the model")
+    if unknown:
+        raise KeyError(f"cannot replace {unknown}: not submodules of the model")
+    if "" in new_modules:
+        if len(new_modules) > 1:
+            raise KeyError(
+                f"cannot replace the model itself together with its submodules {sorted(new_modules)[1:]}; "
+                "replace either the model or its submodules"
+            )
+        return new_modules[""]
     mapping: dict[int, nn.Parameter] = {}
     for name, new in new_modules.items():
         old = old_modules[name]
@@ -84,6 +92,7 @@ def replace_modules(model: nn.Module, new_modules: Mapping[str, nn.Module]) -> N
             if child is not None and id(child) in swaps:
                 parent._modules[child_name] = swaps[id(child)]
     replace_parameters(model, mapping)
+    return model
 
 
 def convert_linears(
@@ -92,7 +101,8 @@ def convert_linears(
     multiple_of: int = 16,
     **layer_options,
 ) -> dict[str, FP8Linear]:
-    """Swap the model's linear layers for `FP8Linear` in place; returns ``{name: new layer}``.
+    """Swap the model's linear layers for `FP8Linear` in place; returns ``{name: new layer}``
+    (a model that is itself a linear layer is not changed: its FP8Linear is under the name ``""``).
 
     Which layers: see `linear_targets`. ``layer_options`` go to every FP8Linear (``history_len``,
     ``scaling``, ``weight_format``, ...). Layers already FP8Linear are left as they are, so
