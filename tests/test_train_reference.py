@@ -23,8 +23,10 @@ import torch
 DATA = Path(__file__).resolve().parent / "data" / "train_reference"
 # One thread per process and no torch.compile: the same float sums in every run.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-COMMON = ["--model", "tiny", "--steps", "12", "--eval-every", "5", "--save-every", "6", "--batch-size", "4",
-          "--seq-len", "32", "--eval-batches", "2", "--val-fraction", "0.1", "--no-progress"]
+COMMON = (
+    "--model tiny --steps 12 --eval-every 5 --save-every 6 --batch-size 4 --seq-len 32 --eval-batches 2 "
+    "--val-fraction 0.1 --no-progress"
+).split()
 # name: (ranks, options). O1 samples telemetry and runs the fallback policy; O2 accumulates
 # micro-batches; the 2-rank runs sync FP8 gradients (O2) and shard the optimizer (O3).
 RUNS = {

@@ -50,8 +50,10 @@ class RunLogs:
     @classmethod
     def open(cls, out: Path, keep_until_step: int | None, telemetry: bool) -> RunLogs:
         """The logs in folder ``out``, truncated to ``keep_until_step`` when resuming (None: fresh)."""
-        return cls(JsonLines(out / "metrics.jsonl", keep_until_step, tensorboard=True),
-                   JsonLines(out / "telemetry.jsonl", keep_until_step) if telemetry else None)
+        return cls(
+            JsonLines(out / "metrics.jsonl", keep_until_step, tensorboard=True),
+            JsonLines(out / "telemetry.jsonl", keep_until_step) if telemetry else None,
+        )
 
     def close(self) -> None:
         self.metrics.close()

@@ -27,9 +27,22 @@ from ..distributed import save_checkpoint as save_sharded
 from ..grad import clip_grad_norm_
 from .checkpoint import shards_name
 
-__all__ = ["Ranks", "join", "wrap_for_level", "unwrap", "ReplicatedState", "ShardedState", "state_layout",
-           "accumulating", "mean_over_ranks", "gather_to_main", "broadcast_from_main", "barrier", "comm_bytes",
-           "restarts_allowed"]
+__all__ = [
+    "Ranks",
+    "join",
+    "wrap_for_level",
+    "unwrap",
+    "ReplicatedState",
+    "ShardedState",
+    "state_layout",
+    "accumulating",
+    "mean_over_ranks",
+    "gather_to_main",
+    "broadcast_from_main",
+    "barrier",
+    "comm_bytes",
+    "restarts_allowed",
+]
 
 # Bounds every collective: a rank that stops answering makes the others fail instead of hang.
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -64,9 +77,15 @@ def restarts_allowed() -> bool:
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
 
 
-def wrap_for_level(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str, fp8_levels,
-                   ranks: Ranks, initialize_options: dict, grad_sync_scaling: str = "local",
-                   ) -> tuple[nn.Module, torch.optim.Optimizer]:
+def wrap_for_level(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    opt_level: str,
+    fp8_levels,
+    ranks: Ranks,
+    initialize_options: dict,
+    grad_sync_scaling: str = "local",
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Convert and parallelize ``model``/``optimizer`` for ``opt_level`` (see the module docstring);
     ``grad_sync_scaling`` is `FP8DataParallel`'s ``scaling``."""
     if opt_level in fp8_levels:

@@ -25,9 +25,13 @@ def check_output(cfg: TrainConfig) -> bool:
     out = Path(cfg.out)
     has_checkpoint = bool(list_checkpoints(out / "checkpoints"))
     if not cfg.resume and ((out / "summary.json").exists() or has_checkpoint):
-        raise RunError(f"{str(out)!r} already holds a training run; pass --resume to continue it or choose another --out")
+        raise RunError(
+            f"{str(out)!r} already holds a training run; pass --resume to continue it or choose another --out"
+        )
     if cfg.resume and not has_checkpoint and not restarts_allowed():
-        raise RunError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}; run without --resume to start training")
+        raise RunError(
+            f"--resume: no checkpoint in {str(out / 'checkpoints')!r}; run without --resume to start training"
+        )
     return cfg.resume and has_checkpoint
 
 
@@ -39,10 +43,15 @@ def check_state_fits(model: nn.Module, state: dict, where: str) -> None:
     if not (wrong or missing):
         return
     first = (wrong or missing)[0]
-    detail = f"has shape {tuple(theirs[first].shape)}, this model needs {tuple(own[first].shape)}" if wrong else "is missing"
+    detail = (
+        f"has shape {tuple(theirs[first].shape)}, this model needs {tuple(own[first].shape)}" if wrong else "is missing"
+    )
     saved = state.get("model_config") or {}
-    diff = ", ".join(f"{k}={v} (here {getattr(model.config, k)})" for k, v in saved.items()
-                     if hasattr(model.config, k) and getattr(model.config, k) != v)
+    diff = ", ".join(
+        f"{k}={v} (here {getattr(model.config, k)})"
+        for k, v in saved.items()
+        if hasattr(model.config, k) and getattr(model.config, k) != v
+    )
     raise CheckpointError(
         f"checkpoint {where} does not fit this model: {first!r} {detail}"
         + (f"; it was trained with {diff}" if diff else "")
@@ -54,14 +63,18 @@ def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) 
     """Refuse a checkpoint this run cannot continue exactly."""
     check_state_fits(model, state, repr(state["path"]))
     if int(state["step"]) >= cfg.steps:
-        raise RunError(f"the run in {cfg.out!r} already reached step {state['step']}; pass --steps larger than that to continue it")
+        raise RunError(
+            f"the run in {cfg.out!r} already reached step {state['step']}; pass --steps larger than that to continue it"
+        )
     if state.get("opt_level") != cfg.opt_level:
         raise CheckpointError(
             f"checkpoint {state['path']!r} was trained at opt level {state.get('opt_level')}, "
             f"not {cfg.opt_level}; resume with --opt-level {state.get('opt_level')}"
         )
     if state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {state['path']!r} has format {state.get('format')!r}, this version reads {CHECKPOINT_FORMAT!r}")
+        raise CheckpointError(
+            f"checkpoint {state['path']!r} has format {state.get('format')!r}, this version reads {CHECKPOINT_FORMAT!r}"
+        )
     saved_scaling = (state.get("data_parallel") or {}).get("scaling")
     if saved_scaling is not None and saved_scaling != cfg.grad_sync_scaling:
         raise CheckpointError(

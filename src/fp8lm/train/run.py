@@ -32,8 +32,18 @@ from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents
 from .logs import RunLogs
 from .measure import saved_tensor_bytes
 from .model import GPT
-from .parallel import (accumulating, barrier, broadcast_from_main, comm_bytes, gather_to_main, join, mean_over_ranks,
-                       state_layout, unwrap, wrap_for_level)
+from .parallel import (
+    accumulating,
+    barrier,
+    broadcast_from_main,
+    comm_bytes,
+    gather_to_main,
+    join,
+    mean_over_ranks,
+    state_layout,
+    unwrap,
+    wrap_for_level,
+)
 from .resume import CHECKPOINT_FORMAT, check_output, check_resume, check_state_fits
 
 __all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
@@ -81,7 +91,9 @@ class TrainingRun:
         self.cfg = cfg
         self.ranks = join()
         if cfg.batch_size % self.ranks.world:
-            raise RunError(f"--batch-size {cfg.batch_size} (sequences per step, all ranks together) must divide by the {self.ranks.world} ranks")
+            raise RunError(
+                f"--batch-size {cfg.batch_size} (sequences per step, all ranks together) must divide by the {self.ranks.world} ranks"
+            )
         self.out = Path(cfg.out)
         resuming = check_output(cfg)
         self.device = self._device()
@@ -92,9 +104,15 @@ class TrainingRun:
         if resume is not None:
             check_resume(cfg, resume, model, self.ranks)
         model.to(self.device)
-        self.model, self.optimizer = wrap_for_level(model, self.build_optimizer(model), cfg.opt_level, FP8_LEVELS,
-                                                    self.ranks, cfg.initialize_options(),
-                                                    grad_sync_scaling=cfg.grad_sync_scaling)
+        self.model, self.optimizer = wrap_for_level(
+            model,
+            self.build_optimizer(model),
+            cfg.opt_level,
+            FP8_LEVELS,
+            self.ranks,
+            cfg.initialize_options(),
+            grad_sync_scaling=cfg.grad_sync_scaling,
+        )
         self.core = unwrap(self.model)  # the model itself: state dicts, evaluation, memory, telemetry
         self.layout = state_layout(self.optimizer)
         self.load_data()
@@ -185,8 +203,13 @@ class TrainingRun:
         if step > self.start_step or done == cfg.steps:
             self.timed_steps += 1
             self.train_time += time.perf_counter() - t0
-        record = {"step": done, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": done * self.tokens_per_step}
+        record = {
+            "step": done,
+            "train_loss": train_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": done * self.tokens_per_step,
+        }
         if self.ranks.distributed:
             record["comm_bytes"] = step_bytes
             if cfg.grad_sync_scaling == "shared":  # the all-reduce's automatic scaling factor, per bucket
@@ -229,8 +252,10 @@ class TrainingRun:
                 self.logs.telemetry.write(r)
             under, sat = worst(records, "underflow", 1)[0], worst(records, "saturation", 1)[0]
             record["telemetry_underflow"], record["telemetry_saturation"] = under["underflow"], sat["saturation"]
-            tqdm.write(f"step {done}: telemetry: worst underflow {under['underflow']:.2%} ({under['layer']} "
-                       f"{under['kind']}), worst saturation {sat['saturation']:.2%} ({sat['layer']} {sat['kind']})")
+            tqdm.write(
+                f"step {done}: telemetry: worst underflow {under['underflow']:.2%} ({under['layer']} "
+                f"{under['kind']}), worst saturation {sat['saturation']:.2%} ({sat['layer']} {sat['kind']})"
+            )
         if self.fallback is None:
             return
         events = self.fallback.update(records) if self.ranks.main else []
@@ -261,8 +286,14 @@ class TrainingRun:
         Returns the summary on rank 0, None on the other ranks."""
         cfg = self.cfg
         self._open_logs()
-        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not (cfg.progress and self.ranks.main),
-                   desc=f"train {cfg.opt_level}", unit="step", dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.start_step,
+            disable=not (cfg.progress and self.ranks.main),
+            desc=f"train {cfg.opt_level}",
+            unit="step",
+            dynamic_ncols=True,
+        )
         try:
             for step in range(self.start_step, cfg.steps):
                 record = self.step(step)
@@ -274,8 +305,11 @@ class TrainingRun:
                 if self.ranks.main:
                     self.logs.metrics.write(record)
                 if self.timed_steps:
-                    bar.set_postfix(loss=f"{record['train_loss']:.3f}", refresh=False,
-                                    tok_s=f"{self.timed_steps * self.tokens_per_step / self.train_time:,.0f}")
+                    bar.set_postfix(
+                        loss=f"{record['train_loss']:.3f}",
+                        refresh=False,
+                        tok_s=f"{self.timed_steps * self.tokens_per_step / self.train_time:,.0f}",
+                    )
                 bar.update(1)
                 if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
                     self.save(done)
@@ -297,8 +331,10 @@ class TrainingRun:
         own = {
             "scaling": scaling_state_dict(self.core),  # FP8 amax histories: part of an exact resume
             "sampler": self.sampler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []},
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
+            },
         }
         shards = self.layout.save_shards(directory, step, self.core, self.optimizer)
         every_rank = gather_to_main(own, self.ranks)
@@ -402,4 +438,3 @@ def _documents(cfg: TrainConfig):
     if cfg.data:
         return path_documents(cfg.data)
     return stdlib_documents()
-
