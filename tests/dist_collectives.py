@@ -17,7 +17,11 @@ def checks(rank, world):
 
     from fp8lm import E5M2, quantize
     from fp8lm.distributed import (
-        comm_stats, fp8_all_gather, fp8_all_reduce, fp8_reduce_scatter, reset_comm_stats,
+        comm_stats,
+        fp8_all_gather,
+        fp8_all_reduce,
+        fp8_reduce_scatter,
+        reset_comm_stats,
         shared_scale_all_reduce,
     )
 

@@ -46,7 +46,7 @@ def launch(script: str, world_size: int, *args: str, timeout: float = 120.0) -> 
             except subprocess.TimeoutExpired:
                 for q in procs:
                     q.kill()
-                raise AssertionError(f"{script} on {world_size} ranks did not finish in {timeout} s")
+                raise AssertionError(f"{script} on {world_size} ranks did not finish in {timeout} s") from None
             codes.append(p.returncode)
         files = [Path(out) / f"rank{r}.pt" for r in range(world_size)]
         results = [torch.load(f, weights_only=False) if f.exists() else None for f in files]
@@ -62,7 +62,7 @@ def run_workers(script: str, world_size: int, *args: str, timeout: float = 120.0
     return results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_workers_once(script: str, world_size: int) -> list[dict]:
     """`run_workers` once per test session for a script and world size (shared by test modules)."""
     return run_workers(script, world_size)

@@ -18,6 +18,11 @@ from . import accounting
 
 __all__ = ["check_group", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv"]
 
+# torch 2.13 renamed the tensor forms to *_single (the old names warn); older releases have only
+# the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def check_group(group=None) -> tuple[int, int]:
     """``(rank, world size)`` of this process in ``group``; one clear error when torch.distributed
@@ -60,7 +65,7 @@ def all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None, asy
     """Every rank's ``input_tensor`` concatenated in rank order into ``output`` (``world_size`` times as
     many elements)."""
     accounting.record("all_gather", _nbytes(output), dist.get_world_size(group))
-    work = dist.all_gather_into_tensor(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
+    work = _all_gather_tensor(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
     return work if async_op else output
 
 
@@ -70,7 +75,7 @@ def reduce_scatter(
     """Rank ``r``'s ``output`` becomes chunk ``r`` of ``input_tensor`` reduced over the ranks with ``op``."""
     _summable(input_tensor, "reduce_scatter")
     accounting.record("reduce_scatter", _nbytes(input_tensor), dist.get_world_size(group))
-    work = dist.reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=async_op)
+    work = _reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=async_op)
     return work if async_op else output
 
 

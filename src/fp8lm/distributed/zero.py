@@ -17,7 +17,8 @@ name with `torch.distributed.checkpoint` (see `save_checkpoint`), so they load a
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
