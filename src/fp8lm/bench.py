@@ -15,7 +15,7 @@ __all__ = ["BENCHMARKS", "DEFAULT", "BenchError", "scripts_dir", "command", "run
 # name -> ranks it runs on (scripts that need torchrun are launched through torch.distributed.run)
 BENCHMARKS = {
     "quantize": 1, "gemm": 1, "fp8_linear": 1, "fp8_linear_accuracy": 1, "train_step": 1,
-    "optimizer_step": 1, "fallback": 1, "telemetry": 1, "comm": 2, "dist_train": 2,
+    "optimizer_step": 1, "fallback": 1, "telemetry": 1, "comm": 2, "dist_train": 2, "cuda_trace": 1,
 }
 DEFAULT = ("quantize", "gemm", "train_step", "optimizer_step", "telemetry", "fallback", "comm")
 

@@ -1,0 +1,555 @@
+"""FP8Linear and a GPT block on the CUDA code path, traced on fake CUDA tensors: kernel launches,
+bytes and host synchronisations per op category, layer and pass, printed as JSON.
+
+Every aten op of one training step (forward, then backward) is logged by a ``TorchDispatchMode``
+over ``FakeTensorMode`` CUDA tensors: nothing is computed or allocated, so this runs on any machine
+and at the shapes of a ~1B GPT. Compared: fp8lm O1 with eager casts (its fused-cast switch off, as
+``FP8LM_FUSED_CAST=0`` sets it) and with the ``torch.compile``-d casts, torchao float8 tensorwise
+(eager) and ``nn.Linear`` under BF16 autocast. The traced step is the second (steady state: delayed
+scaling has a history). A modelled H200 step time turns the counts into a ratio against BF16.
+
+    python benchmarks/cuda_trace.py [--shapes 8192x4096x4096] [--block 2048x8192] [--quick]
+
+How the CUDA path is reached without a GPU (all inside this process, never in the library):
+- a CPU-only torch has no CUDA device guard, which autograd needs for CUDA tensors: a four-line
+  C++ file registering c10's ``FakeGuardImpl`` for CUDA is compiled once (cached, like fp8lm's C
+  kernels) and loaded;
+- the backward pass runs the autograd graph's nodes in topological order from Python, because the
+  C++ engine asks for the current stream of an accelerator that a CPU-only build does not have;
+- ``torch.cuda.get_device_capability`` answers (9, 0) (an H100/H200), so ``backend="auto"`` picks
+  ``torch._scaled_mm`` as it would there; CUDA autocast is switched on with
+  ``torch.set_autocast_enabled``, which needs no device;
+- ``torch.compile`` cannot generate CUDA kernels here: for the compiled casts it is replaced by a
+  marker that runs the function's ops as one fused kernel (launches: 1, plus 1 when it reduces to
+  a scalar, as Inductor splits a full reduction in two; bytes: the tensors it reads and writes);
+- ``scaled_dot_product_attention`` would take its math path (a CPU-only build cannot choose a
+  CUDA kernel): it is routed to the flash-attention ops, one kernel forward, one backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import machine
+from gemm import parse_shapes
+
+CATEGORIES = ("gemm", "cast", "amax_scale", "nonfinite", "transpose_copy", "bias", "attention", "other")
+SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "_assert_async"}
+# Python functions whose ops belong to a category, found on the stack (fp8lm's and torchao's names).
+STACK_CATEGORIES = {
+    "_propagate_nonfinite": "nonfinite",
+    "compute_scale": "amax_scale", "pow2_scale": "amax_scale", "record": "amax_scale", "scale_for": "amax_scale",
+    "amax": "amax_scale", "tensor_to_amax": "amax_scale", "amax_to_scale": "amax_scale", "tensor_to_scale": "amax_scale",
+    "saturating_cast": "cast", "saturating_cast_with_amax": "cast", "saturating_cast_dequantized": "cast",
+    "upcast": "cast", "to_fp8_saturated": "cast", "hp_tensor_and_scale_to_float8": "cast",
+}
+GEMM_OPS = {"mm", "addmm", "_scaled_mm", "bmm", "baddbmm"}
+ATTENTION_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
+ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "lift_fresh"}
+TINY = 64  # elements: an op whose tensors are all this small is scale arithmetic on a few scalars
+
+# Modelled H200 (SXM): per-kernel launch cost, HBM bandwidth, dense GEMM rates.
+MODEL = {"launch_us": 5.0, "hbm_tb_s": 4.8, "bf16_tflop_s": 990.0, "fp8_tflop_s": 1980.0}
+
+GUARD_SOURCE = """#include <c10/core/impl/FakeGuardImpl.h>
+// Register c10's no-op device guard for CUDA, which a CPU-only torch lacks.
+C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
+"""
+
+
+# -- the CUDA path without a GPU ---------------------------------------------------------------
+def load_fake_cuda_guard() -> None:
+    """Register a no-op CUDA device guard in a CPU-only torch (compiled once, cached)."""
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        return  # a CUDA build has its guard; FakeTensorMode makes it a no-op without devices
+    torch_dir = Path(torch.__file__).resolve().parent
+    key = hashlib.sha256(f"{torch.__version__}{torch_dir}{GUARD_SOURCE}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("FP8LM_CACHE_DIR") or Path.home() / ".cache" / "fp8lm")
+    lib = cache / f"fake_cuda_guard_{key}.so"
+    if not lib.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        src = cache / f"fake_cuda_guard_{key}.cpp"
+        src.write_text(GUARD_SOURCE)
+        tmp = lib.with_name(f".{lib.name}.{os.getpid()}")
+        cmd = [os.environ.get("CXX", "c++"), "-O1", "-shared", "-fPIC", "-std=c++17", f"-I{torch_dir / 'include'}",
+               str(src), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-Wl,--no-as-needed", "-lc10",
+               f"-Wl,-rpath,{torch_dir / 'lib'}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"cuda_trace: cannot build the fake CUDA device guard ({' '.join(cmd)}): {proc.stderr[-500:]}")
+        os.replace(tmp, lib)
+    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+
+
+def pretend_hopper() -> None:
+    """``torch.cuda.get_device_capability`` answers (9, 0) where no GPU can be asked."""
+    if not torch.cuda.is_available():
+        torch.cuda.get_device_capability = lambda device=None: (9, 0)
+
+
+@contextmanager
+def cuda_autocast(dtype: torch.dtype = torch.bfloat16):
+    """BF16 autocast for CUDA (``torch.autocast("cuda")`` refuses without a device)."""
+    before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache()  # as torch.autocast does: weights are cast again next step
+        torch.set_autocast_enabled("cuda", before[0])
+        torch.set_autocast_dtype("cuda", before[1])
+
+
+class FlashAttention(torch.autograd.Function):
+    """Causal SDPA through the flash-attention ops (one kernel each way, as on an H100/H200)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cum_q, cum_k, seed, offset)
+        ctx.max_q, ctx.max_k = max_q, max_k
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cum_q, cum_k, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cum_q, cum_k, ctx.max_q, ctx.max_k, 0.0, True, seed, offset
+        )
+        return dq, dk, dv
+
+
+def flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    if q.is_cuda and attn_mask is None and dropout_p == 0.0 and is_causal and not kwargs:
+        return FlashAttention.apply(q, k, v)
+    return REAL_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+
+REAL_SDPA = F.scaled_dot_product_attention
+
+
+# -- the op log ------------------------------------------------------------------------------
+def nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def tensors_in(tree) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def stack_category() -> str | None:
+    """The category of the innermost fp8lm/torchao function on the stack that has one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in STACK_CATEGORIES and ("fp8lm" in code.co_filename or "torchao" in code.co_filename):
+            return STACK_CATEGORIES[code.co_name]
+        frame = frame.f_back
+    return None
+
+
+def categorize(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> str:
+    """Which kind of work one (non-view) aten op is, from the op, its tensors and the stack."""
+    if name in GEMM_OPS:
+        return "gemm"
+    if name in ATTENTION_OPS:
+        return "attention"
+    by_stack = stack_category()
+    if by_stack:
+        return by_stack
+    if max(t.numel() for t in inputs + outputs) <= TINY:
+        return "amax_scale"
+    if name in ("amax", "aminmax", "max", "abs"):
+        return "amax_scale"
+    if name in ("add", "add_") and len(inputs) == 2 and inputs[1].dim() == 1 and inputs[0].dim() == 2:
+        return "bias"  # a bias added after a GEMM
+    if name == "sum" and len(outputs) == 1 and outputs[0].dim() == 1 and inputs[0].dim() == 2:
+        return "bias"  # the bias gradient
+    if name == "_to_copy" and inputs and outputs and inputs[0].dtype != outputs[0].dtype:
+        return "cast"
+    if name in ("clone", "copy_", "_to_copy", "contiguous", "t_copy", "transpose_copy"):
+        return "transpose_copy"
+    return "other"
+
+
+class OpLog(TorchDispatchMode):
+    """Logs every aten op on fake tensors: launches, bytes read and written, by category, layer and
+    pass. Ops on tensor subclasses are not kernels (they re-dispatch to their payloads' ops, which
+    are logged); views and allocations launch nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[dict] = []
+        self.phase = "forward"
+        self.layer = "-"
+        self.fused: list | None = None  # ops of a compiled region being traced
+        self.recording = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            if self.recording:
+                self.records.append(self.record(name, "sync", 0, 0, 0))
+            return 1.0 if name == "_local_scalar_dense" else func(*args, **kwargs)
+        if any(t is not FakeTensor for t in types):
+            return NotImplemented  # a tensor subclass: its own dispatch runs the ops on its payloads
+        out = func(*args, **kwargs)
+        if not self.recording:
+            return out
+        if func.is_view or name in ALLOC_OPS or name in ("detach", "alias", "device"):
+            return out
+        inputs, outputs = tensors_in((args, kwargs)), tensors_in(out)
+        mutated = {id(a) for a, arg in zip(args, func._schema.arguments) if arg.is_write}
+        read = sum(nbytes(t) for t in inputs if not (name == "copy_" and id(t) in mutated))
+        written = sum(nbytes(t) for t in outputs)
+        if self.fused is not None:
+            self.fused.append((inputs, outputs))
+            return out
+        category = categorize(name, inputs, outputs)
+        self.records.append(self.record(name, category, 1, read, written, *gemm_flops(name, inputs)))
+        return out
+
+    def record(self, op, category, launches, read, written, flops=0.0, fp8=False) -> dict:
+        return {"op": op, "category": category, "launches": launches, "read": read, "written": written,
+                "flops": flops, "fp8": fp8, "phase": self.phase, "layer": self.layer}
+
+    def fused_region(self, fn):
+        """``fn`` run as one compiled kernel would: its ops are collected, then logged as one."""
+
+        def run(*args, **kwargs):
+            if not self.recording or self.fused is not None:
+                return fn(*args, **kwargs)
+            self.fused = []
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                ops, self.fused = self.fused, None
+            produced = {id(t) for _, outs in ops for t in outs}
+            read = sum(nbytes(t) for t in {id(t): t for ins, _ in ops for t in ins if id(t) not in produced}.values())
+            written = sum(nbytes(t) for t in tensors_in(out))
+            reduces = any(t.numel() == 1 for t in tensors_in(out))
+            self.records.append(self.record("compiled_cast", "cast", 1 + reduces, read, written))
+            return out
+
+        return run
+
+
+def gemm_flops(name: str, inputs: list[torch.Tensor]) -> tuple[float, bool]:
+    """FLOPs of a GEMM or attention op and whether it runs in FP8."""
+    if name in ("mm", "_scaled_mm"):
+        (m, k), n = inputs[0].shape, inputs[1].shape[1]
+        return 2.0 * m * k * n, name == "_scaled_mm"
+    if name == "addmm":
+        (m, k), n = inputs[1].shape, inputs[2].shape[1]
+        return 2.0 * m * k * n, False
+    if name in ("bmm", "baddbmm"):
+        (b, m, k), n = inputs[-2].shape, inputs[-1].shape[2]
+        return 2.0 * b * m * k * n, False
+    if name in ATTENTION_OPS:
+        b, h, t, d = inputs[1].shape if name.endswith("backward") else inputs[0].shape
+        causal_fwd = 2.0 * b * h * t * t * d  # QK^T and PV, half of each under the causal mask
+        return causal_fwd * (2.5 if name.endswith("backward") else 1.0), False
+    return 0.0, False
+
+
+# -- running a step ------------------------------------------------------------------------------
+def walk(roots) -> list:
+    """Autograd nodes reachable from ``roots``, each after every node that feeds it a gradient."""
+    order, seen, stack = [], set(), [(r, False) for r in roots if r is not None]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((n, False) for n, _ in node.next_functions if n is not None and n not in seen)
+    return order[::-1]
+
+
+def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """What autograd's AccumulateGrad does with the only reference to a fresh gradient: keep it
+    (called as a node from Python it would see a second reference and copy)."""
+    param.grad = grad if param.grad is None else param.grad + grad
+
+
+def run_backward(output: torch.Tensor, grad: torch.Tensor, log: OpLog, labels: dict) -> None:
+    """``output.backward(grad)``, node by node from Python (see the module docstring)."""
+    pending: dict = defaultdict(dict)
+    pending[output.grad_fn][0] = grad
+    for node in walk([output.grad_fn]):
+        grads = pending.pop(node, {})
+        if not grads:
+            continue
+        log.layer = labels.get(node, "-")
+        args = [grads.get(i) for i in range(max(grads) + 1)]
+        if type(node).__name__ == "AccumulateGrad":
+            accumulate(node.variable, *args)
+            continue
+        outs = node.apply(*args) if hasattr(node, "_forward_cls") else node(*args)
+        outs = (outs,) if not isinstance(outs, (tuple, list)) else outs
+        for (nxt, slot), g in zip(node.next_functions, outs):
+            if nxt is not None and g is not None:
+                expected = nxt._input_metadata[slot]  # as the engine does: reduce broadcasts, cast
+                if g.shape != expected.shape:
+                    g = g.sum_to_size(expected.shape)
+                if g.dtype != expected.dtype:
+                    g = g.to(expected.dtype)
+                seen = pending[nxt]
+                seen[slot] = g if slot not in seen else seen[slot] + g
+
+
+def label_layers(model: nn.Module, log: OpLog, labels: dict) -> list:
+    """Forward hooks that name the innermost running module in ``log.layer`` and give the autograd
+    nodes each module creates its name in ``labels`` (for the backward pass)."""
+    stack, handles = [], []
+
+    def pre(name):
+        def hook(module, inputs):
+            stack.append((log.layer, {id(n) for n in walk([t.grad_fn for t in tensors_in(inputs)])}))
+            log.layer = name
+        return hook
+
+    def post(name):
+        def hook(module, inputs, output):
+            log.layer, before = stack.pop()
+            for node in walk([t.grad_fn for t in tensors_in(output)]):
+                if id(node) not in before:
+                    labels.setdefault(node, name)
+        return hook
+
+    for name, module in model.named_modules():
+        name = name or type(module).__name__
+        handles += [module.register_forward_pre_hook(pre(name)), module.register_forward_hook(post(name))]
+    return handles
+
+
+def trace_step(model: nn.Module, x: torch.Tensor, log: OpLog) -> list[dict]:
+    """One warm-up training step, then one traced: forward under BF16 autocast, backward."""
+    labels: dict = {}
+    handles = label_layers(model, log, labels)
+    try:
+        for recording in (False, True):
+            labels.clear()
+            log.records, log.recording, log.phase = [], recording, "forward"
+            with cuda_autocast():
+                y = model(x)
+            log.phase, log.recording = "backward", False
+            grad = torch.ones_like(y)
+            log.recording = recording
+            run_backward(y, grad, log, labels)
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            log.recording = False
+    finally:
+        for h in handles:
+            h.remove()
+    return log.records
+
+
+def fp8lm_model(model: nn.Module) -> nn.Module:
+    import fp8lm
+
+    return fp8lm.initialize(model, opt_level="O1")[0]
+
+
+def torchao_model(model: nn.Module) -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    return convert_to_float8_training(model, config=config)
+
+
+# -- summaries and the model ---------------------------------------------------------------------
+def kernel_seconds(r: dict) -> float:
+    """Modelled time of one logged kernel: the longer of its launch and its work (GEMMs and
+    attention at the peak rate, everything else at HBM bandwidth)."""
+    if r["category"] in ("gemm", "attention"):
+        work = r["flops"] / (MODEL["fp8_tflop_s" if r["fp8"] else "bf16_tflop_s"] * 1e12)
+    else:
+        work = (r["read"] + r["written"]) / (MODEL["hbm_tb_s"] * 1e12)
+    return max(r["launches"] * MODEL["launch_us"] * 1e-6, work)
+
+
+def totals(records: list[dict]) -> dict:
+    outside = [r for r in records if r["category"] not in ("gemm", "attention")]
+    return {
+        "launches": sum(r["launches"] for r in records),
+        "launches_outside_gemm": sum(r["launches"] for r in outside),
+        "mb_outside_gemm": round(sum(r["read"] + r["written"] for r in outside) / 1e6, 1),
+        "gemms": sum(r["category"] == "gemm" for r in records),
+        "fp8_gemms": sum(r["fp8"] for r in records),
+        "gemm_gflop": round(sum(r["flops"] for r in records) / 1e9, 1),
+        "syncs": sum(r["category"] == "sync" for r in records),
+        "modelled_ms": round(sum(kernel_seconds(r) for r in records) * 1e3, 4),
+    }
+
+
+def summarize(records: list[dict]) -> dict:
+    """Launches and MB per pass and category, per layer, totals, and the ops of each category."""
+    out: dict = {"total": totals(records)}
+    for phase in ("forward", "backward"):
+        mine = [r for r in records if r["phase"] == phase]
+        out[phase] = {"total": totals(mine)}
+        for cat in CATEGORIES + ("sync",):
+            rs = [r for r in mine if r["category"] == cat]
+            if rs:
+                out[phase][cat] = {"launches": sum(r["launches"] for r in rs),
+                                   "mb": round(sum(r["read"] + r["written"] for r in rs) / 1e6, 1),
+                                   "ops": sorted({r["op"] for r in rs})}
+    layers = dict.fromkeys(r["layer"] for r in records)
+    out["layers"] = {
+        name: {phase: totals([r for r in records if r["layer"] == name and r["phase"] == phase])
+               for phase in ("forward", "backward")}
+        for name in layers
+    }
+    return out
+
+
+def ideal_fp8(m: int, k: int, n: int) -> dict:
+    """A fused FP8 linear layer (BF16 activations, FP16 stored weight): each cast one kernel that
+    writes the FP8 copy and the transposed one the GEMM needs, the bias inside the forward GEMM,
+    its gradient inside the output gradient's cast, the weight gradient written as FP8 by its
+    GEMM, one scale update per pass: 3 casts + 3 GEMMs + 2 = 8 launches."""
+    gemm = {"category": "gemm", "launches": 1, "flops": 2.0 * m * k * n, "fp8": True, "read": 0, "written": 0}
+    kernels = [
+        {"category": "cast", "launches": 1, "read": 2 * m * k, "written": 2 * m * k},  # input, bf16 -> 2x fp8
+        {"category": "cast", "launches": 1, "read": 2 * n * k, "written": 2 * n * k},  # weight, fp16 -> 2x fp8
+        {"category": "cast", "launches": 1, "read": 2 * m * n, "written": 2 * m * n},  # output gradient (+ bias grad)
+        {"category": "gemm_epilogue", "launches": 0, "read": 0, "written": n * k},  # weight gradient as fp8
+        *({"category": "amax_scale", "launches": 1, "read": 0, "written": 0} for _ in range(2)),
+        gemm, gemm, gemm,
+    ]
+    seconds = sum(kernel_seconds({"flops": 0.0, "fp8": False, **r}) for r in kernels)
+    outside = sum(r["read"] + r["written"] for r in kernels)
+    return {"launches": 8, "mb_outside_gemm": round(outside / 1e6, 1), "modelled_ms": round(seconds * 1e3, 4)}
+
+
+def block_linears(width: int, tokens: int) -> dict:
+    """The FP8 layers of a GPT block (GELU MLP of 4x width): name -> (M, K, N)."""
+    return {"attn.c_attn": (tokens, width, 3 * width), "attn.c_proj": (tokens, width, width),
+            "mlp.c_fc": (tokens, width, 4 * width), "mlp.c_proj": (tokens, 4 * width, width)}
+
+
+def step_ratios(variants: dict, width: int, tokens: int) -> dict:
+    """Modelled GPT-block step time of each variant over BF16's (a block is a fixed share of a GPT's
+    step: this is the model's ratio without embedding, head, loss and optimizer), and of BF16's
+    block with its four linear layers replaced by `ideal_fp8` ones."""
+    bf16 = variants["bf16"]["block"]
+    base = bf16["total"]["modelled_ms"]
+    ratios = {name: round(v["block"]["total"]["modelled_ms"] / base, 3) for name, v in variants.items() if "block" in v}
+    ideal = base
+    for name, (m, k, n) in block_linears(width, tokens).items():
+        layer = bf16["layers"][name]
+        ideal += ideal_fp8(m, k, n)["modelled_ms"] - layer["forward"]["modelled_ms"] - layer["backward"]["modelled_ms"]
+    ratios["ideal_fp8"] = round(ideal / base, 3)
+    return ratios
+
+
+# -- the cases -----------------------------------------------------------------------------------
+def convert(variant: str, model: nn.Module) -> nn.Module:
+    if variant == "bf16":
+        return model
+    if variant == "torchao":
+        return torchao_model(model)
+    return fp8lm_model(model)
+
+
+def linear_case(variant: str, m: int, k: int, n: int, log: OpLog) -> dict:
+    model = convert(variant, nn.Sequential(nn.Linear(k, n, device="cuda")))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return summarize(trace_step(model, x, log))
+
+
+def block_case(variant: str, width: int, tokens: int, seq: int, log: OpLog) -> dict:
+    from fp8lm.train.model import Block, GPTConfig
+
+    config = GPTConfig(block_size=seq, n_layer=1, n_head=max(width // 128, 1), n_embd=width)
+    with torch.device("cuda"):
+        model = convert(variant, Block(config))
+    x = torch.randn(tokens // seq, seq, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return summarize(trace_step(model, x, log))
+
+
+def run_variant(variant: str, args, log: OpLog) -> dict:
+    """Every case of one variant: ``{"linear": [...], "block": ...}``, or why it cannot run."""
+    try:
+        if variant == "torchao":
+            import torchao.float8  # noqa: F401
+        if variant.startswith("fp8lm"):
+            from fp8lm.ops.cast import FUSED_CAST
+
+            # The switch FP8LM_FUSED_CAST=0 sets (an eager-only run) or leaves on.
+            FUSED_CAST.enabled = variant == "fp8lm_compiled" and os.environ.get("FP8LM_FUSED_CAST") != "0"
+        out = {"linear": [linear_case(variant, m, k, n, log) for m, k, n in args.shapes]}
+        width, tokens, seq = args.block
+        out["block"] = block_case(variant, width, tokens, seq, log)
+        return out
+    except Exception as err:  # one variant that cannot run is reported, the others still are
+        return {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+
+
+def run_variants(args, variants: list[str]) -> dict:
+    log = OpLog()
+    torch.compile = lambda fn=None, **_: log.fused_region(fn)  # see the module docstring
+    F.scaled_dot_product_attention = flash_sdpa
+    with FakeTensorMode(), log:
+        return {v: run_variant(v, args, log) for v in variants}
+
+
+def parse_block(text: str) -> tuple[int, int, int]:
+    """``WIDTHxTOKENSxSEQ`` of the GPT block (MLP 4x width, heads of 128)."""
+    try:
+        width, tokens, seq = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--block wants WIDTHxTOKENSxSEQ, e.g. 2048x8192x2048, got {text!r}") from None
+    if min(width, tokens, seq) < 1 or tokens % seq:
+        raise argparse.ArgumentTypeError(f"--block {text!r}: sizes must be positive and TOKENS a multiple of SEQ")
+    return width, tokens, seq
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=parse_shapes, default=[(8192, 4096, 4096)], help="linear layers MxKxN")
+    parser.add_argument("--block", type=parse_block, default=(2048, 8192, 2048), help="GPT block WIDTHxTOKENSxSEQ")
+    parser.add_argument("--quick", action="store_true", help="small shapes, for tests")
+    args = parser.parse_args()
+    if args.quick:
+        args.shapes, args.block = [(1024, 512, 512)], (256, 1024, 256)
+    warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+    load_fake_cuda_guard()
+    pretend_hopper()
+    variants = run_variants(args, ["bf16", "fp8lm_eager", "fp8lm_compiled", "torchao"])
+    print(json.dumps({
+        "benchmark": "cuda_trace", "machine": machine(), "model": MODEL,
+        "shapes": [{"m": m, "k": k, "n": n, "ideal_fp8": ideal_fp8(m, k, n)} for m, k, n in args.shapes],
+        "block": dict(zip(("width", "tokens", "seq"), args.block)),
+        "block_step_ratio_vs_bf16": step_ratios(variants, *args.block[:2]) if "block" in variants["bf16"] else None,
+        "variants": variants,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

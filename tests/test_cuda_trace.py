@@ -1,0 +1,74 @@
+"""benchmarks/cuda_trace.py keeps running: the CUDA path traced on fake tensors, with sensible counts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_trace.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def quick() -> dict:
+    proc = run("--quick")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_bf16_linear_is_three_gemms_and_five_other_kernels(quick):
+    bf16 = quick["variants"]["bf16"]["linear"][0]
+    # forward: weight and bias cast to BF16, addmm; backward: two mm, bias-gradient sum, two casts to FP32
+    assert bf16["total"]["gemms"] == 3 and bf16["total"]["fp8_gemms"] == 0
+    assert bf16["total"]["launches"] == 8
+    assert bf16["forward"]["gemm"]["ops"] == ["addmm"] and bf16["backward"]["gemm"]["ops"] == ["mm"]
+    m, k, n = (quick["shapes"][0][d] for d in "mkn")
+    assert bf16["total"]["gemm_gflop"] == round(3 * 2 * m * k * n / 1e9, 1)
+
+
+@pytest.mark.parametrize("variant", ["fp8lm_eager", "fp8lm_compiled", "torchao"])
+def test_fp8_variants_run_three_scaled_mm_and_no_host_sync(quick, variant):
+    result = quick["variants"][variant]
+    if variant == "torchao" and "skipped" in result:
+        pytest.skip(f"torchao: {result['skipped']}")
+    linear = result["linear"][0]["total"]
+    assert linear["gemms"] == linear["fp8_gemms"] == 3
+    assert linear["syncs"] == 0
+    assert linear["launches"] > quick["variants"]["bf16"]["linear"][0]["total"]["launches"]
+    block = result["block"]
+    assert block["total"]["fp8_gemms"] == 12  # four linear layers of the block
+    assert block["forward"]["attention"]["launches"] == block["backward"]["attention"]["launches"] == 1
+
+
+def test_compiled_casts_are_fewer_launches_and_bytes_than_eager(quick):
+    eager, compiled = (quick["variants"][v]["linear"][0] for v in ("fp8lm_eager", "fp8lm_compiled"))
+    assert "compiled_cast" in compiled["forward"]["cast"]["ops"]
+    assert "compiled_cast" not in eager["forward"]["cast"]["ops"]
+    assert compiled["total"]["launches"] < eager["total"]["launches"]
+    assert compiled["total"]["mb_outside_gemm"] < eager["total"]["mb_outside_gemm"]
+
+
+def test_layers_add_up_to_the_totals_and_the_ratio_is_modelled(quick):
+    block = quick["variants"]["fp8lm_compiled"]["block"]
+    layers = block["layers"]
+    assert {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"} <= set(layers)
+    launches = sum(layer[phase]["launches"] for layer in layers.values() for phase in ("forward", "backward"))
+    assert launches == block["total"]["launches"]
+    ratios = quick["block_step_ratio_vs_bf16"]
+    assert ratios["bf16"] == 1.0 and ratios["fp8lm_compiled"] > 0 and 0 < ratios["ideal_fp8"]
+    assert quick["shapes"][0]["ideal_fp8"]["launches"] == 8
+
+
+@pytest.mark.parametrize("args, match", [(["--block", "64x100"], "--block wants WIDTHxTOKENSxSEQ"),
+                                         (["--block", "64x100x64"], "TOKENS a multiple of SEQ")])
+def test_bad_block_is_one_clear_error(args, match):
+    proc = run(*args)
+    assert proc.returncode == 2 and match in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
