@@ -18,21 +18,8 @@ def test_parser_has_train_and_compare_with_the_same_run_options():
 
 
 def test_train_prints_the_summary(tmp_path, token_cache, email_corpus, tiny_cli_args, capsys):
-    rc, out, _ = run_main(
-        [
-            "train",
-            *tiny_cli_args,
-            "--data",
-            email_corpus,
-            "--steps",
-            "3",
-            "--out",
-            str(tmp_path / "r"),
-            "--cache-dir",
-            token_cache,
-        ],
-        capsys,
-    )
+    data = ["--data", email_corpus, "--cache-dir", token_cache]
+    rc, out, _ = run_main(["train", *tiny_cli_args, *data, "--steps", "3", "--out", str(tmp_path / "r")], capsys)
     assert rc == 0
     printed = json.loads(out[out.index("{") : out.rindex("}") + 1])
     assert printed["steps"] == 3 and printed["opt_level"] == "bf16"
@@ -43,25 +30,9 @@ def test_compare_writes_compare_json_and_plot_and_prints_the_table(
     tmp_path, token_cache, email_corpus, tiny_cli_args, capsys
 ):
     out_dir = tmp_path / "cmp"
-    rc, out, _ = run_main(
-        [
-            "compare",
-            *tiny_cli_args,
-            "--data",
-            email_corpus,
-            "--levels",
-            "bf16,fp32",
-            "--steps",
-            "4",
-            "--eval-every",
-            "2",
-            "--out",
-            str(out_dir),
-            "--cache-dir",
-            token_cache,
-        ],
-        capsys,
-    )
+    run = ["compare", *tiny_cli_args, "--levels", "bf16,fp32", "--steps", "4", "--out", str(out_dir)]
+    data = ["--data", email_corpus, "--eval-every", "2", "--cache-dir", token_cache]
+    rc, out, _ = run_main([*run, *data], capsys)
     assert rc == 0
     result = json.loads((out_dir / "compare.json").read_text())
     assert list(result["levels"]) == ["bf16", "fp32"]
@@ -73,34 +44,13 @@ def test_compare_writes_compare_json_and_plot_and_prints_the_table(
     assert (out_dir / "loss.png").stat().st_size > 10_000
     assert "val_loss" in out and "fp32" in out and f"plot: {out_dir / 'loss.png'}" in out
     # rerunning into the same folder is refused before any level trains
-    rc, _, err = run_main(
-        ["compare", *tiny_cli_args, "--levels", "bf16,fp32", "--steps", "4", "--out", str(out_dir)], capsys
-    )
+    rc, _, err = run_main(run, capsys)
     assert rc == 2 and "already holds a training run" in err
     # an interrupted comparison (fp32 never started) continues with --resume: bf16 is kept as it was
     bf16_summary = (out_dir / "bf16" / "summary.json").read_bytes()
     shutil.rmtree(out_dir / "fp32")
     (out_dir / "compare.json").unlink()
-    rc, _, _ = run_main(
-        [
-            "compare",
-            *tiny_cli_args,
-            "--data",
-            email_corpus,
-            "--levels",
-            "bf16,fp32",
-            "--steps",
-            "4",
-            "--eval-every",
-            "2",
-            "--out",
-            str(out_dir),
-            "--cache-dir",
-            token_cache,
-            "--resume",
-        ],
-        capsys,
-    )
+    rc, _, _ = run_main([*run, *data, "--resume"], capsys)
     assert rc == 0 and (out_dir / "bf16" / "summary.json").read_bytes() == bf16_summary
     again = json.loads((out_dir / "compare.json").read_text())["levels"]
     assert again["bf16"] == result["levels"]["bf16"]
