@@ -17,6 +17,8 @@ from .train.checkpoint import CheckpointError
 from .train.compare import compare, parse_levels, parse_seeds
 from .train.config import GRAD_SYNC_SCALINGS, OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
 from .train.data import DataError
+from .train.dpo import SUMMARY_KEYS as DPO_SUMMARY_KEYS
+from .train.dpo import DPOConfig, dpo
 from .train.loop import train
 from .train.model import MLP_KINDS, PRESETS
 from .train.telemetry_report import STATS, InspectError, plot_heatmap, read_telemetry, worst_table
@@ -182,11 +184,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_dpo(p: argparse.ArgumentParser) -> None:
+    d = DPOConfig()
+    p.add_argument("--init-from", metavar="CHECKPOINT",
+                   help="the pretrained model: a step_*.pt file or a run folder of fp8lm train (required unless --resume)")
+    p.add_argument("--opt-level", default=d.opt_level, choices=OPT_LEVELS,
+                   help="the policy's level, as in fp8lm train; the frozen reference is stored in E4M3 at O1/O2/O3, "
+                        "in BF16 at bf16 (default: %(default)s)")
+    p.add_argument("--data", metavar="PAIRS.jsonl",
+                   help="JSON Lines with 'prompt', 'chosen', 'rejected' strings (default: built-in pairs from the "
+                        "standard library's sources: true continuation chosen, a corrupted one rejected)")
+    p.add_argument("--beta", type=float, default=d.beta, help="DPO's beta (default: %(default)s)")
+    p.add_argument("--out", default=d.out, help="output folder (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="pairs per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay of matrices (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the pair order (default: %(default)s)")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="share of --data pairs held out (default: %(default)s)")
+    p.add_argument("--cache-dir", help="where the built-in pairs' corpus is packed (default: OUT/cache)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate held-out pairs every N steps and at the end (default: %(default)s)")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps; the final step is always saved (default: %(default)s)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept (default: %(default)s)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_dpo(args: argparse.Namespace) -> int:
+    cfg = DPOConfig(
+        init_from=args.init_from, opt_level=args.opt_level, data=args.data, beta=args.beta, out=args.out,
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay, seed=args.seed, val_fraction=args.val_fraction, cache_dir=args.cache_dir,
+        eval_every=args.eval_every, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume, device=args.device, progress=not args.no_progress,
+    )
+    summary = dpo(cfg)
+    print(json.dumps({k: summary[k] for k in ("opt_level", "steps", *DPO_SUMMARY_KEYS)}, indent=1))
+    print(f"summary: {args.out}/summary.json")
+    return 0
+
+
 # name -> (help, add options, run)
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a GPT on a real corpus at one precision level", _add_train, cmd_train),
     "compare": ("train the same GPT at several precision levels and compare them", _add_compare, cmd_compare),
     "inspect": ("show a run's FP8 telemetry: the worst tensors and a heatmap (layers x steps)", _add_inspect, cmd_inspect),
+    "dpo": ("preference-tune a trained GPT with DPO: FP8 policy, frozen FP8 reference", _add_dpo, cmd_dpo),
     "bench": ("run the benchmark scripts of the source checkout and save their JSON", _add_bench, cmd_bench),
 }
 
