@@ -198,6 +198,7 @@ def test_bad_input_leaves_model_and_optimizer_untouched(case):
     assert_unchanged(model, opt, before, groups)
 
 
+@pytest.mark.slow  # a GPT trained twice
 def test_gpt_o1_trains_like_fp32():
     """Short smoke run on the project's GPT (the 200-step comparison is tests/test_convergence.py)."""
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
@@ -285,3 +286,28 @@ def test_replacing_the_model_together_with_its_submodules_is_refused():
     with pytest.raises(KeyError, match="either the model or its submodules"):
         fp8lm.nn.replace_modules(model, {"": FP8Linear(16, 16), "0": FP8Linear(16, 16)})
     assert type(model[0]) is nn.Linear
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_output_head_stores_its_weight_gradient_in_bf16(level):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
+    assert fp8lm.nn.output_head(model) == "lm_head"
+    model, opt = fp8lm.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level)
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx, idx)[1].backward()
+    head_grad = model.lm_head.weight.grad
+    assert model.lm_head.fp8_enabled and model.lm_head.weight_grad_format == fp8lm.BF16
+    assert isinstance(head_grad, ScalingTensor) and head_grad.payload.dtype == torch.bfloat16
+    other = model.blocks[0].mlp.c_fc
+    assert other.weight_grad_format == fp8lm.E4M3 and other.weight.grad.payload.dtype == torch.float8_e4m3fn
+    # without the rule the head is like every linear layer
+    plain, _ = fp8lm.initialize(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)), None, level,
+                                policy=fp8lm.policy.preset(level, output_head=False))
+    assert plain.lm_head.weight_grad_format == fp8lm.E4M3
+
+
+def test_output_head_is_the_last_linear_layer():
+    assert fp8lm.nn.output_head(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2), nn.LayerNorm(2))) == "2"
+    assert fp8lm.nn.output_head(nn.Sequential(nn.ReLU())) is None
+    assert fp8lm.nn.output_head(nn.Linear(4, 4)) is None  # the model itself is not its own head

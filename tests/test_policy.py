@@ -61,3 +61,18 @@ def test_policy_is_a_value():
     assert isinstance(preset("O1"), Policy)
     assert preset("O2") == preset("O2")
     assert hash(preset("O2").override("x", fp8_gemm=False))
+
+
+@pytest.mark.parametrize("level", FP8_LEVELS)
+def test_output_head_keeps_fp8_gemms_and_a_bf16_weight_gradient(level):
+    policy = preset(level)
+    head = policy.precision("lm_head.weight", W, in_linear=True, output_head=True)
+    assert head == ParamPrecision(policy.linear.weight, fp8lm.BF16, policy.linear.master, policy.linear.exp_avg,
+                                  policy.linear.exp_avg_sq)
+    assert policy.gemm_in_fp8("lm_head", output_head=True)
+    assert policy.precision("lm_head.weight", W, in_linear=True) == policy.linear  # not the head: unchanged
+    for plain in (preset(level, output_head=False), policy.without_output_head()):
+        assert plain.precision("lm_head.weight", W, in_linear=True, output_head=True) == plain.linear
+    # overrides by name win over the head rule
+    e4m3 = policy.override("lm_head", grad="E4M3").precision("lm_head.weight", W, True, output_head=True)
+    assert e4m3.grad == fp8lm.E4M3

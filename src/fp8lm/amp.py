@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .formats import FP16, Format
-from .nn import FP8Linear, linear_targets, replace_modules, replace_parameters
+from .nn import FP8Linear, linear_targets, output_head, replace_modules, replace_parameters
 from .policy import FP8_LEVELS, ParamPrecision, Policy, preset
 from .tensor import ScalingTensor, quantize
 
@@ -137,11 +137,12 @@ def _build(model: nn.Module, policy: Policy, targets: list[str], layer_options: 
     """The FP8Linear for every target layer and the stored form of every other parameter."""
     plan = _Plan()
     modules = dict(model.named_modules())
+    head = output_head(model)
     for name in targets:
         old = modules[name]
-        prec = policy.precision(f"{name}.weight", old.weight, in_linear=True)
+        prec = policy.precision(f"{name}.weight", old.weight, in_linear=True, output_head=name == head)
         layer = FP8Linear.from_linear(old, weight_format=prec.weight, weight_grad_format=prec.grad, **layer_options)
-        layer.fp8_enabled = policy.gemm_in_fp8(name)
+        layer.fp8_enabled = policy.gemm_in_fp8(name, output_head=name == head)
         plan.layers[name] = layer
         if id(old.weight) not in plan.param_map:
             plan.add(old.weight, layer.weight, prec)

@@ -15,8 +15,15 @@ O3     FP8                 E4M3 / E4M3, FP16 master  E4M3 / E4M3, FP16 master   
 every level; under O2/O3 their Adam moments follow the optimizer's formats. A scaled FP16 weight
 is its own master copy (the optimizer updates its payload and scale in place).
 
+The output head (the model's last linear layer, which `fp8lm.initialize` finds) keeps its FP8
+GEMMs but stores its weight gradient in BF16 at every level (``Policy.output_head``): per-tensor
+E4M3 zeroes the gradient rows of rare tokens, and Adam then stops moving them (measured in
+docs/training.md). ``preset(level, output_head=False)`` or ``policy.without_output_head()`` drops
+the rule.
+
 Overrides by module-name pattern (``fnmatch``; matched against module and parameter names, later
-overrides win) change any of it, e.g. keep the output head in high precision::
+overrides win, also over the output-head rule) change any of it, e.g. keep the output head in
+high precision::
 
     policy = fp8lm.policy.preset("O2").override("lm_head", fp8_gemm=False, weight=fp8lm.FP32, grad=fp8lm.FP32)
     model, opt = fp8lm.initialize(model, opt, "O2", policy=policy)
@@ -29,7 +36,7 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from .formats import E4M3, FP16, FP32, Format, format_of
+from .formats import BF16, E4M3, FP16, FP32, Format, format_of
 
 __all__ = ["ParamPrecision", "Override", "Policy", "preset", "FP8_LEVELS"]
 
@@ -89,6 +96,7 @@ class Policy:
     vector: ParamPrecision
     fp8_gemm: bool = True
     overrides: tuple[Override, ...] = ()
+    output_head: Override | None = None  # changes for the output head, before the overrides by name
 
     def override(self, pattern: str, *, fp8_gemm: bool | None = None, **formats) -> Policy:
         """A copy of this policy with ``pattern`` overridden; ``formats`` are `ParamPrecision`
@@ -103,32 +111,48 @@ class Policy:
         parsed = tuple((k, None if (k == "master" and v is None) else format_of(v)) for k, v in formats.items())
         return replace(self, overrides=self.overrides + (Override(pattern, fp8_gemm, parsed),))
 
-    def _matching(self, *names: str):
-        return [o for o in self.overrides if any(o.matches(n) for n in names)]
+    def without_output_head(self) -> Policy:
+        """A copy of this policy without the output-head rule (the head like every linear layer)."""
+        return replace(self, output_head=None)
 
-    def gemm_in_fp8(self, module_name: str) -> bool:
-        """Whether the linear layer ``module_name`` runs its GEMMs in FP8."""
+    def _matching(self, *names: str, output_head: bool = False) -> list[Override]:
+        head = [self.output_head] if output_head and self.output_head is not None else []
+        return head + [o for o in self.overrides if any(o.matches(n) for n in names)]
+
+    def gemm_in_fp8(self, module_name: str, output_head: bool = False) -> bool:
+        """Whether the linear layer ``module_name`` runs its GEMMs in FP8; ``output_head``: it is
+        the model's output head."""
         fp8 = self.fp8_gemm
-        for o in self._matching(module_name):
+        for o in self._matching(module_name, output_head=output_head):
             if o.fp8_gemm is not None:
                 fp8 = o.fp8_gemm
         return fp8
 
-    def precision(self, param_name: str, param: torch.Tensor, in_linear: bool) -> ParamPrecision:
+    def precision(self, param_name: str, param: torch.Tensor, in_linear: bool, output_head: bool = False) -> ParamPrecision:
         """Formats for parameter ``param_name`` (``"<module>.<attr>"``); ``in_linear``: it is the
-        weight of a converted linear layer."""
+        weight of a converted linear layer; ``output_head``: of the model's output head."""
         if in_linear:
             base = self.linear
         else:
             base = self.matrix if param.dim() >= 2 else self.vector
         module_name = param_name.rpartition(".")[0]
-        for o in self._matching(module_name, param_name):
+        for o in self._matching(module_name, param_name, output_head=output_head):
             base = replace(base, **dict(o.formats))
         return base
 
 
-def preset(opt_level: str) -> Policy:
-    """The policy of an FP8-LM optimization level: ``"O1"``, ``"O2"`` or ``"O3"``."""
+# The output head's weight gradient in BF16 (1 byte more per head parameter): see the module docstring.
+_OUTPUT_HEAD = Override("<output head>", formats=(("grad", BF16),))
+
+
+def preset(opt_level: str, output_head: bool = True) -> Policy:
+    """The policy of an FP8-LM optimization level: ``"O1"``, ``"O2"`` or ``"O3"``; with
+    ``output_head`` (default) the output-head rule of the module docstring."""
+    policy = _level_preset(opt_level)
+    return replace(policy, output_head=_OUTPUT_HEAD) if output_head else policy
+
+
+def _level_preset(opt_level: str) -> Policy:
     if opt_level not in FP8_LEVELS:
         raise ValueError(f"unknown opt_level {opt_level!r}: valid levels are {', '.join(FP8_LEVELS)}")
     fp32 = ParamPrecision(FP32, FP32, None, FP32, FP32)

@@ -1,6 +1,6 @@
 """FP8 modules and model conversion: `FP8Linear`, `convert_linears`, `freeze_fp8`, checkpoint helpers."""
 
-from .convert import convert_linears, is_convertible, linear_targets, replace_modules, replace_parameters
+from .convert import convert_linears, is_convertible, linear_targets, output_head, replace_modules, replace_parameters
 from .frozen import freeze_fp8
 from .linear import FP8Linear, is_conv1d
 from .state import load_scaling_state_dict, register_plain_state_dict, scaling_state_dict
@@ -9,6 +9,7 @@ __all__ = [
     "FP8Linear",
     "convert_linears",
     "linear_targets",
+    "output_head",
     "is_convertible",
     "is_conv1d",
     "replace_modules",

@@ -44,6 +44,13 @@ def linear_targets(model: nn.Module, module_filter: ModuleFilter | None = None, 
     return names
 
 
+def output_head(model: nn.Module) -> str | None:
+    """Name of ``model``'s output head: its last linear layer (``nn.Linear`` or GPT-2 ``Conv1D``)
+    in module order, as in GPT-2, Llama and nanoGPT; None when no submodule is one."""
+    names = [name for name, module in model.named_modules() if name and is_convertible(module)]
+    return names[-1] if names else None
+
+
 def _linear_dims(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features) of a Linear (weight (out, in)) or Conv1D (weight (in, out))."""
     rows, cols = module.get_parameter("weight").shape
