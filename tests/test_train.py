@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8lm.train.checkpoint import CheckpointError, list_checkpoints
-from fp8lm.train.config import OPT_LEVELS, RunError, TrainConfig
+from fp8lm.train.config import FP8_LEVELS, OPT_LEVELS, RunError, TrainConfig
 from fp8lm.train.loop import lr_at, train
 from fp8lm.train.report import read_metrics
 
@@ -54,7 +54,10 @@ def test_run_writes_metrics_summary_and_keeps_the_last_checkpoints(tmp_path, cac
     assert not list(out.rglob("*.tmp*"))
 
 
-@pytest.mark.parametrize("level", [lv for lv in OPT_LEVELS if lv != "O2"])  # O2: test_train_resume.py
+# O2: test_train_resume.py; the FP8 levels take several seconds: slow tier
+@pytest.mark.parametrize(
+    "level", [pytest.param(lv, marks=pytest.mark.slow) if lv in FP8_LEVELS else lv for lv in OPT_LEVELS if lv != "O2"]
+)
 def test_resume_continues_bit_identically(tmp_path, cache, level):
     whole = train(cfg(tmp_path, cache, opt_level=level, steps=8, save_every=4, keep_checkpoints=3))
     out = tmp_path / "run"
@@ -79,6 +82,7 @@ def test_fp32_saves_more_activation_bytes_than_bf16(tmp_path, cache):
     assert b["act_bytes_per_token"] < a["act_bytes_per_token"]
 
 
+@pytest.mark.slow  # 30 steps
 def test_init_from_starts_from_the_checkpoint_weights(tmp_path, cache):
     base = train(cfg(tmp_path, cache, steps=30, eval_every=30))
     fine = train(cfg(tmp_path, cache, steps=1, lr=1e-9, init_from=str(tmp_path / "run"), out=str(tmp_path / "ft")))
