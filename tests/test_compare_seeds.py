@@ -16,8 +16,15 @@ TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batch
 
 
 def _row(val_loss, gap):
-    return {"val_loss": val_loss, "rel_gap_vs_bf16": gap, "train_loss": val_loss, "bytes_per_param": 6.0,
-            "act_bytes_per_token": 100.0, "tokens_per_s": 10.0, "skipped_steps": 1}
+    return {
+        "val_loss": val_loss,
+        "rel_gap_vs_bf16": gap,
+        "train_loss": val_loss,
+        "bytes_per_param": 6.0,
+        "act_bytes_per_token": 100.0,
+        "tokens_per_s": 10.0,
+        "skipped_steps": 1,
+    }
 
 
 def test_aggregate_seeds_means_and_spreads_the_gaps():
@@ -50,8 +57,22 @@ def test_parse_seeds():
 @pytest.mark.slow
 def test_compare_over_seeds_reports_each_gap_mean_and_spread(tmp_path, capsys):
     out_dir = tmp_path / "cmp"
-    argv = ["compare", *TINY, "--data", EMAIL, "--levels", "bf16,fp32", "--steps", "4", "--eval-every", "2",
-            "--seeds", "3,5", "--out", str(out_dir)]
+    argv = [
+        "compare",
+        *TINY,
+        "--data",
+        EMAIL,
+        "--levels",
+        "bf16,fp32",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--seeds",
+        "3,5",
+        "--out",
+        str(out_dir),
+    ]
     rc, out, err = run_main(argv, capsys)
     assert rc == 0, err
     result = json.loads((out_dir / "compare.json").read_text())

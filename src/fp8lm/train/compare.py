@@ -23,18 +23,25 @@ def parse_levels(spec: str) -> list[str]:
     levels = [s.strip() for s in spec.split(",") if s.strip()]
     bad = [s for s in levels if s not in OPT_LEVELS]
     if bad or not levels:
-        raise RunError(f"unknown opt level(s) {', '.join(bad) or '(none given)'} in --levels: use a comma-separated list of {', '.join(OPT_LEVELS)}")
+        raise RunError(
+            f"unknown opt level(s) {', '.join(bad) or '(none given)'} in --levels: use a comma-separated list of {', '.join(OPT_LEVELS)}"
+        )
     if len(set(levels)) != len(levels):
         raise RunError(f"--levels lists a level twice: {spec}")
     return levels
 
 
 def _level_config(cfg: TrainConfig, level: str, out: Path) -> TrainConfig:
-    run = replace(cfg, opt_level=level, out=str(out / level), cache_dir=cfg.cache_dir or str(out / "cache"),
-                  # FP8-optimizer options (the second moment's format) go to the O2/O3 runs alone
-                  exp_avg_sq=cfg.exp_avg_sq if level in FP8_OPTIMIZER_LEVELS else None,
-                  # the FP8 gradient all-reduce's scaling goes to the O1/O2 runs alone
-                  grad_sync_scaling=cfg.grad_sync_scaling if level in FP8_DATA_PARALLEL_LEVELS else "local")
+    run = replace(
+        cfg,
+        opt_level=level,
+        out=str(out / level),
+        cache_dir=cfg.cache_dir or str(out / "cache"),
+        # FP8-optimizer options (the second moment's format) go to the O2/O3 runs alone
+        exp_avg_sq=cfg.exp_avg_sq if level in FP8_OPTIMIZER_LEVELS else None,
+        # the FP8 gradient all-reduce's scaling goes to the O1/O2 runs alone
+        grad_sync_scaling=cfg.grad_sync_scaling if level in FP8_DATA_PARALLEL_LEVELS else "local",
+    )
     if cfg.resume:  # a level that had not started yet when the comparison stopped starts now
         run.resume = bool(list_checkpoints(Path(run.out) / "checkpoints"))
     return run
@@ -132,18 +139,21 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
         seed_rows = {seed: rows_[level] for seed, rows_ in per_seed.items()}
         gaps = {seed: r["rel_gap_vs_bf16"] for seed, r in seed_rows.items()}
         known = [g for g in gaps.values() if g is not None]
-        mean = lambda key: statistics.fmean(r[key] for r in seed_rows.values())  # noqa: E731
+        means = {
+            key: statistics.fmean(r[key] for r in seed_rows.values())
+            for key in ("val_loss", "train_loss", "bytes_per_param", "act_bytes_per_token", "tokens_per_s")
+        }
         rows[level] = {
-            "val_loss": mean("val_loss"),
+            "val_loss": means["val_loss"],
             "rel_gap_vs_bf16": statistics.fmean(known) if known else None,
             "gaps_vs_bf16": {str(seed): g for seed, g in gaps.items()},
             "gap_std": statistics.stdev(known) if len(known) > 1 else (0.0 if known else None),
             "gap_min": min(known) if known else None,
             "gap_max": max(known) if known else None,
-            "train_loss": mean("train_loss"),
-            "bytes_per_param": mean("bytes_per_param"),
-            "act_bytes_per_token": mean("act_bytes_per_token"),
-            "tokens_per_s": mean("tokens_per_s"),
+            "train_loss": means["train_loss"],
+            "bytes_per_param": means["bytes_per_param"],
+            "act_bytes_per_token": means["act_bytes_per_token"],
+            "tokens_per_s": means["tokens_per_s"],
             "skipped_steps": sum(r["skipped_steps"] for r in seed_rows.values()),
         }
     return rows
@@ -155,8 +165,12 @@ def _write(out: Path, rows: dict, summaries: dict, run_dirs: dict[str, Path], se
     title = f"GPT {first['num_params'] / 1e6:.2f}M params, {first['steps']} steps, {first['tokens']:,} tokens"
     if seeds is not None:
         title += f", seeds {','.join(map(str, seeds))}"
-    plot = plot_losses({name: read_metrics(d / "metrics.jsonl") for name, d in run_dirs.items()}, out / "loss.png",
-                       title, baseline=BASELINE)
+    plot = plot_losses(
+        {name: read_metrics(d / "metrics.jsonl") for name, d in run_dirs.items()},
+        out / "loss.png",
+        title,
+        baseline=BASELINE,
+    )
     result = {
         "levels": rows,
         **({"seeds": seeds} if seeds is not None else {}),

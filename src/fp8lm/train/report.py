@@ -25,7 +25,9 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_losses(runs: dict[str, list[dict]], path: str | os.PathLike, title: str = "", baseline: str | None = None) -> Path:
+def plot_losses(
+    runs: dict[str, list[dict]], path: str | os.PathLike, title: str = "", baseline: str | None = None
+) -> Path:
     """Train (smoothed) and validation loss of each run against tokens, one colour per level.
     Runs named ``"level@seed"`` are seeds of one level (same colour). With ``baseline`` among the
     levels, a third panel shows each level's gap to it over training, in percent: validation
@@ -86,17 +88,29 @@ def _plot_gaps(ax, by_level: dict, baseline: str) -> None:
         if not common:
             continue
         tokens = [r["tokens"] for r in seeds[common[0]]]
-        train_gaps = [[100 * (a / b - 1) for a, b in zip(_smoothed_train(seeds[s]), _smoothed_train(base[s]))]
-                      for s in common]
+        train_gaps = [
+            [100 * (a / b - 1) for a, b in zip(_smoothed_train(seeds[s]), _smoothed_train(base[s]))] for s in common
+        ]
         n = min(len(g) for g in train_gaps)
-        ax.plot(tokens[:n], [sum(g[k] for g in train_gaps) / len(common) for k in range(n)], color=f"C{i}",
-                label=f"{level} train", alpha=0.7)
+        ax.plot(
+            tokens[:n],
+            [sum(g[k] for g in train_gaps) / len(common) for k in range(n)],
+            color=f"C{i}",
+            label=f"{level} train",
+            alpha=0.7,
+        )
         val_gaps = [_val_gaps(seeds[s], base[s]) for s in common]
         points = sorted(set.intersection(*(set(g) for g in val_gaps)))
         if points:
             values = [[g[t] for g in val_gaps] for t in points]
-            ax.plot(points, [sum(v) / len(v) for v in values], color=f"C{i}", marker="o", linestyle="none",
-                    label=f"{level} validation")
+            ax.plot(
+                points,
+                [sum(v) / len(v) for v in values],
+                color=f"C{i}",
+                marker="o",
+                linestyle="none",
+                label=f"{level} validation",
+            )
             if len(common) > 1:
                 ax.fill_between(points, [min(v) for v in values], [max(v) for v in values], color=f"C{i}", alpha=0.15)
     ax.axhline(0.0, color="black", linewidth=0.8)
@@ -105,8 +119,11 @@ def _plot_gaps(ax, by_level: dict, baseline: str) -> None:
 
 def _val_gaps(records: list[dict], base: list[dict]) -> dict[int, float]:
     base_val = {r["tokens"]: r["val_loss"] for r in base if "val_loss" in r}
-    return {r["tokens"]: 100 * (r["val_loss"] / base_val[r["tokens"]] - 1) for r in records
-            if "val_loss" in r and r["tokens"] in base_val}
+    return {
+        r["tokens"]: 100 * (r["val_loss"] / base_val[r["tokens"]] - 1)
+        for r in records
+        if "val_loss" in r and r["tokens"] in base_val
+    }
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int) -> Path:

@@ -1,0 +1,196 @@
+"""Loss fidelity of the FP8 levels: paired runs over seeds, one FP8 choice changed at a time.
+
+Every job is one `fp8lm train` run of the main job (default preset, same options) at one seed
+with one variant: a level plus `fp8lm.initialize` options (a policy override, scaling, history
+length, ...). The gap of a job is ``(val_loss - bf16's val_loss at the same seed) / bf16's``;
+fp32's gap at the same seeds is the noise floor. Jobs run in child processes, ``--jobs`` at a
+time, single-threaded so that a run's numbers do not depend on the machine's load; finished jobs
+are kept in ``--out/results.jsonl`` and not rerun, so an interrupted ablation continues.
+
+    python benchmarks/fidelity.py --seeds 0,1,2 --variants bf16,fp32,O2,O2-head-grad-bf16
+    python benchmarks/fidelity.py --list
+
+Prints one JSON object: per variant, the gap at each seed, their mean and standard deviation,
+and the mean gap minus fp32's (the FP8 cost above the noise floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# One variant: (level, fp8lm.initialize options). Policy overrides are module-name patterns of
+# fp8lm.train.model.GPT: lm_head, wte/wpe (embeddings), blocks.*.attn.*, blocks.*.mlp.*.
+_HI = {"fp8_gemm": False, "weight": "FP32", "grad": "FP32", "exp_avg": "FP32", "exp_avg_sq": "FP32"}
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "fp32": ("fp32", {}),
+    "bf16": ("bf16", {}),
+    "O1": ("O1", {}),
+    "O2": ("O2", {}),
+    # layer types kept in high precision (GEMMs in BF16, FP32 weight, gradient and moments)
+    "O2-head-hp": ("O2", {"policy": {"lm_head": _HI}}),
+    "O2-emb-hp": ("O2", {"policy": {"transformer.wte": _HI, "transformer.wpe": _HI}}),
+    "O2-attn-hp": ("O2", {"policy": {"*.attn.*": _HI}}),
+    "O2-mlp-hp": ("O2", {"policy": {"*.mlp.*": _HI}}),
+    # one FP8 choice of the output head at a time
+    "O2-head-gemm-bf16": ("O2", {"policy": {"lm_head": {"fp8_gemm": False}}}),
+    "O2-head-grad-bf16": ("O2", {"policy": {"lm_head": {"grad": "BF16"}}}),
+    "O2-head-grad-e5m2": ("O2", {"policy": {"lm_head": {"grad": "E5M2"}}}),
+    "O2-head-m-fp32": ("O2", {"policy": {"lm_head": {"exp_avg": "FP32"}}}),
+    "O2-head-grad-m": ("O2", {"policy": {"lm_head": {"grad": "BF16", "exp_avg": "FP16"}}}),
+    # every layer
+    "O2-grad-bf16": ("O2", {"policy": {"*": {"grad": "BF16"}}}),
+    "O2-grad-e5m2": ("O2", {"policy": {"*": {"grad": "E5M2"}}}),
+    "O2-m-fp16": ("O2", {"policy": {"*": {"exp_avg": "FP16"}}}),
+    "O2-v-fp32": ("O2", {"policy": {"*": {"exp_avg_sq": "FP32"}}}),
+    "O2-master-fp32": ("O2", {"policy": {"*": {"weight": "FP32", "exp_avg": "FP32", "exp_avg_sq": "FP32"}}}),
+    "O2-gemm-bf16": ("O2", {"policy": {"*": {"fp8_gemm": False}}}),
+    "O2-current": ("O2", {"scaling": "current"}),
+    "O2-hist1": ("O2", {"history_len": 1}),
+    "O2-hist64": ("O2", {"history_len": 64}),
+    "O1-head-hp": ("O1", {"policy": {"lm_head": _HI}}),
+    "O1-head-grad-bf16": ("O1", {"policy": {"lm_head": {"grad": "BF16"}}}),
+    "O1-grad-e5m2": ("O1", {"policy": {"*": {"grad": "E5M2"}}}),
+    "O1-gemm-bf16": ("O1", {"policy": {"*": {"fp8_gemm": False}}}),
+}
+
+
+def _run(job: dict) -> dict:
+    """One training run in this (child) process; returns its result line (the one already in
+    ``results.jsonl``, marked ``reused``, when another ablation process finished it meanwhile)."""
+    done = _done(Path(job["out"]).parent / "results.jsonl").get((job["variant"], job["seed"], job["steps"]))
+    if done is not None:
+        return {**done, "reused": True}
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from fp8lm.train.config import TrainConfig
+    from fp8lm.train.loop import train
+
+    level, options = VARIANTS[job["variant"]]
+    cfg = TrainConfig(
+        opt_level=level,
+        seed=job["seed"],
+        steps=job["steps"],
+        out=job["out"],
+        cache_dir=job["cache_dir"],
+        progress=False,
+        telemetry_every=0,
+        amp_options=options,
+        device="cpu",
+    )
+    start = time.perf_counter()
+    summary = train(cfg)
+    return {
+        **job,
+        "val_loss": summary["val_loss"],
+        "train_loss": summary["train_loss"],
+        "bytes_per_param": summary["bytes_per_param"],
+        "skipped_steps": summary["skipped_steps"],
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def _results(pool, first: list[dict], rest: list[dict]):
+    yield from pool.imap(_run, first)  # submitted only after the first jobs finished
+    yield from pool.imap_unordered(_run, rest)
+
+
+def _done(results: Path) -> dict[tuple, dict]:
+    if not results.exists():
+        return {}
+    lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    return {(r["variant"], r["seed"], r["steps"]): r for r in lines}
+
+
+def summarize(rows: dict[tuple, dict], variants: list[str], seeds: list[int], steps: int) -> dict:
+    """Gaps to bf16 per variant and seed (percent), mean, spread, and mean minus fp32's mean."""
+    base = {s: rows[("bf16", s, steps)]["val_loss"] for s in seeds if ("bf16", s, steps) in rows}
+    table = {}
+    for v in variants:
+        gaps = {
+            s: 100 * (rows[(v, s, steps)]["val_loss"] / base[s] - 1)
+            for s in seeds
+            if (v, s, steps) in rows and s in base
+        }
+        if not gaps:
+            continue
+        vals = list(gaps.values())
+        entry = {
+            "gaps_pct": {str(s): round(g, 3) for s, g in gaps.items()},
+            "mean_pct": round(statistics.mean(vals), 3),
+            "std_pct": round(statistics.stdev(vals), 3) if len(vals) > 1 else None,
+            "bytes_per_param": rows[(v, next(iter(gaps)), steps)]["bytes_per_param"],
+        }
+        table[v] = entry
+    if "fp32" in table:
+        floor = table["fp32"]["mean_pct"]
+        for entry in table.values():
+            entry["above_fp32_pct"] = round(entry["mean_pct"] - floor, 3)
+    return table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="0,1,2,3,4")
+    p.add_argument("--variants", default="fp32,bf16,O1,O2")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time (default: %(default)s)")
+    p.add_argument("--out", default="runs/fidelity")
+    p.add_argument("--list", action="store_true", help="print the variants and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        print(json.dumps({k: {"level": lvl, "options": o} for k, (lvl, o) in VARIANTS.items()}, indent=1))
+        return 0
+    seeds = [int(s) for s in args.seeds.split(",")]
+    variants = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}: see --list")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    rows = _done(results)
+    jobs = [
+        {
+            "variant": v,
+            "seed": s,
+            "steps": args.steps,
+            "out": str(out / f"{v}-s{s}-n{args.steps}"),
+            "cache_dir": str(out / "cache"),
+        }
+        for s in seeds
+        for v in variants
+        if (v, s, args.steps) not in rows
+    ]
+    ctx = multiprocessing.get_context("spawn")
+    first = [] if (out / "cache").exists() else jobs[:1]  # packs the token cache before others read it
+    with ctx.Pool(args.jobs, maxtasksperchild=1) as pool:
+        for row in _results(pool, first, jobs[len(first) :]):
+            rows[(row["variant"], row["seed"], row["steps"])] = row
+            if row.pop("reused", False):
+                continue
+            with results.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"{row['variant']} seed {row['seed']}: val_loss {row['val_loss']:.4f} ({row['seconds']} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        json.dumps(
+            {"steps": args.steps, "seeds": seeds, "variants": summarize(rows, variants, seeds, args.steps)}, indent=1
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
