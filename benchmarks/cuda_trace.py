@@ -50,7 +50,8 @@ from common import machine
 from gemm import parse_shapes
 
 CATEGORIES = ("gemm", "cast", "amax_scale", "nonfinite", "transpose_copy", "bias", "attention", "other")
-SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "_assert_async"}
+# Ops that copy a value to the host and wait for it (``.item()``, ``bool(t)``, ``torch.equal``).
+SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal"}
 # Python functions whose ops belong to a category, found on the stack (fp8lm's and torchao's names).
 STACK_CATEGORIES = {
     "_propagate_nonfinite": "nonfinite",
@@ -138,13 +139,13 @@ class FlashAttention(torch.autograd.Function):
         return dq, dk, dv
 
 
+REAL_SDPA = F.scaled_dot_product_attention
+
+
 def flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
     if q.is_cuda and attn_mask is None and dropout_p == 0.0 and is_causal and not kwargs:
         return FlashAttention.apply(q, k, v)
     return REAL_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
-
-
-REAL_SDPA = F.scaled_dot_product_attention
 
 
 # -- the op log ------------------------------------------------------------------------------
@@ -161,7 +162,8 @@ def stack_category() -> str | None:
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_name in STACK_CATEGORIES and ("fp8lm" in code.co_filename or "torchao" in code.co_filename):
+        module = frame.f_globals.get("__name__", "")
+        if code.co_name in STACK_CATEGORIES and module.startswith(("fp8lm.", "torchao.")):
             return STACK_CATEGORIES[code.co_name]
         frame = frame.f_back
     return None
@@ -210,7 +212,10 @@ class OpLog(TorchDispatchMode):
         if name in SYNC_OPS:
             if self.recording:
                 self.records.append(self.record(name, "sync", 0, 0, 0))
-            return 1.0 if name == "_local_scalar_dense" else func(*args, **kwargs)
+            # A fake tensor has no value to give: answer as a finite, non-zero tensor would.
+            if name == "_local_scalar_dense":
+                return 1.0 if args[0].is_floating_point() else 1
+            return True
         if any(t is not FakeTensor for t in types):
             return NotImplemented  # a tensor subclass: its own dispatch runs the ops on its payloads
         out = func(*args, **kwargs)
@@ -513,10 +518,14 @@ def run_variant(variant: str, args, log: OpLog) -> dict:
 
 def run_variants(args, variants: list[str]) -> dict:
     log = OpLog()
+    real_compile = torch.compile
     torch.compile = lambda fn=None, **_: log.fused_region(fn)  # see the module docstring
     F.scaled_dot_product_attention = flash_sdpa
-    with FakeTensorMode(), log:
-        return {v: run_variant(v, args, log) for v in variants}
+    try:
+        with FakeTensorMode(), log:
+            return {v: run_variant(v, args, log) for v in variants}
+    finally:
+        torch.compile, F.scaled_dot_product_attention = real_compile, REAL_SDPA
 
 
 def parse_block(text: str) -> tuple[int, int, int]:

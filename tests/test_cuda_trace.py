@@ -72,3 +72,18 @@ def test_bad_block_is_one_clear_error(args, match):
     proc = run(*args)
     assert proc.returncode == 2 and match in proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_host_synchronisations_are_counted():
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import cuda_trace as ct\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "ct.load_fake_cuda_guard(); log = ct.OpLog()\n"
+        "with FakeTensorMode(), log:\n"
+        "    x = torch.randn(64, device='cuda'); log.recording = True\n"
+        "    values = (x.amax().item(), bool(x.sum() > 0), (x > 0).sum().item(), x.amax().tolist())\n"
+        "print(sum(r['category'] == 'sync' for r in log.records), values)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[0] == "4"
