@@ -98,6 +98,47 @@ def _run(job: dict) -> dict:
     }
 
 
+def time_steps(variants: list[str], rounds: int, steps: int) -> dict:
+    """Step time of each variant on the main job's model and batch shape, one thread, in
+    interleaved rounds (the machine's load hits all variants alike): the minimum over rounds of
+    the mean time of ``steps`` steps, in ms, and its ratio to the first variant."""
+    import torch
+
+    import fp8lm
+    from fp8lm.ops.gemm import CPUBF16Linear
+    from fp8lm.train.model import GPT, preset
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (16, 128))
+    runs = {}
+    for name in variants:
+        level, options = VARIANTS[name]
+        model = GPT(preset("small"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if level not in ("fp32", "bf16"):
+            model, opt = fp8lm.initialize(model, opt, level, **options)
+        runs[name] = (model, opt, level != "fp32")
+
+    def step(model, opt, autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), CPUBF16Linear():
+            loss = model(x, x)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    best = {name: float("inf") for name in variants}
+    for _ in range(rounds):
+        for name in variants:
+            step(*runs[name])  # warm
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(*runs[name])
+            best[name] = min(best[name], (time.perf_counter() - start) / steps)
+    first = best[variants[0]]
+    return {name: {"step_ms": round(1e3 * t, 1), "ratio": round(t / first, 3)} for name, t in best.items()}
+
+
 def _results(pool, first: list[dict], rest: list[dict]):
     yield from pool.imap(_run, first)  # submitted only after the first jobs finished
     yield from pool.imap_unordered(_run, rest)
@@ -145,9 +186,18 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (default: %(default)s)")
     p.add_argument("--out", default="runs/fidelity")
     p.add_argument("--list", action="store_true", help="print the variants and exit")
+    p.add_argument("--time", metavar="V,V,...", help="instead of training: time these variants' steps (see time_steps)")
+    p.add_argument("--rounds", type=int, default=5, help="--time: interleaved rounds (default: %(default)s)")
+    p.add_argument("--time-steps", type=int, default=10, help="--time: steps per round (default: %(default)s)")
     args = p.parse_args(argv)
     if args.list:
         print(json.dumps({k: {"level": lvl, "options": o} for k, (lvl, o) in VARIANTS.items()}, indent=1))
+        return 0
+    if args.time:
+        from common import machine
+
+        timed = time_steps([v.strip() for v in args.time.split(",")], args.rounds, args.time_steps)
+        print(json.dumps({"machine": machine(), "step_time": timed}, indent=1))
         return 0
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = [v.strip() for v in args.variants.split(",")]
