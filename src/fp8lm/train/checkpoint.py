@@ -1,6 +1,7 @@
 """Training checkpoints: atomic writes (temporary file, fsync, rename), keep the last k, and
 loading with ``torch.load(weights_only=True)`` (a checkpoint holds only plain tensors, numbers,
-strings, lists and dicts)."""
+strings, lists and dicts). A loaded checkpoint is refused when a tensor holds inf or NaN, or when
+the shard folder it names is not its own sibling ``step_<n>.dcp``."""
 
 from __future__ import annotations
 
@@ -11,15 +12,13 @@ from pathlib import Path
 
 import torch
 
+from ..distributed.checkpoint import CheckpointError, check_finite
+
 __all__ = ["atomic_write_bytes", "atomic_torch_save", "save_checkpoint", "list_checkpoints", "load_checkpoint",
            "shards_name", "CheckpointError"]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _SHARDS = re.compile(r"^step_(\d+)\.dcp$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, or does not fit the run."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -104,5 +103,30 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
         raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{str(p)!r} is not an fp8lm training checkpoint (no 'model' entry)")
+    check_finite(dict(_named_values(state)), str(p))
+    _check_shards(state.get("optimizer_shards"), p)
     state["path"] = str(p)
     return state
+
+
+def _named_values(tree, prefix: str = ""):
+    """The leaves of nested dicts and lists, named by their dotted keys."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else None
+    if items is None:
+        yield prefix, tree
+        return
+    for key, value in items:
+        yield from _named_values(value, f"{prefix}.{key}" if prefix else str(key))
+
+
+def _check_shards(name, checkpoint: Path) -> None:
+    """The shard folder a checkpoint names must be a ``step_<n>.dcp`` folder next to it (no other
+    path, no symlink leading elsewhere)."""
+    if name is None:
+        return
+    folder = checkpoint.parent.resolve()
+    if not (isinstance(name, str) and _SHARDS.match(name) and (folder / name).resolve().parent == folder):
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint)!r} names the shard folder {name!r}, not a step_<n>.dcp folder next to "
+            "it: fp8lm did not write it; resume from another checkpoint"
+        )
