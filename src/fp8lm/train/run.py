@@ -92,7 +92,8 @@ class TrainingRun:
         self.ranks = join()
         if cfg.batch_size % self.ranks.world:
             raise RunError(
-                f"--batch-size {cfg.batch_size} (sequences per step, all ranks together) must divide by the {self.ranks.world} ranks"
+                f"--batch-size {cfg.batch_size} (sequences per step, all ranks together) must divide by the "
+                f"{self.ranks.world} ranks"
             )
         self.out = Path(cfg.out)
         resuming = check_output(cfg)
