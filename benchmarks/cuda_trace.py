@@ -55,10 +55,20 @@ SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal"}
 # Python functions whose ops belong to a category, found on the stack (fp8lm's and torchao's names).
 STACK_CATEGORIES = {
     "_propagate_nonfinite": "nonfinite",
-    "compute_scale": "amax_scale", "pow2_scale": "amax_scale", "record": "amax_scale", "scale_for": "amax_scale",
-    "amax": "amax_scale", "tensor_to_amax": "amax_scale", "amax_to_scale": "amax_scale", "tensor_to_scale": "amax_scale",
-    "saturating_cast": "cast", "saturating_cast_with_amax": "cast", "saturating_cast_dequantized": "cast",
-    "upcast": "cast", "to_fp8_saturated": "cast", "hp_tensor_and_scale_to_float8": "cast",
+    "compute_scale": "amax_scale",
+    "pow2_scale": "amax_scale",
+    "record": "amax_scale",
+    "scale_for": "amax_scale",
+    "amax": "amax_scale",
+    "tensor_to_amax": "amax_scale",
+    "amax_to_scale": "amax_scale",
+    "tensor_to_scale": "amax_scale",
+    "saturating_cast": "cast",
+    "saturating_cast_with_amax": "cast",
+    "saturating_cast_dequantized": "cast",
+    "upcast": "cast",
+    "to_fp8_saturated": "cast",
+    "hp_tensor_and_scale_to_float8": "cast",
 }
 GEMM_OPS = {"mm", "addmm", "_scaled_mm", "bmm", "baddbmm"}
 ATTENTION_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
@@ -85,17 +95,30 @@ def load_fake_cuda_guard() -> None:
     lib = cache / f"fake_cuda_guard_{key}.so"
     if not lib.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        src = cache / f"fake_cuda_guard_{key}.cpp"
-        src.write_text(GUARD_SOURCE)
-        tmp = lib.with_name(f".{lib.name}.{os.getpid()}")
-        cmd = [os.environ.get("CXX", "c++"), "-O1", "-shared", "-fPIC", "-std=c++17", f"-I{torch_dir / 'include'}",
-               str(src), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-Wl,--no-as-needed", "-lc10",
-               f"-Wl,-rpath,{torch_dir / 'lib'}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"cuda_trace: cannot build the fake CUDA device guard ({' '.join(cmd)}): {proc.stderr[-500:]}")
-        os.replace(tmp, lib)
+        build_guard(lib, torch_dir)
     ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+
+
+def build_guard(lib: Path, torch_dir: Path) -> None:
+    """Compile `GUARD_SOURCE` into ``lib`` against torch's c10 (written under a temporary name)."""
+    src = lib.with_suffix(".cpp")
+    src.write_text(GUARD_SOURCE)
+    tmp = lib.with_name(f".{lib.name}.{os.getpid()}")
+    lib_dir = torch_dir / "lib"
+    compiler = os.environ.get("CXX", "c++")
+    cmd = [compiler, "-O1", "-shared", "-fPIC", "-std=c++17", f"-I{torch_dir / 'include'}", str(src), "-o", str(tmp)]
+    cmd += [f"-L{lib_dir}", "-Wl,--no-as-needed", "-lc10", f"-Wl,-rpath,{lib_dir}"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        error = None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    except OSError as err:
+        error = str(err)
+    if error is not None:
+        raise SystemExit(
+            f"cuda_trace: cannot compile the fake CUDA device guard a CPU-only torch needs with {compiler} "
+            f"({error}); set CXX to a working C++ compiler"
+        )
+    os.replace(tmp, lib)
 
 
 def pretend_hopper() -> None:
@@ -235,8 +258,17 @@ class OpLog(TorchDispatchMode):
         return out
 
     def record(self, op, category, launches, read, written, flops=0.0, fp8=False) -> dict:
-        return {"op": op, "category": category, "launches": launches, "read": read, "written": written,
-                "flops": flops, "fp8": fp8, "phase": self.phase, "layer": self.layer}
+        return {
+            "op": op,
+            "category": category,
+            "launches": launches,
+            "read": read,
+            "written": written,
+            "flops": flops,
+            "fp8": fp8,
+            "phase": self.phase,
+            "layer": self.layer,
+        }
 
     def fused_region(self, fn):
         """``fn`` run as one compiled kernel would: its ops are collected, then logged as one."""
@@ -335,6 +367,7 @@ def label_layers(model: nn.Module, log: OpLog, labels: dict) -> list:
         def hook(module, inputs):
             stack.append((log.layer, {id(n) for n in walk([t.grad_fn for t in tensors_in(inputs)])}))
             log.layer = name
+
         return hook
 
     def post(name):
@@ -343,6 +376,7 @@ def label_layers(model: nn.Module, log: OpLog, labels: dict) -> list:
             for node in walk([t.grad_fn for t in tensors_in(output)]):
                 if id(node) not in before:
                     labels.setdefault(node, name)
+
         return hook
 
     for name, module in model.named_modules():
@@ -375,9 +409,12 @@ def trace_step(model: nn.Module, x: torch.Tensor, log: OpLog) -> list[dict]:
 
 
 def fp8lm_model(model: nn.Module) -> nn.Module:
+    """O1: every linear layer an FP8Linear with an E4M3 weight gradient (none of these models has
+    an output head, which O1 would give a BF16 one)."""
     import fp8lm
+    from fp8lm.policy import preset
 
-    return fp8lm.initialize(model, opt_level="O1")[0]
+    return fp8lm.initialize(model, opt_level="O1", policy=preset("O1", output_head=False))[0]
 
 
 def torchao_model(model: nn.Module) -> nn.Module:
@@ -421,13 +458,17 @@ def summarize(records: list[dict]) -> dict:
         for cat in CATEGORIES + ("sync",):
             rs = [r for r in mine if r["category"] == cat]
             if rs:
-                out[phase][cat] = {"launches": sum(r["launches"] for r in rs),
-                                   "mb": round(sum(r["read"] + r["written"] for r in rs) / 1e6, 1),
-                                   "ops": sorted({r["op"] for r in rs})}
+                out[phase][cat] = {
+                    "launches": sum(r["launches"] for r in rs),
+                    "mb": round(sum(r["read"] + r["written"] for r in rs) / 1e6, 1),
+                    "ops": sorted({r["op"] for r in rs}),
+                }
     layers = dict.fromkeys(r["layer"] for r in records)
     out["layers"] = {
-        name: {phase: totals([r for r in records if r["layer"] == name and r["phase"] == phase])
-               for phase in ("forward", "backward")}
+        name: {
+            phase: totals([r for r in records if r["layer"] == name and r["phase"] == phase])
+            for phase in ("forward", "backward")
+        }
         for name in layers
     }
     return out
@@ -445,7 +486,9 @@ def ideal_fp8(m: int, k: int, n: int) -> dict:
         {"category": "cast", "launches": 1, "read": 2 * m * n, "written": 2 * m * n},  # output gradient (+ bias grad)
         {"category": "gemm_epilogue", "launches": 0, "read": 0, "written": n * k},  # weight gradient as fp8
         *({"category": "amax_scale", "launches": 1, "read": 0, "written": 0} for _ in range(2)),
-        gemm, gemm, gemm,
+        gemm,
+        gemm,
+        gemm,
     ]
     seconds = sum(kernel_seconds({"flops": 0.0, "fp8": False, **r}) for r in kernels)
     outside = sum(r["read"] + r["written"] for r in kernels)
@@ -454,8 +497,12 @@ def ideal_fp8(m: int, k: int, n: int) -> dict:
 
 def block_linears(width: int, tokens: int) -> dict:
     """The FP8 layers of a GPT block (GELU MLP of 4x width): name -> (M, K, N)."""
-    return {"attn.c_attn": (tokens, width, 3 * width), "attn.c_proj": (tokens, width, width),
-            "mlp.c_fc": (tokens, width, 4 * width), "mlp.c_proj": (tokens, 4 * width, width)}
+    return {
+        "attn.c_attn": (tokens, width, 3 * width),
+        "attn.c_proj": (tokens, width, width),
+        "mlp.c_fc": (tokens, width, 4 * width),
+        "mlp.c_proj": (tokens, 4 * width, width),
+    }
 
 
 def step_ratios(variants: dict, width: int, tokens: int) -> dict:
@@ -551,13 +598,22 @@ def main() -> None:
     load_fake_cuda_guard()
     pretend_hopper()
     variants = run_variants(args, ["bf16", "fp8lm_eager", "fp8lm_compiled", "torchao"])
-    print(json.dumps({
-        "benchmark": "cuda_trace", "machine": machine(), "model": MODEL,
-        "shapes": [{"m": m, "k": k, "n": n, "ideal_fp8": ideal_fp8(m, k, n)} for m, k, n in args.shapes],
-        "block": dict(zip(("width", "tokens", "seq"), args.block)),
-        "block_step_ratio_vs_bf16": step_ratios(variants, *args.block[:2]) if "block" in variants["bf16"] else None,
-        "variants": variants,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "cuda_trace",
+                "machine": machine(),
+                "model": MODEL,
+                "shapes": [{"m": m, "k": k, "n": n, "ideal_fp8": ideal_fp8(m, k, n)} for m, k, n in args.shapes],
+                "block": dict(zip(("width", "tokens", "seq"), args.block)),
+                "block_step_ratio_vs_bf16": step_ratios(variants, *args.block[:2])
+                if "block" in variants["bf16"]
+                else None,
+                "variants": variants,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,10 @@ def test_layers_add_up_to_the_totals_and_the_ratio_is_modelled(quick):
     assert quick["shapes"][0]["ideal_fp8"]["launches"] == 8
 
 
-@pytest.mark.parametrize("args, match", [(["--block", "64x100"], "--block wants WIDTHxTOKENSxSEQ"),
-                                         (["--block", "64x100x64"], "TOKENS a multiple of SEQ")])
+@pytest.mark.parametrize(
+    "args, match",
+    [(["--block", "64x100"], "--block wants WIDTHxTOKENSxSEQ"), (["--block", "64x100x64"], "TOKENS a multiple of SEQ")],
+)
 def test_bad_block_is_one_clear_error(args, match):
     proc = run(*args)
     assert proc.returncode == 2 and match in proc.stderr.strip().splitlines()[-1]
