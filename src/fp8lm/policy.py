@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 
@@ -128,7 +129,9 @@ class Policy:
                 fp8 = o.fp8_gemm
         return fp8
 
-    def precision(self, param_name: str, param: torch.Tensor, in_linear: bool, output_head: bool = False) -> ParamPrecision:
+    def precision(
+        self, param_name: str, param: torch.Tensor, in_linear: bool, output_head: bool = False
+    ) -> ParamPrecision:
         """Formats for parameter ``param_name`` (``"<module>.<attr>"``); ``in_linear``: it is the
         weight of a converted linear layer; ``output_head``: of the model's output head."""
         if in_linear:
@@ -137,7 +140,8 @@ class Policy:
             base = self.matrix if param.dim() >= 2 else self.vector
         module_name = param_name.rpartition(".")[0]
         for o in self._matching(module_name, param_name, output_head=output_head):
-            base = replace(base, **dict(o.formats))
+            changes: dict[str, Any] = dict(o.formats)  # master may be None, the other fields are formats
+            base = replace(base, **changes)
         return base
 
 
