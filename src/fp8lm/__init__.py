@@ -7,6 +7,7 @@ formats & scaling -> FP8 tensor & kernels -> nn modules -> optimizers -> distrib
 from importlib import import_module
 
 from .formats import BF16, E4M3, E5M2, FP16, FP32, Format
+from .recipe import Recipe
 from .scaling import ScalingMeta, compute_scale
 from .tensor import ScalingTensor, quantize
 
@@ -24,7 +25,7 @@ _SUBPACKAGES = {"nn", "optim", "distributed", "train", "policy", "ops"}
 
 __all__ = [
     "Format", "E4M3", "E5M2", "FP16", "BF16", "FP32",
-    "compute_scale", "ScalingMeta", "ScalingTensor", "quantize",
+    "Recipe", "compute_scale", "ScalingMeta", "ScalingTensor", "quantize",
     *_LAZY,
 ]
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from .formats import FP16, Format
 from .nn import FP8Linear, linear_targets, output_head, replace_modules, replace_parameters
+from .recipe import Recipe, recipe_from
 from .policy import FP8_LEVELS, ParamPrecision, Policy, preset
 from .tensor import ScalingTensor, quantize
 
@@ -54,9 +55,10 @@ def initialize(
     module_filter: Callable[[str, nn.Module], bool] | None = None,
     policy: Policy | dict | None = None,
     multiple_of: int = 16,
-    history_len: int = 16,
-    scaling: str = "delayed",
-    backend: str = "auto",
+    recipe: Recipe | str | None = None,
+    history_len: int | None = None,
+    scaling: str | None = None,
+    backend: str | None = None,
     optimizer_options: dict | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` in place to FP8 training at ``opt_level`` and adapt ``optimizer``.
@@ -72,14 +74,16 @@ def initialize(
     Options: ``module_filter(name, module) -> bool`` selects linear layers to convert; layers
     whose features are not multiples of ``multiple_of`` (16) stay high precision. ``policy``: a
     `fp8lm.policy.Policy`, or ``{pattern: {field: format, "fp8_gemm": bool}}`` overrides of the
-    level's preset. ``history_len``, ``scaling``, ``backend`` go to every FP8Linear.
+    level's preset. ``recipe``: the `fp8lm.Recipe` (or its name) of every FP8Linear (default
+    ``"tensorwise-delayed"``); ``history_len``, ``scaling``, ``backend`` are its deprecated spellings.
     ``optimizer_options`` go to the FP8 optimizer under O2/O3 (e.g. ``{"kernel": "eager"}``).
     Returns ``(model, optimizer)``: the model to use (the same object, or the new `FP8Linear` when
     ``model`` itself is an ``nn.Linear`` or ``Conv1D``) and the optimizer to use from now on.
     """
     _check_arguments(model, optimizer, opt_level, optimizer_options)
+    recipe = recipe_from(recipe, "initialize", history_len=history_len, scaling=scaling, backend=backend)
     policy = _resolve_policy(policy, opt_level)
-    layer_options = {"history_len": history_len, "scaling": scaling, "backend": backend}
+    layer_options = {"recipe": recipe}
     plan = _build(model, policy, linear_targets(model, module_filter, multiple_of), layer_options)
     model = _apply(model, plan)
     model._fp8lm_opt_level = opt_level

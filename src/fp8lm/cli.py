@@ -15,6 +15,7 @@ from .bench import BENCHMARKS, DEFAULT, BenchError, run_benchmark, scripts_dir
 from .telemetry import KINDS
 from .train.checkpoint import CheckpointError
 from .train.compare import compare, parse_levels, parse_seeds
+from .recipe import RECIPES
 from .train.config import GRAD_SYNC_SCALINGS, OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
 from .train.data import DataError
 from .train.dpo import SUMMARY_KEYS as DPO_SUMMARY_KEYS
@@ -78,6 +79,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="O1/O2 under torchrun: scaling of the FP8 gradient all-reduce. local: each rank scales its "
                         "own tensors, sums in FP32; shared: one scale per bucket with the automatic factor mu of "
                         "FP8-LM, logged as grad_sync_mu (default: %(default)s)")
+    n.add_argument("--recipe", choices=list(RECIPES), default=d.recipe,
+                   help="FP8 levels: the fp8lm.Recipe of the FP8 layers (formats, delayed or current scaling, "
+                        "amax history) (default: %(default)s)")
     n.add_argument("--fallback", action="store_true",
                    help="move a layer to BF16 while its telemetry shows too much underflow or saturation, and back "
                         "(fp8lm.fallback; switches logged to metrics.jsonl)")
@@ -93,7 +97,7 @@ def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, out=args.out, save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, init_from=args.init_from,
         progress=not args.no_progress, telemetry_every=args.telemetry_every, fallback=args.fallback,
-        grad_sync_scaling=args.grad_sync_scaling,
+        grad_sync_scaling=args.grad_sync_scaling, recipe=args.recipe,
     )
 
 

@@ -111,8 +111,8 @@ def convert_linears(
     """Swap the model's linear layers for `FP8Linear` in place; returns ``{name: new layer}``
     (a model that is itself a linear layer is not changed: its FP8Linear is under the name ``""``).
 
-    Which layers: see `linear_targets`. ``layer_options`` go to every FP8Linear (``history_len``,
-    ``scaling``, ``weight_format``, ...). Layers already FP8Linear are left as they are, so
+    Which layers: see `linear_targets`. ``layer_options`` go to every FP8Linear (``recipe``,
+    ``weight_format``, ...). Layers already FP8Linear are left as they are, so
     converting twice changes nothing the second time.
     """
     names = linear_targets(model, module_filter, multiple_of)

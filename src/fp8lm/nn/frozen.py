@@ -42,7 +42,7 @@ def freeze_fp8(model: nn.Module, weight_format: Format | str = E4M3, multiple_of
             "freeze a copy made before fp8lm.initialize"
         )
     model.zero_grad(set_to_none=True)
-    convert_linears(model, multiple_of=multiple_of, weight_format=fmt, scaling="current")
+    convert_linears(model, multiple_of=multiple_of, weight_format=fmt, recipe="tensorwise-current")
     tables = {
         id(w): nn.Parameter(quantize(w.detach(), fmt), requires_grad=False)
         for w in _embedding_weights(model)

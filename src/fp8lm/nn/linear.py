@@ -28,14 +28,13 @@ from torch import nn
 
 from ..formats import E4M3, E5M2, FP16, FP32, Format, format_of
 from ..ops.cast import amax, saturating_cast, saturating_cast_dequantized, saturating_cast_with_amax
-from ..ops.gemm import BACKENDS, FP8Operand, choose_backend, emulation_dtype, fp8_mm
+from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm
+from ..recipe import SCALING_MODES, Recipe, recipe_from
 from ..scaling import ScalingMeta, compute_scale
 from ..tensor import ScalingTensor, quantize
 from .state import dequantize_entries
 
 __all__ = ["FP8Linear", "SCALING_MODES"]
-
-SCALING_MODES = ("delayed", "current")
 
 
 def _finite_hint(amax_value: torch.Tensor) -> bool | None:
@@ -89,24 +88,31 @@ def _cast_operand(
     return FP8Operand(data, scale.reciprocal(), _finite_hint(x_amax), dequantized=deq), x_amax
 
 
-def _quantize_weight(weight: torch.Tensor, emulated_as: torch.dtype | None) -> tuple[FP8Operand, torch.Tensor]:
-    """E4M3 operand of the weight, scaled just in time; reads a ScalingTensor's payload directly
+def _quantize_weight(
+    weight: torch.Tensor, fmt: Format, emulated_as: torch.dtype | None
+) -> tuple[FP8Operand, torch.Tensor]:
+    """FP8 (``fmt``) operand of the weight, scaled just in time; reads a ScalingTensor's payload directly
     with one combined power-of-two scale (no float32 copy of the weight). ``emulated_as``: as in
     `_cast_operand`."""
+    if isinstance(weight, ScalingTensor) and weight.payload.dtype == fmt.dtype:
+        # Already an operand of this format (an E4M3 weight, FSDP2's FP8 all-gather): no second cast.
+        value_amax = amax(weight.payload).float() / weight.scale
+        deq = None if emulated_as is None else weight.dequantize(emulated_as)
+        return FP8Operand(weight.payload, weight.scale_inv, _finite_hint(value_amax), dequantized=deq), value_amax
     if isinstance(weight, ScalingTensor):
         source, payload_amax = weight.payload, amax(weight.payload)
-        scale = compute_scale(payload_amax, E4M3)
+        scale = compute_scale(payload_amax, fmt)
         value_amax = payload_amax / weight.scale
         scale_inv = (scale * weight.scale).reciprocal()
     else:
         source = weight.detach()
         value_amax = amax(source)
-        scale = compute_scale(value_amax, E4M3)
+        scale = compute_scale(value_amax, fmt)
         scale_inv = scale.reciprocal()
     if emulated_as is None:
-        data, deq = saturating_cast(source, scale, E4M3), None
+        data, deq = saturating_cast(source, scale, fmt), None
     else:  # read back with the combined scale: the weight's values, not its payload's
-        data, deq, _ = saturating_cast_dequantized(source, scale, E4M3, emulated_as, scale_inv=scale_inv)
+        data, deq, _ = saturating_cast_dequantized(source, scale, fmt, emulated_as, scale_inv=scale_inv)
     return FP8Operand(data, scale_inv, _finite_hint(value_amax), dequantized=deq), value_amax
 
 
@@ -123,7 +129,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             emulation_dtype(out_dtype, x.device) if choose_backend(x.device, layer.backend) == "emulated" else None
         )
         x_op, x_amax = _cast_operand(x2, layer.input_meta, emulated_as)
-        w_op, w_amax = _quantize_weight(weight, emulated_as)
+        w_op, w_amax = _quantize_weight(weight, layer.recipe.weight_format, emulated_as)
         b = None if bias is None else bias.detach()
         with torch.autocast(device_type, enabled=False):
             y = fp8_mm(x_op, w_op.t(), out_dtype, bias=b, backend=layer.backend)
@@ -185,9 +191,9 @@ class FP8Linear(nn.Module):
             and a power-of-two scale; any other fp8lm format likewise; FP32: a plain parameter.
         weight_grad_format: storage of the weight gradient: E4M3 (default) or another format;
             FP32 gives a plain gradient of the weight's dtype.
-        history_len: amax history of the delayed input and output-gradient scaling (default 16).
-        scaling: ``"delayed"`` (default) or ``"current"`` (scale each tensor from its own amax).
-        backend: FP8 GEMM backend, see `fp8lm.ops.gemm` (``"auto"``, ``"scaled_mm"``, ``"emulated"``).
+        recipe: an `fp8lm.Recipe` or a recipe name (default ``"tensorwise-delayed"``): operand
+            formats, delayed or current scaling, amax history length, margin, GEMM backend.
+        history_len, scaling, backend: deprecated (a DeprecationWarning names the recipe to pass).
     """
 
     weight: nn.Parameter
@@ -203,31 +209,24 @@ class FP8Linear(nn.Module):
         *,
         weight_format: Format | str = FP16,
         weight_grad_format: Format | str = E4M3,
-        history_len: int = 16,
-        scaling: str = "delayed",
-        backend: str = "auto",
+        recipe: Recipe | str | None = None,
+        history_len: int | None = None,
+        scaling: str | None = None,
+        backend: str | None = None,
     ):
         super().__init__()
-        if scaling not in SCALING_MODES:
-            raise ValueError(f"unknown scaling {scaling!r}: use one of {', '.join(SCALING_MODES)}")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown FP8 GEMM backend {backend!r}: use one of {', '.join(BACKENDS)}")
-        if not isinstance(history_len, int) or history_len < 1:
-            raise ValueError(f"history_len must be an int >= 1 (use scaling='current' for none), got {history_len!r}")
+        recipe = recipe_from(recipe, "FP8Linear", history_len=history_len, scaling=scaling, backend=backend)
         self.in_features = in_features
         self.out_features = out_features
         self.weight_format = format_of(weight_format)
         self.weight_grad_format = format_of(weight_grad_format)
-        self.history_len = history_len
-        self.scaling = scaling
-        self.backend = backend
+        self.recipe = recipe
         self.fp8_enabled = True
         self.high_precision = False
         # Checkpoints of a layer converted from a GPT-2 Conv1D keep Conv1D's (in, out) weight layout.
         self.transposed_checkpoint = False
-        steps = history_len if scaling == "delayed" else 0
-        self.input_meta = ScalingMeta(E4M3, history_len=steps)
-        self.grad_output_meta = ScalingMeta(E5M2, history_len=steps)
+        self.input_meta = ScalingMeta(recipe.input_format, history_len=recipe.steps, margin=recipe.margin)
+        self.grad_output_meta = ScalingMeta(recipe.grad_output_format, history_len=recipe.steps, margin=recipe.margin)
         factory = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         weight = torch.empty(out_features, in_features, **factory)
         bias_value = torch.empty(out_features, **factory) if bias else None
@@ -241,6 +240,16 @@ class FP8Linear(nn.Module):
         # saved optimizer states follow named_parameters().
         self.weight = self._stored_weight(weight)
         self.register_parameter("bias", None if bias_value is None else nn.Parameter(bias_value))
+
+    @property
+    def scaling(self) -> str:
+        """``"delayed"`` or ``"current"``: the recipe's scaling."""
+        return self.recipe.scaling
+
+    @property
+    def backend(self) -> str:
+        """The recipe's FP8 GEMM backend."""
+        return self.recipe.backend
 
     def _stored_weight(self, value: torch.Tensor) -> nn.Parameter:
         """``value`` as this layer's weight parameter, in ``weight_format``."""
@@ -308,7 +317,7 @@ class FP8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"weight={self.weight_format.name}, weight_grad={self.weight_grad_format.name}, "
-            f"scaling={self.scaling}, fp8_enabled={self.fp8_enabled}, high_precision={self.high_precision}"
+            f"recipe={self.recipe.name or self.recipe}, fp8_enabled={self.fp8_enabled}, high_precision={self.high_precision}"
         )
 
 

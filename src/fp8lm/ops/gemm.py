@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..recipe import BACKENDS
 from .cast import FP8_DTYPES, upcast
 
 __all__ = [
@@ -42,7 +43,6 @@ __all__ = [
     "bf16_gemm_is_fast", "CPUBF16Linear",
 ]
 
-BACKENDS = ("auto", "scaled_mm", "emulated")
 
 
 def scaled_mm_supported(device: torch.device | str) -> bool:

@@ -8,7 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import atomic_write_bytes, list_checkpoints
-from .config import FP8_DATA_PARALLEL_LEVELS, FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
+from ..recipe import DEFAULT_RECIPE
+from .config import FP8_DATA_PARALLEL_LEVELS, FP8_LEVELS, FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
 from .loop import check_output, train
 from .parallel import join
 from .report import format_seed_table, format_table, plot_losses, read_metrics, rel_gap
@@ -41,6 +42,8 @@ def _level_config(cfg: TrainConfig, level: str, out: Path) -> TrainConfig:
         exp_avg_sq=cfg.exp_avg_sq if level in FP8_OPTIMIZER_LEVELS else None,
         # the FP8 gradient all-reduce's scaling goes to the O1/O2 runs alone
         grad_sync_scaling=cfg.grad_sync_scaling if level in FP8_DATA_PARALLEL_LEVELS else "local",
+        # the FP8 recipe goes to the FP8 runs alone
+        recipe=cfg.recipe if level in FP8_LEVELS else DEFAULT_RECIPE,
     )
     if cfg.resume:  # a level that had not started yet when the comparison stopped starts now
         run.resume = bool(list_checkpoints(Path(run.out) / "checkpoints"))

@@ -19,6 +19,7 @@ import torch
 
 from ..distributed import SCALINGS
 from ..policy import FP8_LEVELS
+from ..recipe import DEFAULT_RECIPE, RECIPES, Recipe
 from .model import GPTConfig, preset
 
 __all__ = ["OPT_LEVELS", "FP8_LEVELS", "FP8_OPTIMIZER_LEVELS", "SECOND_MOMENT_FORMATS", "TrainConfig", "RunError", "default_device"]
@@ -82,6 +83,7 @@ class TrainConfig:
     fallback: bool = False  # move layers to BF16 (and back) by telemetry (fp8lm.fallback)
     # O1/O2 under torchrun: scaling of the FP8 gradient all-reduce (fp8lm.distributed.FP8DataParallel)
     grad_sync_scaling: str = "local"
+    recipe: str = DEFAULT_RECIPE  # FP8 levels: the named fp8lm.Recipe of every FP8Linear
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
     def model_config(self) -> GPTConfig:
@@ -109,6 +111,7 @@ class TrainConfig:
             raise RunError("--resume continues this run's own checkpoint; drop --init-from (it starts a new run from a checkpoint)")
         if self.amp_options and self.opt_level not in FP8_LEVELS:
             raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
+        self._check_recipe()
         if self.exp_avg_sq is not None:
             if self.opt_level not in FP8_OPTIMIZER_LEVELS:
                 raise RunError(f"--exp-avg-sq sets the FP8 optimizer's second moment, which only {'/'.join(FP8_OPTIMIZER_LEVELS)} have (this run is {self.opt_level})")
@@ -127,15 +130,29 @@ class TrainConfig:
         except ValueError as e:  # a bad preset or sizes
             raise RunError(str(e)) from None
 
+    def _check_recipe(self) -> None:
+        if self.recipe not in RECIPES:
+            raise RunError(f"unknown --recipe {self.recipe!r}: use one of {', '.join(RECIPES)}")
+        if self.recipe == DEFAULT_RECIPE:
+            return
+        if self.opt_level not in FP8_LEVELS:
+            raise RunError(f"--recipe sets the FP8 layers of {'/'.join(FP8_LEVELS)} (this run is {self.opt_level})")
+        legacy = sorted(set(self.amp_options) & {"recipe", "history_len", "scaling", "backend"})
+        if legacy:
+            raise RunError(f"--recipe {self.recipe} and fp8lm.initialize options {', '.join(legacy)}: pass one of them")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     def initialize_options(self) -> dict:
         """Keyword options of `fp8lm.initialize` for this run."""
-        if self.exp_avg_sq is None:
-            return self.amp_options
-        policy = {**self.amp_options.get("policy", {}), "*": {"exp_avg_sq": self.exp_avg_sq.upper()}}
-        return {**self.amp_options, "policy": policy}
+        options = dict(self.amp_options)
+        if self.recipe != DEFAULT_RECIPE:
+            options["recipe"] = Recipe.from_name(self.recipe)
+        if self.exp_avg_sq is not None:
+            policy = {**options.get("policy", {}), "*": {"exp_avg_sq": self.exp_avg_sq.upper()}}
+            options["policy"] = policy
+        return options
 
 
 def _check_device(name: str) -> None:
