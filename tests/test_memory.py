@@ -101,7 +101,8 @@ def test_scaling_tensors_and_fp8_layer_state_count_as_scales():
     assert report["weights"] == 32 * 32 * 2  # FP16 payload
     assert report["gradients"] == 32 * 32  # E4M3 payload
     metas = [layer.input_meta, layer.grad_output_meta]
-    meta_bytes = sum(4 * (1 + m.amax_history.numel()) for m in metas)
+    # scale, amax history, last amax (float32); step and rescales (int64)
+    meta_bytes = sum(4 * (2 + m.amax_history.numel()) + 8 + 8 for m in metas)
     assert report["scales"] == meta_bytes + 4 + 4  # + weight scale + gradient scale
 
 

@@ -57,16 +57,16 @@ def test_current_scaling_uses_the_tensor_itself():
     assert meta.scale_for(torch.tensor([1000.0])).item() == 32.0
 
 
-def test_scaling_meta_state_dict_round_trip_and_mismatch():
+def test_scaling_meta_state_round_trip_and_mismatch():
     meta = ScalingMeta(fp8lm.E4M3, history_len=4)
     for v in (1.0, 5.0, 2.0):
         meta.scale_for(torch.tensor([v]))
     other = ScalingMeta(fp8lm.E4M3, history_len=4)
-    other.load_state_dict(meta.state_dict())
+    other.load_scaling_state(meta.scaling_state())
     assert torch.equal(other.amax_history, meta.amax_history) and torch.equal(other.scale, meta.scale)
-    assert other.step == meta.step
+    assert int(other.step) == int(meta.step) == 3
     with pytest.raises(ValueError, match="history_len=2"):
-        ScalingMeta(fp8lm.E4M3, history_len=2).load_state_dict(meta.state_dict())
+        ScalingMeta(fp8lm.E4M3, history_len=2).load_scaling_state(meta.scaling_state())
     with pytest.raises(ValueError, match="history_len must be >= 0"):
         ScalingMeta(fp8lm.E4M3, history_len=-1)
 
@@ -82,3 +82,18 @@ def test_cpu_scalar_path_matches_the_exact_definition(amax, margin, fmt):
         assert amax * 2.0**exp <= fmt.max < amax * 2.0 ** (exp + 1)
     tensor_path = compute_scale(torch.tensor([amax, 0.0]), fmt, margin)[0].item()  # elementwise path
     assert got == tensor_path or abs(math.log2(got / tensor_path)) == 1
+
+
+def test_scaling_state_is_in_buffers_and_loads_the_earlier_form():
+    meta = ScalingMeta(fp8lm.E4M3, history_len=4)
+    meta.scale_for(torch.tensor([3.0]))
+    assert {name for name, _ in meta.named_buffers()} == {"scale", "amax_history", "step", "rescales", "last_amax"}
+    assert meta.state_dict() == {}  # not persistent: a converted model's state_dict stays the plain model's
+    assert meta.to(torch.bfloat16) is meta and meta.scale.dtype == meta.amax_history.dtype == torch.float32
+    assert meta.history_len == 4 and meta.step.dtype == torch.int64
+    # The form saved before the state lived in buffers: step an int, no rescales.
+    old = {"scale": torch.tensor(64.0), "amax_history": torch.tensor([5.0, 0.0, 0.0, 0.0]), "step": 1}
+    fresh = ScalingMeta(fp8lm.E4M3, history_len=4)
+    fresh.load_scaling_state(old)
+    assert int(fresh.step) == 1 and int(fresh.rescales) == 0 and fresh.scale.item() == 64.0
+    assert fresh.scale_for(torch.tensor([1.0])).item() == 64.0  # delayed: from the loaded history

@@ -75,13 +75,11 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         tally.add("gradients", p.grad)
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, ScalingMeta):
-                tally.add("scales", value.scale)
-                tally.add("scales", value.amax_history)
-            elif isinstance(value, torch.Tensor) and id(value) not in param_ids:
+            if isinstance(value, torch.Tensor) and id(value) not in param_ids:
                 tally.add("buffers", value)
+        kind = "scales" if isinstance(module, ScalingMeta) else "buffers"  # an FP8 layer's scaling state
         for buf in module._buffers.values():
-            tally.add("buffers", buf)
+            tally.add(kind, buf)
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():

@@ -6,9 +6,8 @@ Convention (MS-AMP, Transformer Engine, torchao): ``fp8 = cast(x * scale)``, ``x
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
+from torch import nn
 
 from .formats import Format
 
@@ -64,13 +63,18 @@ def _scalar_scale(amax: float, fmt: Format, margin: int, previous: torch.Tensor 
     return torch.full(shape, 2.0 ** min(max(exp, -126), 126), dtype=torch.float32)
 
 
-@dataclass
-class ScalingMeta:
-    """Scaling state of one tensor stream (an input, an output gradient, ...).
+class ScalingMeta(nn.Module):
+    """Scaling state of one tensor stream (an input, an output gradient, ...), in buffers.
 
     ``history_len`` > 0 is delayed scaling: the scale for this step comes from the max over the
     last ``history_len`` amaxes, which were recorded by earlier steps. ``history_len == 0`` is
     current (just-in-time) scaling: the scale comes from the tensor itself.
+
+    State (buffers, so ``named_buffers()``, ``.to()`` and ``deepcopy`` see it): ``scale``,
+    ``amax_history``, ``step`` (records so far, int64), ``rescales`` and ``last_amax``. They are
+    not persistent: a converted model's ``state_dict()`` stays the plain model's (it loads into the
+    unconverted model); `scaling_state` / `load_scaling_state` (and
+    `fp8lm.nn.scaling_state_dict` for a whole model) save and restore them for an exact resume.
 
     ``amax_history`` is a ring buffer: the amax of recorded step ``k`` sits at ``k % history_len``
     (only the max over it matters; writing in place spares the shift of every step).
@@ -84,23 +88,39 @@ class ScalingMeta:
     untouched. A non-finite amax is not recorded (it carries no scale; the step is skipped).
     """
 
-    fmt: Format
-    history_len: int = 16
-    margin: int = 0
-    scale: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.float32))
-    amax_history: torch.Tensor = field(init=False)
-    step: int = 0
-    rescales: torch.Tensor = field(init=False)
+    scale: torch.Tensor
+    amax_history: torch.Tensor
+    step: torch.Tensor
+    rescales: torch.Tensor
+    last_amax: torch.Tensor
 
-    def __post_init__(self) -> None:
-        if self.history_len < 0:
-            raise ValueError(f"history_len must be >= 0 (0 = current scaling), got {self.history_len}")
-        self.amax_history = torch.zeros(max(self.history_len, 1), dtype=torch.float32, device=self.scale.device)
-        self.rescales = torch.zeros((), dtype=torch.int64, device=self.scale.device)
-        self._last_amax = torch.zeros((), dtype=torch.float32, device=self.scale.device)
+    def __init__(self, fmt: Format, history_len: int = 16, margin: int = 0):
+        super().__init__()
+        if history_len < 0:
+            raise ValueError(f"history_len must be >= 0 (0 = current scaling), got {history_len}")
+        self.fmt, self.history_len, self.margin = fmt, history_len, margin
+        for name, value in (
+            ("scale", torch.ones((), dtype=torch.float32)),
+            ("amax_history", torch.zeros(max(history_len, 1), dtype=torch.float32)),
+            ("step", torch.zeros((), dtype=torch.int64)),
+            ("rescales", torch.zeros((), dtype=torch.int64)),
+            ("last_amax", torch.zeros((), dtype=torch.float32)),  # as given: inf or NaN too
+        ):
+            self.register_buffer(name, value, persistent=False)
         # The range a tensor's scaled amax may take before it is an outlier (a margin lowers both).
         low = math.sqrt(self.fmt.max * self.fmt.min_normal)
         self._fits = (low * 2.0**-self.margin, self.fmt.max * OUTLIER_OVERFLOW)
+
+    def _apply(self, fn, recurse=True):
+        # .to(device) moves the state; .to(dtype) / .half() keep it float32 (scales are float32 by contract).
+        super()._apply(fn, recurse)
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+        return self
+
+    def extra_repr(self) -> str:
+        return f"fmt={self.fmt.name}, history_len={self.history_len}, margin={self.margin}"
 
     @property
     def delayed(self) -> bool:
@@ -111,15 +131,10 @@ class ScalingMeta:
         return self.scale.reciprocal()
 
     @property
-    def last_amax(self) -> torch.Tensor:
-        """The amax recorded last, as given: inf or NaN too (the history holds 0 for those)."""
-        return self._last_amax
-
-    @property
     def scale_known_in_advance(self) -> bool:
         """Delayed scaling with history: the scale for the next tensor does not depend on it, so
         the cast and the amax can share one pass (`record` the amax afterwards)."""
-        return self.delayed and self.step > 0
+        return self.delayed and bool(self.step > 0)
 
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         """The scale to quantize ``x`` with, and record its amax in the history."""
@@ -129,9 +144,10 @@ class ScalingMeta:
             self.to(amax.device)
         if not self.delayed:
             self.scale = compute_scale(amax, self.fmt, self.margin, self.scale)
-            self.amax_history[0] = self._last_amax = amax
+            self.amax_history[0] = amax
+            self.last_amax.copy_(amax)
             return self.scale
-        if self.step == 0:
+        if not self.scale_known_in_advance:
             # No history yet: the first step scales just in time so it does not overflow.
             self.scale = compute_scale(amax, self.fmt, self.margin, self.scale)
         scale = self.scale
@@ -141,11 +157,13 @@ class ScalingMeta:
 
     def record(self, amax: torch.Tensor) -> bool:
         """Delayed scaling: add the amax of a tensor cast with ``scale`` to the history and derive
-        the next scale. Returns True when the tensor was an outlier for that scale (see the class
-        docstring): ``scale`` is then its own current scale, to cast it again with. Off the CPU
-        the check stays on the device (no sync): the history restarts and ``rescales`` counts,
-        but it returns False, so only the following steps are rescaled."""
-        amax = self._last_amax = amax.to(torch.float32)
+        the next scale (a new tensor: the one the tensor was cast with stays as it was). Returns
+        True when the tensor was an outlier for that scale (see the class docstring): ``scale`` is
+        then its own current scale, to cast it again with. Off the CPU the check stays on the
+        device (no sync): the history restarts and ``rescales`` counts, but it returns False, so
+        only the following steps are rescaled."""
+        amax = amax.to(torch.float32)
+        self.last_amax.copy_(amax)
         if amax.device.type == "cpu" and not torch.compiler.is_compiling():
             value = amax.item()
             low, high = self._fits
@@ -170,31 +188,30 @@ class ScalingMeta:
         self._append(torch.where(finite, amax, 0.0))
 
     def _append(self, amax: torch.Tensor | float) -> None:
-        self.amax_history[self.step % self.amax_history.numel()] = amax
+        slot = self.step % self.amax_history.numel()
+        if isinstance(amax, float):
+            self.amax_history[int(slot)] = amax
+        else:  # a tensor index: no host sync
+            self.amax_history.index_put_((slot.reshape(1),), amax.reshape(1))
         self.scale = compute_scale(self.amax_history.amax(), self.fmt, self.margin, self.scale)
         self.step += 1
 
-    def to(self, device: torch.device | str) -> "ScalingMeta":
-        self.scale = self.scale.to(device)
-        self.amax_history = self.amax_history.to(device)
-        self.rescales = self.rescales.to(device)
-        self._last_amax = self._last_amax.to(device)
-        return self
-
-    def state_dict(self) -> dict:
+    def scaling_state(self) -> dict:
+        """Copies of the state (plain tensors; weights_only-safe) for `load_scaling_state`."""
         return {
-            "scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step,
+            "scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step.clone(),
             "rescales": self.rescales.clone(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_scaling_state(self, state: dict) -> None:
+        """Restore `scaling_state` output (also the form saved before the state lived in buffers,
+        with an int ``step`` and maybe no ``rescales``), in place and on this state's device."""
         if state["amax_history"].shape != self.amax_history.shape:
             raise ValueError(
                 f"amax history of length {state['amax_history'].numel()} does not fit this layer's "
                 f"history_len={self.history_len}; build the model with the same history length"
             )
         self.scale = state["scale"].to(self.scale.device, torch.float32).clone()
-        self.amax_history = state["amax_history"].to(self.amax_history.device, torch.float32).clone()
-        self.step = int(state["step"])
-        rescales = state.get("rescales", 0)  # absent from states saved before outliers were counted
-        self.rescales = torch.as_tensor(rescales, dtype=torch.int64).to(self.rescales.device).clone()
+        self.amax_history.copy_(state["amax_history"])
+        self.step.copy_(torch.as_tensor(state["step"]))
+        self.rescales.copy_(torch.as_tensor(state.get("rescales", 0)))  # absent before outliers were counted

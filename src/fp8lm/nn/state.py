@@ -4,8 +4,8 @@ A converted model's ``state_dict()`` holds plain dequantized tensors (exact: an 
 times a power of two is a float32 value), so it loads into the unconverted model and with
 ``torch.load(weights_only=True)``; ``load_state_dict`` copies into the ScalingTensor parameters,
 which requantizes. The delayed-scaling state of FP8 layers (amax histories) is not part of the
-model's weights: `scaling_state_dict` / `load_scaling_state_dict` save and restore it for an exact
-resume.
+model's weights (its buffers are not persistent, so ``state_dict()`` stays the plain model's):
+`scaling_state_dict` / `load_scaling_state_dict` save and restore it for an exact resume.
 """
 
 from __future__ import annotations
@@ -41,19 +41,19 @@ def register_plain_state_dict(module: nn.Module) -> None:
 
 def _metas(model: nn.Module):
     for name, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if isinstance(value, ScalingMeta):
-                yield f"{name}.{attr}" if name else attr, value
+        if isinstance(module, ScalingMeta):
+            yield name, module
 
 
 def scaling_state_dict(model: nn.Module) -> dict[str, dict]:
-    """The scaling state (scale, amax history, step) of every `ScalingMeta` held by the model's
-    modules, keyed ``"<module name>.<attribute>"``; plain tensors and ints (weights_only-safe)."""
-    return {key: meta.state_dict() for key, meta in _metas(model)}
+    """The scaling state (scale, amax history, step, rescales) of every `ScalingMeta` in the
+    model, keyed ``"<module name>.<attribute>"``; plain tensors (weights_only-safe)."""
+    return {key: meta.scaling_state() for key, meta in _metas(model)}
 
 
 def load_scaling_state_dict(model: nn.Module, state: dict[str, dict]) -> None:
-    """Restore `scaling_state_dict` output. Keys must match exactly; all are checked first."""
+    """Restore `scaling_state_dict` output (also as saved by earlier versions). Keys must match
+    exactly; all are checked before any state changes."""
     metas = dict(_metas(model))
     missing, unexpected = sorted(metas.keys() - state.keys()), sorted(state.keys() - metas.keys())
     if missing or unexpected:
@@ -65,7 +65,7 @@ def load_scaling_state_dict(model: nn.Module, state: dict[str, dict]) -> None:
         if state[key]["amax_history"].shape != meta.amax_history.shape:
             raise ValueError(
                 f"scaling state {key!r} has an amax history of {state[key]['amax_history'].numel()}, the model "
-                f"{meta.amax_history.numel()}; convert the model with the same history_len"
+                f"{meta.amax_history.numel()}; convert the model with the same recipe history_len"
             )
     for key, meta in metas.items():
-        meta.load_state_dict(state[key])
+        meta.load_scaling_state(state[key])
