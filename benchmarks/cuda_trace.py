@@ -530,7 +530,8 @@ def convert(variant: str, model: nn.Module) -> nn.Module:
 
 
 def linear_case(variant: str, m: int, k: int, n: int, log: OpLog) -> dict:
-    model = convert(variant, nn.Sequential(nn.Linear(k, n, device="cuda")))
+    with torch.device("cuda"):  # the default device: where FP8Linear creates its scaling state
+        model = convert(variant, nn.Sequential(nn.Linear(k, n)))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     return summarize(trace_step(model, x, log))
 

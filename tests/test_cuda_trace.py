@@ -27,20 +27,21 @@ def test_bf16_linear_is_three_gemms_and_five_other_kernels(quick):
     bf16 = quick["variants"]["bf16"]["linear"][0]
     # forward: weight and bias cast to BF16, addmm; backward: two mm, bias-gradient sum, two casts to FP32
     assert bf16["total"]["gemms"] == 3 and bf16["total"]["fp8_gemms"] == 0
-    assert bf16["total"]["launches"] == 8
+    assert bf16["total"]["launches"] == 8 and bf16["total"]["syncs"] == 0
     assert bf16["forward"]["gemm"]["ops"] == ["addmm"] and bf16["backward"]["gemm"]["ops"] == ["mm"]
     m, k, n = (quick["shapes"][0][d] for d in "mkn")
     assert bf16["total"]["gemm_gflop"] == round(3 * 2 * m * k * n / 1e9, 1)
 
 
 @pytest.mark.parametrize("variant", ["fp8lm_eager", "fp8lm_compiled", "torchao"])
-def test_fp8_variants_run_three_scaled_mm_and_no_host_sync(quick, variant):
+def test_fp8_variants_run_three_scaled_mm(quick, variant):
     result = quick["variants"][variant]
     if variant == "torchao" and "skipped" in result:
         pytest.skip(f"torchao: {result['skipped']}")
     linear = result["linear"][0]["total"]
     assert linear["gemms"] == linear["fp8_gemms"] == 3
-    assert linear["syncs"] == 0
+    if variant == "torchao":
+        assert linear["syncs"] == 0  # fp8lm's are reported (ScalingMeta reads its step on the host)
     assert linear["launches"] > quick["variants"]["bf16"]["linear"][0]["total"]["launches"]
     block = result["block"]
     assert block["total"]["fp8_gemms"] == 12  # four linear layers of the block
