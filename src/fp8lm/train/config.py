@@ -13,6 +13,7 @@ Levels (`OPT_LEVELS`, the one list the CLI offers):
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -29,6 +30,16 @@ SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
 FP8_OPTIMIZER_LEVELS = ("O2", "O3")  # the levels that replace AdamW by fp8lm.optim.FP8AdamW
 FP8_DATA_PARALLEL_LEVELS = ("O1", "O2")  # under torchrun: fp8lm.distributed.FP8DataParallel
 GRAD_SYNC_SCALINGS = SCALINGS  # FP8DataParallel's scaling modes (--grad-sync-scaling)
+# option -> (low, high, whether each end is allowed): what validate accepts
+_NUMBER_RANGES = {
+    "lr": (0.0, math.inf, (False, False)),
+    "min_lr_ratio": (0.0, 1.0, (True, True)),
+    "weight_decay": (0.0, math.inf, (True, False)),
+    "beta1": (0.0, 1.0, (True, False)),
+    "beta2": (0.0, 1.0, (True, False)),
+    "grad_clip": (0.0, math.inf, (True, False)),
+    "val_fraction": (0.0, 1.0, (False, False)),
+}
 
 
 class RunError(ValueError):
@@ -99,10 +110,7 @@ class TrainConfig:
         for name in ("warmup_steps", "save_every", "telemetry_every"):
             if (getattr(self, name) or 0) < 0:
                 raise RunError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip >= 0):
-            raise RunError(f"need lr > 0, 0 <= min_lr_ratio <= 1, grad_clip >= 0 (got {self.lr}, {self.min_lr_ratio}, {self.grad_clip})")
-        if not 0 < self.val_fraction < 1:
-            raise RunError(f"val_fraction must be between 0 and 1, got {self.val_fraction}")
+        self._check_numbers()
         if self.device is not None:
             _check_device(self.device)
         if self.data and self.hf_dataset:
@@ -129,6 +137,16 @@ class TrainConfig:
             self.model_config()
         except ValueError as e:  # a bad preset or sizes
             raise RunError(str(e)) from None
+
+    def _check_numbers(self) -> None:
+        """Each optimization number finite and in its range (nan compares false: refused too)."""
+        for name, (low, high, closed) in _NUMBER_RANGES.items():
+            value = getattr(self, name)
+            above = value >= low if closed[0] else value > low
+            below = value <= high if closed[1] else value < high
+            if not (math.isfinite(value) and above and below):
+                interval = f"{'[' if closed[0] else '('}{low}, {high}{']' if closed[1] else ')'}"
+                raise RunError(f"--{name.replace('_', '-')} must be a finite number in {interval}, got {value}")
 
     def _check_recipe(self) -> None:
         if self.recipe not in RECIPES:
