@@ -10,7 +10,6 @@ is spread over ranks (replicated, FP8 ZeRO) is the `state_layout` of `parallel`,
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
@@ -29,7 +28,7 @@ from ..telemetry import Telemetry, worst
 from .checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
 from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents, stdlib_documents
-from .logs import RunLogs
+from .logs import RunLogs, strict_json
 from .measure import saved_tensor_bytes
 from .model import GPT
 from .parallel import (
@@ -321,7 +320,7 @@ class TrainingRun:
         if not self.ranks.main:
             return None
         summary = self.summary()
-        atomic_write_bytes(self.out / "summary.json", json.dumps(summary, indent=1, default=repr).encode())
+        atomic_write_bytes(self.out / "summary.json", strict_json(summary, indent=1).encode())
         return summary
 
     def save(self, step: int) -> None:
