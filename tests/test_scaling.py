@@ -97,3 +97,16 @@ def test_scaling_state_is_in_buffers_and_loads_the_earlier_form():
     fresh.load_scaling_state(old)
     assert int(fresh.step) == 1 and int(fresh.rescales) == 0 and fresh.scale.item() == 64.0
     assert fresh.scale_for(torch.tensor([1.0])).item() == 64.0  # delayed: from the loaded history
+
+
+def test_scale_known_in_advance_reads_no_buffer():
+    # On CUDA a read of the step buffer is a host sync: the answer comes from Python state.
+    meta = ScalingMeta(fp8lm.E4M3, history_len=2)
+    assert not meta.scale_known_in_advance
+    meta.scale_for(torch.tensor([2.0]))
+    assert meta.scale_known_in_advance
+    fresh = ScalingMeta(fp8lm.E4M3, history_len=2)
+    fresh.load_scaling_state(meta.scaling_state())
+    assert fresh.scale_known_in_advance
+    fresh.load_scaling_state(ScalingMeta(fp8lm.E4M3, history_len=2).scaling_state())
+    assert not fresh.scale_known_in_advance

@@ -107,6 +107,9 @@ class ScalingMeta(nn.Module):
             ("last_amax", torch.zeros((), dtype=torch.float32)),  # as given: inf or NaN too
         ):
             self.register_buffer(name, value, persistent=False)
+        # Whether step > 0, cached so that asking reads no device memory (on CUDA: no host sync);
+        # step only grows, so only loading a state sets it back.
+        self._has_history = False
         # The range a tensor's scaled amax may take before it is an outlier (a margin lowers both).
         low = math.sqrt(self.fmt.max * self.fmt.min_normal)
         self._fits = (low * 2.0**-self.margin, self.fmt.max * OUTLIER_OVERFLOW)
@@ -134,7 +137,7 @@ class ScalingMeta(nn.Module):
     def scale_known_in_advance(self) -> bool:
         """Delayed scaling with history: the scale for the next tensor does not depend on it, so
         the cast and the amax can share one pass (`record` the amax afterwards)."""
-        return self.delayed and bool(self.step > 0)
+        return self.delayed and self._has_history
 
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         """The scale to quantize ``x`` with, and record its amax in the history."""
@@ -195,6 +198,7 @@ class ScalingMeta(nn.Module):
             self.amax_history.index_put_((slot.reshape(1),), amax.reshape(1))
         self.scale = compute_scale(self.amax_history.amax(), self.fmt, self.margin, self.scale)
         self.step += 1
+        self._has_history = True
 
     def scaling_state(self) -> dict:
         """Copies of the state (plain tensors; weights_only-safe) for `load_scaling_state`."""
@@ -215,3 +219,4 @@ class ScalingMeta(nn.Module):
         self.amax_history.copy_(state["amax_history"])
         self.step.copy_(torch.as_tensor(state["step"]))
         self.rescales.copy_(torch.as_tensor(state.get("rescales", 0)))  # absent before outliers were counted
+        self._has_history = bool(self.step > 0)
