@@ -12,9 +12,17 @@ from .checkpoint import CheckpointError, list_checkpoints
 from .config import RunError, TrainConfig
 from .parallel import Ranks, restarts_allowed
 
-__all__ = ["CHECKPOINT_FORMAT", "check_output", "check_state_fits", "check_resume"]
+__all__ = ["CHECKPOINT_FORMAT", "RESUME_KEYS", "resume_config", "check_output", "check_state_fits", "check_resume"]
 
 CHECKPOINT_FORMAT = "fp8lm.train/2"
+# Options a resumed run must share with the run it continues (besides the model's shape and the
+# level, checked on their own): they decide the batches, the token counts and the updates.
+RESUME_KEYS = (
+    "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2",
+    "grad_clip", "seed", "data", "hf_dataset", "val_fraction", "recipe", "exp_avg_sq", "fallback",
+)
+# GPTConfig field -> the option that sets it
+_MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "mlp": "--mlp", "block_size": "--seq-len"}
 
 
 def check_output(cfg: TrainConfig) -> bool:
@@ -35,17 +43,25 @@ def check_output(cfg: TrainConfig) -> bool:
     return cfg.resume and has_checkpoint
 
 
+def resume_config(cfg: TrainConfig) -> dict:
+    """What a checkpoint records of ``cfg`` for `check_resume` to compare."""
+    return {key: getattr(cfg, key) for key in RESUME_KEYS}
+
+
 def check_state_fits(model: nn.Module, state: dict, where: str) -> None:
-    """Raise one clear line when a checkpoint's weights do not fit ``model`` (a plain GPT)."""
+    """Raise one clear line when a checkpoint's weights do not fit ``model`` (a plain GPT): a weight
+    of another shape, one missing, or one this model does not have (a deeper checkpoint)."""
     own, theirs = model.state_dict(), state["model"]
     wrong = [k for k in own if k in theirs and tuple(theirs[k].shape) != tuple(own[k].shape)]
     missing = [k for k in own if k not in theirs]
-    if not (wrong or missing):
+    extra = [k for k in theirs if k not in own]
+    if not (wrong or missing or extra):
         return
-    first = (wrong or missing)[0]
-    detail = (
-        f"has shape {tuple(theirs[first].shape)}, this model needs {tuple(own[first].shape)}" if wrong else "is missing"
-    )
+    first = (wrong or missing or extra)[0]
+    if wrong:
+        detail = f"has shape {tuple(theirs[first].shape)}, this model needs {tuple(own[first].shape)}"
+    else:
+        detail = "is missing" if missing else "is not in this model"
     saved = state.get("model_config") or {}
     diff = ", ".join(
         f"{k}={v} (here {getattr(model.config, k)})"
@@ -61,8 +77,8 @@ def check_state_fits(model: nn.Module, state: dict, where: str) -> None:
 
 def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) -> None:
     """Refuse a checkpoint this run cannot continue exactly."""
-    check_state_fits(model, state, repr(state["path"]))
-    if int(state["step"]) >= cfg.steps:
+    finished = (Path(cfg.out) / "summary.json").exists()
+    if int(state["step"]) > cfg.steps or (finished and int(state["step"]) == cfg.steps):
         raise RunError(
             f"the run in {cfg.out!r} already reached step {state['step']}; pass --steps larger than that to continue it"
         )
@@ -75,6 +91,8 @@ def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) 
         raise CheckpointError(
             f"checkpoint {state['path']!r} has format {state.get('format')!r}, this version reads {CHECKPOINT_FORMAT!r}"
         )
+    _check_same_options(cfg, state, model)
+    check_state_fits(model, state, repr(state["path"]))
     saved_scaling = (state.get("data_parallel") or {}).get("scaling")
     if saved_scaling is not None and saved_scaling != cfg.grad_sync_scaling:
         raise CheckpointError(
@@ -88,3 +106,27 @@ def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) 
             f"checkpoint {state['path']!r} was written by {saved_world} rank(s), this run has {ranks.world}: "
             f"each rank's batches and FP8 scaling histories continue exactly only at the same count; resume with {launch}"
         )
+
+
+def _check_same_options(cfg: TrainConfig, state: dict, model: nn.Module) -> None:
+    """Refuse another model shape or another `RESUME_KEYS` option than the checkpoint's run had
+    (checkpoints written before options were recorded are checked for their shapes only)."""
+    here = {flag: getattr(model.config, field) for field, flag in _MODEL_FLAGS.items()}
+    saved_model = state.get("model_config") or {}
+    saved = {flag: saved_model[field] for field, flag in _MODEL_FLAGS.items() if field in saved_model}
+    here |= {"--" + key.replace("_", "-"): getattr(cfg, key) for key in RESUME_KEYS}
+    saved |= {"--" + key.replace("_", "-"): value for key, value in (state.get("config") or {}).items()}
+    for flag, value in saved.items():
+        if flag in here and here[flag] != value:
+            theirs = _as_option(flag, value)
+            fix = f"drop {flag}" if theirs.startswith("no ") else f"pass {theirs}"
+            raise RunError(
+                f"--resume: the run in {cfg.out!r} was trained with {theirs}, this command has "
+                f"{_as_option(flag, here[flag])}; {fix} to continue it (or choose another --out for a new run)"
+            )
+
+
+def _as_option(flag: str, value) -> str:
+    if value is None or value is False:
+        return f"no {flag}"
+    return flag if value is True else f"{flag} {value}"

@@ -43,7 +43,7 @@ from .parallel import (
     unwrap,
     wrap_for_level,
 )
-from .resume import CHECKPOINT_FORMAT, check_output, check_resume, check_state_fits
+from .resume import CHECKPOINT_FORMAT, check_output, check_resume, check_state_fits, resume_config
 
 __all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
 
@@ -119,14 +119,14 @@ class TrainingRun:
         self.telemetry = self._telemetry()
         self.fallback = PrecisionFallback(self.telemetry.layers) if cfg.fallback else None
         self.start_step, self.skipped_steps = 0, 0
+        self.train_time, self.timed_steps = 0.0, 0  # the first step compiles and warms up: not timed
+        self.memory: dict | None = None
         self.resumed = resume is not None
         if resume is not None:
             self.restore(resume)
         self.autocast = contextlib.nullcontext() if cfg.opt_level == "fp32" else BF16Autocast(self.device.type)
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.model_config.block_size
         self.num_params = sum(p.numel() for p in self.core.parameters())
-        self.train_time, self.timed_steps = 0.0, 0  # the first step compiles and warms up: not timed
-        self.memory: dict | None = None
         self.logs: RunLogs | None = None
 
     # -- pieces a subclass may override -------------------------------------------------------
@@ -352,6 +352,11 @@ class TrainingRun:
             "ranks": every_rank,
             "fallback": self.fallback.state_dict() if self.fallback is not None else None,
             "skipped_steps": self.skipped_steps,
+            "config": resume_config(self.cfg),
+            # what the summary needs besides the logs, so that --resume can finish a run killed
+            # between its final checkpoint and summary.json
+            "memory": self.memory,
+            "timing": {"train_time": self.train_time, "timed_steps": self.timed_steps},
         }
         save_checkpoint(state, directory, step, self.cfg.keep_checkpoints)
 
@@ -370,6 +375,9 @@ class TrainingRun:
         if self.fallback is not None and state["fallback"] is not None:
             self.fallback.load_state_dict(state["fallback"])
         self.start_step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
+        self.memory = state.get("memory")
+        timing = state.get("timing") or {"train_time": 0.0, "timed_steps": 0}
+        self.train_time, self.timed_steps = float(timing["train_time"]), int(timing["timed_steps"])
 
     def summary(self) -> dict:
         """The run's results (rank 0, after the last step), as written to ``summary.json``."""
