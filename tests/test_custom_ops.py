@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import fp8lm
 from fp8lm.formats import format_of
 from fp8lm.ops import cast as cast_ops
 from fp8lm.ops import library

@@ -14,8 +14,8 @@ from torch import nn
 
 from .formats import FP16, Format
 from .nn import FP8Linear, linear_targets, output_head, replace_modules, replace_parameters
-from .recipe import Recipe, recipe_from
 from .policy import FP8_LEVELS, ParamPrecision, Policy, preset
+from .recipe import Recipe, recipe_from
 from .tensor import ScalingTensor, quantize
 
 __all__ = ["initialize"]

@@ -6,6 +6,7 @@ Convention (MS-AMP, Transformer Engine, torchao): ``fp8 = cast(x * scale)``, ``x
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 

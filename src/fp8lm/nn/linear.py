@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats import E4M3, E5M2, FP16, FP32, Format, format_of
+from ..formats import E4M3, FP16, FP32, Format, format_of
 from ..ops.cast import amax, saturating_cast, saturating_cast_dequantized, saturating_cast_with_amax
 from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm
 from ..recipe import SCALING_MODES, Recipe, recipe_from
