@@ -4,6 +4,7 @@ per subcommand, registered in `SUBCOMMANDS`; a new subcommand is one more entry.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -268,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fp8lm {args.command}: interrupted", file=sys.stderr)
         code = 130
+    except OSError as e:  # the disk, permissions, paths: the system's answer is the user's to act on
+        print(f"fp8lm {args.command}: error: {_rank_prefix()}{_os_error_line(e)}", file=sys.stderr)
+        code = 2
     except Exception as e:
         if not _in_process_group():
             raise
@@ -281,6 +285,26 @@ def main(argv: list[str] | None = None) -> int:
     if _in_process_group():
         _leave_process_group(code)
     return code
+
+
+# errno -> what to do about it
+_OS_ERROR_FIXES = {
+    errno.ENOSPC: "free some space (or pass another --out), then rerun with --resume to continue from the last checkpoint",
+    errno.EDQUOT: "free some space (or pass another --out), then rerun with --resume to continue from the last checkpoint",
+    errno.EACCES: "pass a path you can write to",
+    errno.EPERM: "pass a path you can write to",
+    errno.EROFS: "pass a path on a writable file system",
+    errno.ENAMETOOLONG: "pass a shorter path",
+    errno.ENOTDIR: "a file stands where a folder is needed; pass another path",
+}
+
+
+def _os_error_line(e: OSError) -> str:
+    """One line for an OSError: what failed, on which file, and what to do. A file being written
+    is a temporary one renamed only when complete (`fp8lm.train.checkpoint`): nothing is half-written."""
+    where = f" ({e.filename!r})" if e.filename else ""
+    fix = _OS_ERROR_FIXES.get(e.errno, "check the path and the disk")
+    return f"{e.strerror or type(e).__name__}{where}; {fix}"
 
 
 def _in_process_group() -> bool:

@@ -15,10 +15,11 @@ import torch
 from ..distributed.checkpoint import CheckpointError, check_finite
 
 __all__ = ["atomic_write_bytes", "atomic_torch_save", "save_checkpoint", "list_checkpoints", "load_checkpoint",
-           "shards_name", "CheckpointError"]
+           "shards_name", "remove_stale_temporaries", "CheckpointError"]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _SHARDS = re.compile(r"^step_(\d+)\.dcp$")
+_TEMPORARY = re.compile(r"^\..+\.tmp(\d+)$")  # what _atomic writes before its rename
 
 
 def _fsync_dir(path: Path) -> None:
@@ -87,20 +88,62 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     return path
 
 
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files (``.<name>.tmp<pid>``) that writers killed mid-save left in
+    ``directory``; those of live processes stay. Returns the deleted paths."""
+    d = Path(directory)
+    stale = [p for p in (d.iterdir() if d.is_dir() else []) if (m := _TEMPORARY.match(p.name)) and not _alive(int(m[1]))]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    """Load a checkpoint file, or the newest checkpoint of a checkpoint folder or run folder."""
-    p = Path(path)
+    """Load a checkpoint file, or the newest checkpoint of a checkpoint folder or run folder. When
+    the newest of a folder cannot be used, the refusal names the newest older one that can."""
+    p, older = Path(path), []
     if p.is_dir():
         found = list_checkpoints(p) or list_checkpoints(p / "checkpoints")
         if not found:
             raise CheckpointError(f"no checkpoint (step_*.pt) in {str(p)!r}; pass a checkpoint file or a run folder that has one")
-        p = found[-1]
+        p, older = found[-1], found[:-1]
     if not p.is_file():
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist; pass a checkpoint file or a run folder")
     try:
+        return _read_checkpoint(p, map_location)
+    except CheckpointError as e:
+        valid = next((o for o in reversed(older) if _readable(o)), None)
+        if valid is None:
+            raise
+        raise CheckpointError(
+            f"{e} (to continue from the newest valid checkpoint, {valid.name!r}, move {p.name!r} out of the folder)"
+        ) from None
+
+
+def _readable(path: Path) -> bool:
+    try:
+        _read_checkpoint(path, "cpu")
+    except CheckpointError:
+        return False
+    return True
+
+
+def _read_checkpoint(p: Path, map_location) -> dict:
+    try:
         state = torch.load(p, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises several types for corrupt or foreign files
-        raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # torch raises several types for corrupt, empty or foreign files
+        first = (str(e).splitlines() or ["(no message)"])[0]
+        raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {type(e).__name__}: {first}") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{str(p)!r} is not an fp8lm training checkpoint (no 'model' entry)")
     check_finite(dict(_named_values(state)), str(p))

@@ -109,7 +109,13 @@ def hf_documents(name: str, split: str = "train", column: str = "text") -> tuple
 
 
 def is_validation(name: str, val_fraction: float) -> bool:
-    return zlib.crc32(name.encode("utf-8")) < val_fraction * _HASH_RANGE
+    return zlib.crc32(_name_bytes(name)) < val_fraction * _HASH_RANGE
+
+
+def _name_bytes(name: str) -> bytes:
+    """A document name as bytes; a file name that is not UTF-8 (its bytes kept as surrogates by
+    ``os.fsdecode``) gives its original bytes."""
+    return name.encode("utf-8", "surrogateescape")
 
 
 @dataclass
@@ -120,9 +126,9 @@ class TokenSplits:
 
 
 def _cache_key(source: str, docs: list[Document], val_fraction: float) -> str:
-    h = hashlib.sha256(f"{_PACK_VERSION}|{source}|{val_fraction!r}".encode())
+    h = hashlib.sha256(_name_bytes(f"{_PACK_VERSION}|{source}|{val_fraction!r}"))
     for d in docs:
-        h.update(f"\n{d.name}|{d.fingerprint}".encode())
+        h.update(b"\n" + _name_bytes(d.name) + f"|{d.fingerprint}".encode())
     return h.hexdigest()[:16]
 
 

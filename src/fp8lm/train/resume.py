@@ -4,7 +4,10 @@ saying what to pass instead, raised before anything is written."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
+from typing import IO
 
 from torch import nn
 
@@ -12,7 +15,10 @@ from .checkpoint import CheckpointError, list_checkpoints
 from .config import RunError, TrainConfig
 from .parallel import Ranks, restarts_allowed
 
-__all__ = ["CHECKPOINT_FORMAT", "RESUME_KEYS", "resume_config", "check_output", "check_state_fits", "check_resume"]
+__all__ = [
+    "CHECKPOINT_FORMAT", "RESUME_KEYS", "resume_config", "check_output", "check_writable_folder", "lock_output",
+    "check_state_fits", "check_resume",
+]
 
 CHECKPOINT_FORMAT = "fp8lm.train/2"
 # Options a resumed run must share with the run it continues (besides the model's shape and the
@@ -31,6 +37,9 @@ def check_output(cfg: TrainConfig) -> bool:
     serves the first attempt and the restarts, so there ``--resume`` starts a run that has no
     checkpoint yet."""
     out = Path(cfg.out)
+    check_writable_folder(out, "--out")
+    if cfg.cache_dir:
+        check_writable_folder(Path(cfg.cache_dir), "--cache-dir")
     has_checkpoint = bool(list_checkpoints(out / "checkpoints"))
     if not cfg.resume and ((out / "summary.json").exists() or has_checkpoint):
         raise RunError(
@@ -41,6 +50,43 @@ def check_output(cfg: TrainConfig) -> bool:
             f"--resume: no checkpoint in {str(out / 'checkpoints')!r}; run without --resume to start training"
         )
     return cfg.resume and has_checkpoint
+
+
+def check_writable_folder(path: Path, option: str) -> None:
+    """Refuse, before anything is written, a folder that cannot be one (a file stands there, the
+    name is too long) or that this process cannot write to (nor create)."""
+    try:
+        if path.exists() and not path.is_dir():
+            raise RunError(f"{option} {str(path)!r} is not a folder; pass a folder (an existing one or a new one)")
+        existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    except OSError as e:  # e.g. ENAMETOOLONG
+        raise RunError(f"{option} {str(path)!r}: {e.strerror}; pass a shorter or another path") from None
+    if not existing.is_dir():
+        raise RunError(f"{option} {str(path)!r}: {str(existing)!r} is a file, not a folder; pass another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunError(f"{option} {str(path)!r}: cannot write in {str(existing)!r} (read-only or no permission); "
+                       f"pass a folder you can write to")
+
+
+def lock_output(out: Path) -> IO[str]:
+    """Hold ``out/.lock`` (an exclusive ``flock``) for the run: a second run on the same folder is
+    refused, naming the process that holds it. The lock ends with the file (or the process)."""
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that has not written its id yet"
+        lock.close()
+        raise RunError(
+            f"{str(out)!r} is in use by another run ({holder}); wait for it to end or choose another --out"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def resume_config(cfg: TrainConfig) -> dict:

@@ -14,6 +14,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from ..memory import memory_report
 from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..ops.gemm import CPUBF16Linear
 from ..telemetry import Telemetry, worst
-from .checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
+from .checkpoint import atomic_write_bytes, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
 from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents, stdlib_documents
 from .logs import RunLogs, strict_json
@@ -43,7 +44,7 @@ from .parallel import (
     unwrap,
     wrap_for_level,
 )
-from .resume import CHECKPOINT_FORMAT, check_output, check_resume, check_state_fits, resume_config
+from .resume import CHECKPOINT_FORMAT, check_output, check_resume, check_state_fits, lock_output, resume_config
 
 __all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
 
@@ -128,6 +129,7 @@ class TrainingRun:
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.model_config.block_size
         self.num_params = sum(p.numel() for p in self.core.parameters())
         self.logs: RunLogs | None = None
+        self.lock: IO[str] | None = None  # rank 0's hold on OUT/.lock while fit runs
 
     # -- pieces a subclass may override -------------------------------------------------------
 
@@ -283,9 +285,18 @@ class TrainingRun:
     def fit(self) -> dict | None:
         """Train from the first (or the restored) step to ``cfg.steps``: validate every
         ``eval_every`` steps and at the end, checkpoint every ``save_every`` steps and at the end.
-        Returns the summary on rank 0, None on the other ranks."""
+        Returns the summary on rank 0, None on the other ranks. Rank 0 holds ``OUT/.lock``
+        throughout, so a second run on the same folder is refused."""
+        self.lock = lock_output(self.out) if self.ranks.main else None
+        try:
+            self._open_logs()
+            return self._train_and_summarize()
+        finally:
+            if self.lock is not None:
+                self.lock.close()
+
+    def _train_and_summarize(self) -> dict | None:
         cfg = self.cfg
-        self._open_logs()
         bar = tqdm(
             total=cfg.steps,
             initial=self.start_step,
@@ -431,10 +442,13 @@ class TrainingRun:
         return self.cfg.steps // 10 if self.cfg.warmup_steps is None else self.cfg.warmup_steps
 
     def _open_logs(self) -> None:
-        """Rank 0's logs, truncated to the restored step when resuming; no summary until the end."""
+        """Rank 0 deletes what saves killed midway left and opens the logs, truncated to the
+        restored step when resuming; no summary until the end."""
         (self.out / "checkpoints").mkdir(parents=True, exist_ok=True)
         if not self.ranks.main:
             return
+        for folder in (self.out, self.out / "checkpoints"):
+            remove_stale_temporaries(folder)
         (self.out / "summary.json").unlink(missing_ok=True)
         keep = self.start_step if self.resumed else None
         self.logs = RunLogs.open(self.out, keep, telemetry=self.telemetry is not None)
