@@ -174,15 +174,39 @@ def bf16_gemm_is_fast(device: torch.device | str) -> bool:
     return torch.device(device).type != "cpu" or _cpu_has_bf16_gemm()
 
 
-def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` as BF16 autocast computes it, as an FP32 GEMM of the BF16-rounded operands
-    rounded to BF16. Autograd rounds the input and weight gradients to BF16 at the same places."""
-    with torch.autocast("cpu", enabled=False):
-        def rounded(t: torch.Tensor) -> torch.Tensor:
-            return t.to(torch.bfloat16).float()
+class _BF16Linear(torch.autograd.Function):
+    """BF16 ``F.linear`` with FP32 GEMMs: the operands are rounded to BF16 and saved as BF16 (the
+    bytes autocast saves), multiplied in FP32, and every result (output, input and weight
+    gradients) is rounded to BF16 once, as a BF16 GEMM with FP32 accumulation does."""
 
-        out = F.linear(rounded(x), rounded(weight), None if bias is None else rounded(bias))
-        return out.to(torch.bfloat16)
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+        b = None if bias is None else bias.to(torch.bfloat16).float()
+        ctx.save_for_backward(x16, w16)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return F.linear(x16.float(), w16.float(), b).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x16, w16 = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        g = grad_out.to(torch.bfloat16).float()
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ w16.float()).to(torch.bfloat16).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g2.t() @ x16.reshape(-1, x16.shape[-1]).float()).to(torch.bfloat16).to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(torch.bfloat16).to(b_dtype)
+        return grad_x, grad_w, grad_b
+
+
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` as BF16 autocast computes it, with FP32 GEMMs (`_BF16Linear`)."""
+    with torch.autocast("cpu", enabled=False):
+        return _BF16Linear.apply(x, weight, bias)
 
 
 class CPUBF16Linear(TorchFunctionMode):
