@@ -22,7 +22,7 @@ from .ops.cast import FP8_DTYPES, saturating_cast, upcast
 from .ops.cast import amax as _amax
 from .scaling import compute_scale
 
-__all__ = ["ScalingTensor", "quantize"]
+__all__ = ["ScalingTensor", "quantize", "fsdp_gather_format", "fsdp_shard_amax"]
 
 aten = torch.ops.aten
 
@@ -37,6 +37,9 @@ _VIEW_OPS = {
     aten.expand.default, aten.as_strided.default, aten.narrow.default, aten.chunk.default,
 }
 _COPY_OPS = {aten.clone.default}
+# new_zeros / new_empty of a ScalingTensor: a ScalingTensor of the same payload format (zeros are
+# exact at any scale), so a padded FSDP2 shard keeps its low-precision storage.
+_NEW_OPS = {aten.new_zeros.default, aten.new_empty.default}
 
 
 class ScalingTensor(torch.Tensor):
@@ -123,6 +126,39 @@ class ScalingTensor(torch.Tensor):
         memo[id(self)] = out
         return out
 
+    # -- FSDP2 all-gather extension (torch.distributed.fsdp.fully_shard) ---------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's shard as sent by FSDP2's all-gather: a payload of the shard's gather format
+        (E4M3 for the weight of an FP8 GEMM, marked by `fp8lm.distributed`; else its own format),
+        padded to FSDP's padded shard size, all ranks with one agreed scale. The scale is the
+        precomputed one (`fp8lm.distributed.precompute_fp8_scales`, one batched all-reduce for a
+        whole model) or else a MAX all-reduce of this parameter's amax over ``mesh``."""
+        # The choices live on the sharded parameter: FSDP2 replaces a padded shard's local tensor.
+        holder = next((p for p in module.parameters() if getattr(p, "_local_tensor", None) is self), self)
+        fmt = fsdp_gather_format(holder, self)
+        scale = getattr(holder, "fsdp_gather_scale", None)
+        if scale is None:
+            value_amax = fsdp_shard_amax(self).reshape(1)
+            torch.distributed.all_reduce(value_amax, torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+            scale = compute_scale(value_amax.reshape(()), fmt)
+        rows = -(-outer_size[0] // mesh.size())  # FSDP's padded shard: ceil(dim 0 / ranks) rows
+        padded = torch.zeros((rows, *outer_size[1:]), dtype=fmt.dtype, device=self.device)
+        if self.numel() > 0:
+            padded[: self.shape[0]] = saturating_cast(self._data, scale / self._scale, fmt)
+        wire = padded.view(torch.uint8) if fmt.bytes == 1 else padded  # no backend carries float8
+        return (wire,), (fmt.dtype, scale)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The gathered parameter: the ranks' payloads as one ScalingTensor with the agreed scale,
+        used by `FP8Linear` as its FP8 operand directly."""
+        (wire,) = all_gather_outputs
+        payload_dtype, scale = metadata
+        payload = wire.view(payload_dtype)
+        if out is not None:  # later all-gathers refill the same payload storage
+            out.scale.copy_(scale)
+            return None
+        return ScalingTensor(payload, scale.clone(), param_dtype), (payload,)
+
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
@@ -135,6 +171,10 @@ class ScalingTensor(torch.Tensor):
             return _payload_op(func, args, kwargs, copy=func in _COPY_OPS)
         if func is aten._to_copy.default:
             return _to_copy(args[0], **kwargs)
+        if func in _NEW_OPS and isinstance(args[0], ScalingTensor):  # FSDP2 pads shards with new_zeros
+            src = args[0]
+            payload = func(src._data, *args[1:], **{**kwargs, "dtype": src._data.dtype})
+            return ScalingTensor(payload, src._scale.clone(), kwargs.get("dtype") or src.dtype)
         if func is aten.copy_.default:
             return _copy_into(args[0], args[1])
         if func is aten.cat.default:
@@ -240,6 +280,25 @@ def _inplace(func, args, kwargs):
     for tmp, target in temps.values():
         target.requantize_(tmp)
     return tree_map(lambda t: temps[id(t)][1] if isinstance(t, torch.Tensor) and id(t) in temps else t, out)
+
+
+def fsdp_shard_amax(shard: ScalingTensor) -> torch.Tensor:
+    """amax of a shard's values (0 for an empty shard), float32."""
+    if shard.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=shard.device)
+    return _amax(shard.payload).float() / shard.scale
+
+
+def fsdp_gather_format(holder: torch.Tensor, shard: ScalingTensor, prefer: Format | None = None) -> Format:
+    """The format FSDP2 all-gathers ``shard`` in, kept on ``holder`` (its sharded parameter) and
+    fixed at its first use (FSDP2 keeps the gathered buffers): ``prefer`` (E4M3 for an FP8 GEMM's
+    weight, as `fp8lm.distributed` asks) or, when nothing asked before the first all-gather, the
+    shard's own payload format."""
+    fmt = getattr(holder, "fsdp_gather_fmt", None)
+    if fmt is None:
+        fmt = prefer or shard.fmt
+        holder.fsdp_gather_fmt = fmt  # type: ignore[attr-defined]
+    return fmt
 
 
 def quantize(

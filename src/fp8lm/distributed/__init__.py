@@ -1,5 +1,6 @@
 """Distributed FP8: collectives with uint8 payloads and scales, byte accounting, automatic
-gradient scaling, `FP8DataParallel` and FP8 ZeRO (opt_level O3), on stock torch.distributed.
+gradient scaling, `FP8DataParallel`, FP8 ZeRO (opt_level O3) and FSDP2 with FP8 communication
+(`fully_shard`), on stock torch.distributed.
 `fp8lm.distributed.comm` is where all of it hands tensors to torch.distributed."""
 
 from . import comm
@@ -14,6 +15,7 @@ from .collectives import (
     shared_scale_all_reduce,
 )
 from .data_parallel import FP8DataParallel, broadcast_module
+from .fsdp import fully_shard, precompute_fp8_scales
 from .reduction import SCALINGS, FlatLayout, FP8Reduction, LocalScaling, SharedScaling
 from .runtime import is_distributed, rank, setup, shutdown, world_size
 from .wrap import wrap
@@ -25,4 +27,5 @@ __all__ = [
     "fp8_all_gather", "fp8_all_reduce", "fp8_all_reduce_error_bound", "fp8_reduce_scatter", "shared_scale_all_reduce",
     "setup", "shutdown", "is_distributed", "rank", "world_size",
     "FP8ZeroOptimizer", "partition_by_size", "save_checkpoint", "load_checkpoint", "wrap",
+    "fully_shard", "precompute_fp8_scales",
 ]

@@ -1,0 +1,116 @@
+"""fp8lm on FSDP2 (`torch.distributed.fsdp.fully_shard`): FP8 weight all-gather and FP8 gradient
+reduce-scatter, through FSDP2's own extension points.
+
+- **All-gather**: `ScalingTensor` shards implement FSDP2's ``fsdp_pre_all_gather`` /
+  ``fsdp_post_all_gather`` (in `fp8lm.tensor`): the weight of an FP8 GEMM travels as E4M3 bytes
+  with one scale agreed over the mesh, and the gathered ScalingTensor is FP8Linear's operand as is.
+  `precompute_fp8_scales` agrees the scales of all weights with one MAX all-reduce per step.
+- **Reduce-scatter**: `FP8ReduceScatter` (installed with ``FSDPModule.set_custom_reduce_scatter``)
+  sends every chunk of FSDP's flat gradient buffer as E4M3 with its own scale, sums in FP32 on the
+  owning rank and divides by the world size after the sum (`fp8_reduce_scatter`), so nothing
+  saturates.
+- `fully_shard` is torch's, plus both of the above and counted communication (`comm_stats`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..formats import E4M3, Format, format_of
+from ..nn.linear import FP8Linear
+from ..scaling import compute_scale
+from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_shard_amax
+from . import comm
+from .collectives import fp8_reduce_scatter
+
+__all__ = ["fully_shard", "precompute_fp8_scales", "FP8ReduceScatter", "CountedAllGather"]
+
+
+class _PlainAllocation:
+    """FSDP2's ``Comm.allocate``: a fresh buffer per call."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountedAllGather(_PlainAllocation):
+    """FSDP2's all-gather through `fp8lm.distributed.comm`, so `comm_stats` counts its bytes."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        return comm.all_gather(output_tensor, input_tensor, group, async_op=async_op)
+
+
+class FP8ReduceScatter(_PlainAllocation):
+    """FSDP2's gradient reduce-scatter in FP8: each of the ``world_size`` chunks of the flat
+    gradient buffer is quantized to ``fmt`` with its own scale, summed in FP32 by the rank that owns
+    it, and (for FSDP's mean) divided by the world size after the sum. Error bound: that of
+    `fp8_all_reduce_error_bound` for the reduce-scatter half (docs/distributed.md)."""
+
+    def __init__(self, fmt: Format | str = E4M3):
+        self.fmt = format_of(fmt)
+        if not self.fmt.is_fp8:
+            raise ValueError(f"FP8ReduceScatter sends FP8 payloads; fmt must be E4M3 or E5M2, got {self.fmt}")
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(
+                f"FP8ReduceScatter sums or averages, got reduce op {op}; "
+                "leave fully_shard's gradient_divide_factor unset"
+            )
+        shard = fp8_reduce_scatter(input_tensor, group, self.fmt, average=op == dist.ReduceOp.AVG)
+        output_tensor.copy_(shard)
+        return None
+
+
+def _sharded_scaling_tensors(module: nn.Module) -> list[tuple[nn.Module, DTensor, ScalingTensor]]:
+    """(owning module, parameter, local shard) of every FSDP-sharded ScalingTensor parameter."""
+    found = []
+    for owner in module.modules():
+        for p in owner.parameters(recurse=False):
+            # The DTensor's own local tensor (to_local() returns a new view): the object FSDP2 calls.
+            if isinstance(p, DTensor) and isinstance(p._local_tensor, ScalingTensor):
+                found.append((owner, p, p._local_tensor))
+    return found
+
+
+def _choose_gather_formats(module: nn.Module) -> None:
+    """E4M3 for the weight of every FP8 GEMM (a format is fixed at the shard's first all-gather)."""
+    for owner, param, shard in _sharded_scaling_tensors(module):
+        is_fp8_weight = isinstance(owner, FP8Linear) and param is owner.weight
+        fsdp_gather_format(param, shard, E4M3 if is_fp8_weight else None)
+
+
+def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs):
+    """`torch.distributed.fsdp.fully_shard` (same arguments and return value) with FP8 weight
+    all-gather for FP8Linear weights, FP8 gradient reduce-scatter (``fp8_reduce_scatter=False``
+    keeps FSDP's own, in its ``MixedPrecisionPolicy.reduce_dtype``) and counted communication.
+    Call it on each block, then on the whole model, as with torch's."""
+    sharded = torch_fully_shard(module, **kwargs)
+    _choose_gather_formats(sharded)
+    sharded.set_custom_all_gather(CountedAllGather())
+    if fp8_reduce_scatter:
+        sharded.set_custom_reduce_scatter(FP8ReduceScatter())
+    return sharded
+
+
+@torch.no_grad()
+def precompute_fp8_scales(model: nn.Module) -> None:
+    """Agree the all-gather scale of every sharded ScalingTensor weight of ``model`` with one MAX
+    all-reduce of their amaxes per mesh (instead of one per weight in each all-gather). Call it
+    before the first forward and after every optimizer step; the scales hold until the next call."""
+    _choose_gather_formats(model)
+    by_group: dict = defaultdict(list)
+    for _, param, shard in _sharded_scaling_tensors(model):
+        by_group[param.device_mesh.get_group()].append((param, shard))
+    for group, members in by_group.items():
+        amaxes = torch.stack([fsdp_shard_amax(shard) for _, shard in members])
+        comm.all_reduce(amaxes, dist.ReduceOp.MAX, group)
+        for (param, shard), value_amax in zip(members, amaxes, strict=True):
+            # Kept on the parameter, whose local tensor FSDP2 may replace.
+            param.fsdp_gather_scale = compute_scale(value_amax, fsdp_gather_format(param, shard))  # type: ignore[attr-defined]
