@@ -25,7 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
 from fp8lm.distributed import (  # noqa: E402
-    comm_stats, ddp_bytes, fp8_all_reduce, reset_comm_stats, setup, shared_scale_all_reduce, shutdown,
+    comm_stats,
+    ddp_bytes,
+    fp8_all_reduce,
+    reset_comm_stats,
+    setup,
+    shared_scale_all_reduce,
+    shutdown,
 )
 
 
@@ -56,6 +62,7 @@ def main() -> None:
             t = grad.to(dtype, copy=True)
             dist.all_reduce(t)
             return t.float() / world
+
         return run
 
     results = {}
@@ -63,26 +70,47 @@ def main() -> None:
     exact_norm = float(exact.norm())
     t_bf16, _, bf16 = timed(plain(torch.bfloat16), args.reps)
     results["fp32"] = {"seconds": t_fp32, "bytes_sent": ddp_bytes(args.numel, 4, world)}
-    results["bf16"] = {"seconds": t_bf16, "bytes_sent": ddp_bytes(args.numel, 2, world),
-                       "rel_l2_error_vs_fp32": float((bf16 - exact).norm()) / exact_norm}
+    results["bf16"] = {
+        "seconds": t_bf16,
+        "bytes_sent": ddp_bytes(args.numel, 2, world),
+        "rel_l2_error_vs_fp32": float((bf16 - exact).norm()) / exact_norm,
+    }
     del bf16
     t, stats, out = timed(lambda: fp8_all_reduce(grad, average=True), args.reps)
-    results["fp8"] = {"seconds": t, "bytes_sent": stats["total_bytes"], "comm_stats": stats,
-                      "rel_l2_error_vs_fp32": float((out - exact).norm()) / exact_norm}
+    results["fp8"] = {
+        "seconds": t,
+        "bytes_sent": stats["total_bytes"],
+        "comm_stats": stats,
+        "rel_l2_error_vs_fp32": float((out - exact).norm()) / exact_norm,
+    }
     del out
-    t, stats, (out, saturated) = timed(
-        lambda: shared_scale_all_reduce(grad, mu=1.0 / world, average=True), args.reps)
-    results["fp8_shared_scale_pre"] = {"seconds": t, "bytes_sent": stats["total_bytes"], "saturated": saturated,
-                                       "rel_l2_error_vs_fp32": float((out - exact).norm()) / exact_norm}
+    t, stats, (out, saturated) = timed(lambda: shared_scale_all_reduce(grad, mu=1.0 / world, average=True), args.reps)
+    results["fp8_shared_scale_pre"] = {
+        "seconds": t,
+        "bytes_sent": stats["total_bytes"],
+        "saturated": saturated,
+        "rel_l2_error_vs_fp32": float((out - exact).norm()) / exact_norm,
+    }
     del out
     for key in ("fp8", "fp8_shared_scale_pre", "bf16"):
         results[key]["bytes_vs_fp32"] = results[key]["bytes_sent"] / results["fp32"]["bytes_sent"]
         results[key]["bytes_vs_bf16"] = results[key]["bytes_sent"] / results["bf16"]["bytes_sent"]
         results[key]["time_vs_bf16"] = results[key]["seconds"] / t_bf16
     if rank == 0:
-        print(json.dumps({"benchmark": "grad_all_reduce", "world_size": world, "backend": dist.get_backend(),
-                          "numel": args.numel, "reps": args.reps, "results": results, "machine": machine()},
-                         indent=2))
+        print(
+            json.dumps(
+                {
+                    "benchmark": "grad_all_reduce",
+                    "world_size": world,
+                    "backend": dist.get_backend(),
+                    "numel": args.numel,
+                    "reps": args.reps,
+                    "results": results,
+                    "machine": machine(),
+                },
+                indent=2,
+            )
+        )
     shutdown(0)
 
 

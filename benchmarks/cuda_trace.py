@@ -42,12 +42,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import machine
+from gemm import parse_shapes
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from common import machine
-from gemm import parse_shapes
 
 CATEGORIES = ("gemm", "cast", "amax_scale", "nonfinite", "transpose_copy", "bias", "attention", "other")
 # Ops that copy a value to the host and wait for it (``.item()``, ``bool(t)``, ``torch.equal``).

@@ -57,8 +57,10 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = GPT(cfg)
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
     model, opt = wrap(model, opt, args.opt_level)
     sharded = isinstance(opt, fp8lm.distributed.FP8ZeroOptimizer)
@@ -87,15 +89,27 @@ def main() -> None:
         val_loss = sum(float(model(vx, vy)[1]) for vx, vy in val) / len(val)
     num_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(json.dumps({
-            "benchmark": "dist_train", "opt_level": args.opt_level, "world_size": world, "steps": args.steps,
-            "global_batch": args.batch_size, "val_loss": val_loss, "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]),
-            "skipped_steps": skipped, "seconds": seconds, "num_params": num_params,
-            "comm_bytes_per_step": sum(step_bytes) / len(step_bytes),
-            "fp32_ddp_bytes_per_step": ddp_bytes(num_params, 4, world),
-            "bf16_ddp_bytes_per_step": ddp_bytes(num_params, 2, world),
-            "machine": machine(),
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "benchmark": "dist_train",
+                    "opt_level": args.opt_level,
+                    "world_size": world,
+                    "steps": args.steps,
+                    "global_batch": args.batch_size,
+                    "val_loss": val_loss,
+                    "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]),
+                    "skipped_steps": skipped,
+                    "seconds": seconds,
+                    "num_params": num_params,
+                    "comm_bytes_per_step": sum(step_bytes) / len(step_bytes),
+                    "fp32_ddp_bytes_per_step": ddp_bytes(num_params, 4, world),
+                    "bf16_ddp_bytes_per_step": ddp_bytes(num_params, 2, world),
+                    "machine": machine(),
+                },
+                indent=1,
+            )
+        )
     if world > 1:
         shutdown(0)
 

@@ -19,12 +19,11 @@ import contextlib
 import json
 
 import torch
+from common import machine
 
 import fp8lm
 from fp8lm.fallback import FallbackPolicy, PrecisionFallback
 from fp8lm.telemetry import Telemetry
-
-from common import machine
 
 WIDTH, HIDDEN = 64, 256
 
@@ -76,12 +75,23 @@ def main() -> None:
     channel_weight = torch.logspace(-14, 0, WIDTH)
     gen = torch.Generator().manual_seed(2)
     batches = [torch.randn(64, WIDTH, generator=gen) for _ in range(50)]
-    results = {mode: run(mode, args.steps, batches, teacher, channel_weight) for mode in ("high_precision", "O1", "O1+fallback")}
+    results = {
+        mode: run(mode, args.steps, batches, teacher, channel_weight)
+        for mode in ("high_precision", "O1", "O1+fallback")
+    }
     ref = results["high_precision"]["small_channels_mse"]
-    print(json.dumps({
-        "benchmark": "fallback", "machine": machine(), "steps": args.steps, "results": results,
-        "small_channels_mse_vs_high_precision": {m: r["small_channels_mse"] / ref for m, r in results.items()},
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "fallback",
+                "machine": machine(),
+                "steps": args.steps,
+                "results": results,
+                "small_channels_mse_vs_high_precision": {m: r["small_channels_mse"] / ref for m, r in results.items()},
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -14,10 +14,9 @@ import argparse
 import json
 
 import torch
-from torch import nn
-
 from common import keep_freed_memory, machine, median_time
 from gemm import parse_shapes
+from torch import nn
 
 from fp8lm.nn import FP8Linear
 from fp8lm.ops.gemm import FP8Operand, choose_backend, fp8_mm, scaled_mm_supported
@@ -36,7 +35,9 @@ def gemm_ms(m: int, k: int, n: int, device: str, reps: int) -> dict:
     for backend in backends:
         for dtype in (torch.float32, torch.bfloat16):
             # fresh operands each call: the upcast is part of the cost
-            run = lambda: fp8_mm(FP8Operand(a8, one, True), FP8Operand(b8, one, True).t(), dtype, backend=backend)
+            run = lambda dtype=dtype, backend=backend: fp8_mm(  # noqa: E731
+                FP8Operand(a8, one, True), FP8Operand(b8, one, True).t(), dtype, backend=backend
+            )
             out[f"{backend}_{str(dtype)[6:]}"] = median_time(run, reps) * 1e3
     return out
 
@@ -53,7 +54,10 @@ def linear_ms(m: int, k: int, n: int, device: str, reps: int) -> dict:
         layer.zero_grad(set_to_none=True)  # a training step: no accumulation into old gradients
         x.grad = None
 
-    out = {"bf16_linear": median_time(lambda: step(ref), reps) * 1e3, "fp8_linear": median_time(lambda: step(fp8), reps) * 1e3}
+    out = {
+        "bf16_linear": median_time(lambda: step(ref), reps) * 1e3,
+        "fp8_linear": median_time(lambda: step(fp8), reps) * 1e3,
+    }
     out["fp8_over_bf16"] = out["fp8_linear"] / out["bf16_linear"]
     return out
 
@@ -68,14 +72,28 @@ def main() -> None:
     heap_reuse = False if args.fresh_pages else keep_freed_memory()
     shapes = args.shapes or (GPU_SHAPES if args.device.startswith("cuda") else CPU_SHAPES)
     results = [
-        {"m": m, "k": k, "n": n, "gemm_ms": gemm_ms(m, k, n, args.device, args.reps),
-         "fwd_bwd_ms": linear_ms(m, k, n, args.device, args.reps)}
+        {
+            "m": m,
+            "k": k,
+            "n": n,
+            "gemm_ms": gemm_ms(m, k, n, args.device, args.reps),
+            "fwd_bwd_ms": linear_ms(m, k, n, args.device, args.reps),
+        }
         for m, k, n in shapes
     ]
-    print(json.dumps({
-        "benchmark": "fp8_linear", "machine": machine(), "device": args.device,
-        "auto_backend": choose_backend(args.device), "heap_reuse": heap_reuse, "results": results,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "fp8_linear",
+                "machine": machine(),
+                "device": args.device,
+                "auto_backend": choose_backend(args.device),
+                "heap_reuse": heap_reuse,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

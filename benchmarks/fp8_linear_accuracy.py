@@ -13,9 +13,8 @@ import argparse
 import json
 
 import torch
-from torch import nn
-
 from common import machine
+from torch import nn
 
 from fp8lm.nn import FP8Linear
 
@@ -57,8 +56,12 @@ def main() -> None:
     for xs, gs in zip(x.chunk(4), g.chunk(4)):
         micro(xs).backward(gs)
     results["weight_grad_4_microbatches"] = sqnr_db(ref.weight.grad, micro.weight.grad.dequantize())
-    print(json.dumps({"benchmark": "fp8_linear_accuracy", "machine": machine(), "device": args.device,
-                      "sqnr_db": results}, indent=2))
+    print(
+        json.dumps(
+            {"benchmark": "fp8_linear_accuracy", "machine": machine(), "device": args.device, "sqnr_db": results},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

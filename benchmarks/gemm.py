@@ -13,7 +13,6 @@ import argparse
 import json
 
 import torch
-
 from common import machine, median_time
 
 CPU_SHAPES = [(4096, 384, 1536), (4096, 768, 3072), (2048, 1024, 4096)]
@@ -24,7 +23,7 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     try:
         return [tuple(int(d) for d in s.split("x")) for s in text.split(",")]  # type: ignore[misc]
     except ValueError:
-        raise SystemExit(f"--shapes: expected MxKxN[,MxKxN...], got {text!r}")
+        raise SystemExit(f"--shapes: expected MxKxN[,MxKxN...], got {text!r}") from None
 
 
 def gemm_tflops(m: int, k: int, n: int, device: str, reps: int) -> dict:

@@ -22,9 +22,9 @@ import sys
 import time
 
 import torch
+from common import machine
 
 import fp8lm
-from common import machine
 from fp8lm.optim import FP8AdamW
 
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -143,8 +143,11 @@ def main() -> None:
         # live tensors. That setting slows some allocators' users down (torch's fused AdamW: 2.3 ->
         # 3.4 ms), so the step times come from this process, under the default malloc.
         child = subprocess.run(
-            [sys.executable, *sys.argv, "--peak-memory-only"], env={**os.environ, _MMAP_ENV: "65536"},
-            capture_output=True, text=True, check=True,
+            [sys.executable, *sys.argv, "--peak-memory-only"],
+            env={**os.environ, _MMAP_ENV: "65536"},
+            capture_output=True,
+            text=True,
+            check=True,
         )
         peaks = json.loads(child.stdout)
     else:
@@ -188,17 +191,22 @@ def main() -> None:
         if name.startswith("fp8") and "step_ms" in r:
             r["time_ratio_vs_torch_best"] = r["step_ms"] / torch_best["step_ms"]
             r["state_memory_ratio_vs_torch"] = r["state_bytes"] / torch_best["state_bytes"]
-    print(json.dumps({
-        "benchmark": "optimizer_step",
-        "machine": machine(),
-        "device": dev,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "num_params": sum(torch.Size(s).numel() for s in shapes),
-        "layers": args.layers,
-        "width": args.width,
-        "results": results,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "optimizer_step",
+                "machine": machine(),
+                "device": dev,
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "num_params": sum(torch.Size(s).numel() for s in shapes),
+                "layers": args.layers,
+                "width": args.width,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -32,15 +32,20 @@ def main() -> None:
         ax_time.bar(xs, [s["ratio_to_bf16"][level] for s in sizes], width, label=level)
         ax_mem.bar(xs, [s["bytes_per_param"][level] for s in sizes], width, label=level)
         ax_act.bar(xs, [s["act_bytes_per_token"][level] / 1024 for s in sizes], width, label=level)
-    for ax, title in ((ax_time, "step time / BF16 autocast"), (ax_mem, "training state, bytes per parameter"),
-                      (ax_act, "activations saved for backward, KiB per token")):
+    for ax, title in (
+        (ax_time, "step time / BF16 autocast"),
+        (ax_mem, "training state, bytes per parameter"),
+        (ax_act, "activations saved for backward, KiB per token"),
+    ):
         ax.set_xticks([j + width * (len(levels) - 1) / 2 for j in range(len(sizes))], labels)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     ax_time.axhline(1.0, color="black", linewidth=0.8)
     ax_mem.legend(loc="lower left", fontsize=8)
     device = data.get("device", "")
-    fig.suptitle(f"fp8lm vs baselines on {device} ({data['machine'].get('processor', '')}, {data['machine'].get('cpu_count')} cores)")
+    fig.suptitle(
+        f"fp8lm vs baselines on {device} ({data['machine'].get('processor', '')}, {data['machine'].get('cpu_count')} cores)"
+    )
     fig.tight_layout()
     out = args.out or args.result.with_suffix(".png")
     fig.savefig(out, dpi=110)

@@ -15,11 +15,10 @@ import argparse
 import json
 
 import torch
+from common import keep_freed_memory, machine, median_time
 
 import fp8lm
 from fp8lm.ops.cast import saturating_cast_with_amax
-
-from common import keep_freed_memory, machine, median_time
 
 
 def main() -> None:
@@ -27,7 +26,9 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=256, help="size of the float32 input in MB")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--fresh-pages", action="store_true", help="leave glibc's default of mapping new pages per large tensor")
+    parser.add_argument(
+        "--fresh-pages", action="store_true", help="leave glibc's default of mapping new pages per large tensor"
+    )
     args = parser.parse_args()
     heap_reuse = False if args.fresh_pages else keep_freed_memory()
 
@@ -43,19 +44,24 @@ def main() -> None:
         "cast_with_amax": median_time(lambda: saturating_cast_with_amax(x, scale, fp8lm.E4M3), args.reps),
     }
     gbps = {k: nbytes / t / 1e9 for k, t in times.items()}
-    print(json.dumps({
-        "benchmark": "quantize",
-        "machine": machine(),
-        "device": args.device,
-        "input_mb": args.mb,
-        "heap_reuse": heap_reuse,
-        "seconds": times,
-        "input_GB_per_s": gbps,
-        "ratio_quantize_vs_copy": times["copy"] / times["quantize"],
-        "ratio_quantize_vs_clone": times["clone"] / times["quantize"],
-        "ratio_cast_with_amax_vs_copy": times["copy"] / times["cast_with_amax"],
-        "ratio_cast_with_amax_vs_clone": times["clone"] / times["cast_with_amax"],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "quantize",
+                "machine": machine(),
+                "device": args.device,
+                "input_mb": args.mb,
+                "heap_reuse": heap_reuse,
+                "seconds": times,
+                "input_GB_per_s": gbps,
+                "ratio_quantize_vs_copy": times["copy"] / times["quantize"],
+                "ratio_quantize_vs_clone": times["clone"] / times["quantize"],
+                "ratio_cast_with_amax_vs_copy": times["copy"] / times["cast_with_amax"],
+                "ratio_cast_with_amax_vs_clone": times["clone"] / times["cast_with_amax"],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ import statistics
 import time
 
 import torch
+from common import keep_freed_memory, machine
 
 import fp8lm
 from fp8lm.telemetry import Telemetry
 from fp8lm.train.model import GPT, preset
-
-from common import keep_freed_memory, machine
 
 
 def main() -> None:
@@ -56,11 +55,21 @@ def main() -> None:
     for i in range(2 * args.pairs):
         (sampled if i % 2 == 0 else plain).append(step(i))
     s, p = statistics.median(sampled), statistics.median(plain)
-    print(json.dumps({
-        "benchmark": "telemetry", "machine": machine(), "model": cfg.to_dict(), "tokens_per_step": x.numel(),
-        "sampled_step_s": s, "unsampled_step_s": p, "every": args.every,
-        "overhead_fraction": (s - p) / (args.every * p),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "telemetry",
+                "machine": machine(),
+                "model": cfg.to_dict(),
+                "tokens_per_step": x.numel(),
+                "sampled_step_s": s,
+                "unsampled_step_s": p,
+                "every": args.every,
+                "overhead_fraction": (s - p) / (args.every * p),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

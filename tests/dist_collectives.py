@@ -92,4 +92,3 @@ def comm_checks(rank, world):
     except TypeError as e:
         out["fp8_sum_error"] = str(e)
     return out
-

@@ -44,8 +44,10 @@ def loss_of(model, idx, y):
 def grads(model):
     from fp8lm import ScalingTensor
 
-    return {n: (p.grad.dequantize() if isinstance(p.grad, ScalingTensor) else p.grad.clone())
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.dequantize() if isinstance(p.grad, ScalingTensor) else p.grad.clone())
+        for n, p in model.named_parameters()
+    }
 
 
 def checks(rank, world):
@@ -138,4 +140,3 @@ def checks(rank, world):
     except ValueError as e:
         out["bad_bucket_error"] = str(e)
     return out
-

@@ -31,14 +31,24 @@ def launch(script: str, world_size: int, *args: str, timeout: float = 120.0) -> 
         procs = []
         for r in range(world_size):
             env = dict(
-                os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                os.environ,
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
                 OMP_NUM_THREADS="1",
             )
-            procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / script), out, *args],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / script), out, *args],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         logs, codes = [], []
         for p in procs:
             try:

@@ -27,7 +27,12 @@ def checks(rank, world, save_dir, load_dir=None):
 
     import fp8lm
     from fp8lm.distributed import (
-        FP8ZeroOptimizer, comm_stats, load_checkpoint, reset_comm_stats, save_checkpoint, wrap,
+        FP8ZeroOptimizer,
+        comm_stats,
+        load_checkpoint,
+        reset_comm_stats,
+        save_checkpoint,
+        wrap,
     )
     from fp8lm.train.model import GPT, preset
 
@@ -37,15 +42,17 @@ def checks(rank, world, save_dir, load_dir=None):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, opt = wrap(model, opt, "O3", optimizer_options={"kernel": "eager"})
     assert isinstance(opt, FP8ZeroOptimizer)
-    out["payload_dtypes"] = {n: (p.payload.dtype if isinstance(p, fp8lm.ScalingTensor) else p.dtype)
-                             for n, p in model.named_parameters()}
+    out["payload_dtypes"] = {
+        n: (p.payload.dtype if isinstance(p, fp8lm.ScalingTensor) else p.dtype) for n, p in model.named_parameters()
+    }
     out["owned"] = opt.owned_names()
 
     # An unsharded O3 replica fed the same reduced gradients must end bit-identical.
     torch.manual_seed(0)
     ref = GPT(preset("tiny"))
-    ref, ref_opt = fp8lm.initialize(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3), "O3",
-                                    optimizer_options={"kernel": "eager"})
+    ref, ref_opt = fp8lm.initialize(
+        ref, torch.optim.AdamW(ref.parameters(), lr=3e-3), "O3", optimizer_options={"kernel": "eager"}
+    )
     ref.load_state_dict(model.state_dict())
     ref_params = dict(ref.named_parameters())
 
@@ -94,8 +101,9 @@ def checks(rank, world, save_dir, load_dir=None):
 
     # Memory of the default ("small") preset after a step, all state counted by memory_report.
     small = GPT(preset("small"))
-    small, small_opt = wrap(small, torch.optim.AdamW(small.parameters(), lr=1e-3), "O3",
-                            optimizer_options={"kernel": "eager"})
+    small, small_opt = wrap(
+        small, torch.optim.AdamW(small.parameters(), lr=1e-3), "O3", optimizer_options={"kernel": "eager"}
+    )
     x, y = batch(rank, 0, world)
     small(x, y)[1].backward()
     small_opt.step()

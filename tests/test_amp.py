@@ -302,8 +302,12 @@ def test_the_output_head_stores_its_weight_gradient_in_bf16(level):
     other = model.blocks[0].mlp.c_fc
     assert other.weight_grad_format == fp8lm.E4M3 and other.weight.grad.payload.dtype == torch.float8_e4m3fn
     # without the rule the head is like every linear layer
-    plain, _ = fp8lm.initialize(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)), None, level,
-                                policy=fp8lm.policy.preset(level, output_head=False))
+    plain, _ = fp8lm.initialize(
+        GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)),
+        None,
+        level,
+        policy=fp8lm.policy.preset(level, output_head=False),
+    )
     assert plain.lm_head.weight_grad_format == fp8lm.E4M3
 
 

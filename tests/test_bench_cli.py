@@ -2,13 +2,14 @@
 
 import json
 
-from fp8lm.bench import scripts_dir
 from cli_helpers import run_main
-
+from fp8lm.bench import scripts_dir
 
 
 def test_runs_a_tiny_gemm_benchmark_and_saves_its_json(tmp_path, capsys):
-    rc, out, err = run_main(["bench", "gemm", "--out", str(tmp_path), "--", "--shapes", "64x64x64", "--reps", "1"], capsys)
+    rc, out, err = run_main(
+        ["bench", "gemm", "--out", str(tmp_path), "--", "--shapes", "64x64x64", "--reps", "1"], capsys
+    )
     assert rc == 0, err
     saved = json.loads((tmp_path / "gemm.json").read_text())
     assert json.loads(out[: out.rindex("}") + 1]) == saved
@@ -31,7 +32,9 @@ def test_bad_names_missing_scripts_and_broken_output_are_clear_errors(tmp_path, 
     (fake / "gemm.py").write_text("print('not json')\n")
     (fake / "quantize.py").write_text("import sys\nsys.exit(3)\n")
     out = tmp_path / "out"
-    one_error_line(*run_main(["bench", "gemm", "--scripts", str(fake), "--out", str(out)], capsys), "printed no valid JSON")
+    one_error_line(
+        *run_main(["bench", "gemm", "--scripts", str(fake), "--out", str(out)], capsys), "printed no valid JSON"
+    )
     one_error_line(*run_main(["bench", "quantize", "--scripts", str(fake), "--out", str(out)], capsys), "exit status 3")
     assert not out.exists() or not list(out.iterdir())
     rc, _, err = run_main(["train", "--steps", "1", "--", "--reps", "1"], capsys)

@@ -134,8 +134,10 @@ def _saved(tmp_path, **entries):
     "entries, name",
     [
         ({"model": {"w": torch.tensor([1.0, float("inf")])}}, "model.w"),
-        ({"ranks": [{"scaling": {"fc.input_meta": {"amax_history": torch.tensor([float("nan")])}}}]},
-         "ranks.0.scaling.fc.input_meta.amax_history"),
+        (
+            {"ranks": [{"scaling": {"fc.input_meta": {"amax_history": torch.tensor([float("nan")])}}}]},
+            "ranks.0.scaling.fc.input_meta.amax_history",
+        ),
     ],
 )
 def test_training_checkpoint_with_nonfinite_values_is_refused(tmp_path, entries, name):

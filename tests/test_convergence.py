@@ -16,8 +16,20 @@ from fp8lm.train.report import read_metrics
 
 # Warmup, then a constant learning rate: the first 200 steps of a 300-step run are then the
 # 200-step run, so one BF16 run gives both baselines.
-GPT4 = dict(model="small", n_layer=4, n_embd=64, n_head=4, seq_len=64, batch_size=8, lr=2e-3,
-            warmup_steps=30, min_lr_ratio=1.0, eval_every=100, eval_batches=16, progress=False)
+GPT4 = dict(
+    model="small",
+    n_layer=4,
+    n_embd=64,
+    n_head=4,
+    seq_len=64,
+    batch_size=8,
+    lr=2e-3,
+    warmup_steps=30,
+    min_lr_ratio=1.0,
+    eval_every=100,
+    eval_batches=16,
+    progress=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +49,9 @@ def run(tmp_path_factory):
 
 
 def val_loss_at(summary, step):
-    return next(r["val_loss"] for r in read_metrics(Path(summary["config"]["out"]) / "metrics.jsonl") if r["step"] == step)
+    return next(
+        r["val_loss"] for r in read_metrics(Path(summary["config"]["out"]) / "metrics.jsonl") if r["step"] == step
+    )
 
 
 def gap(loss, bf16_loss):
@@ -56,9 +70,11 @@ def test_o1_200_steps_within_2_percent_of_bf16(run):
 def test_o2_300_steps_within_2_percent_of_bf16_and_fp8_second_moment_gap(run):
     bf16, o2 = run("bf16", 300), run("O2", 300)
     o2_v8 = run("O2", 300, exp_avg_sq="E4M3")
-    print(f"\n300 steps: bf16 {bf16['val_loss']:.4f}, O2 {o2['val_loss']:.4f} "
-          f"({gap(o2['val_loss'], bf16['val_loss']):+.2%}), O2 + FP8 second moment {o2_v8['val_loss']:.4f} "
-          f"({gap(o2_v8['val_loss'], bf16['val_loss']):+.2%}), "
-          f"{o2['bytes_per_param']:.2f} vs {o2_v8['bytes_per_param']:.2f} bytes/param")
+    print(
+        f"\n300 steps: bf16 {bf16['val_loss']:.4f}, O2 {o2['val_loss']:.4f} "
+        f"({gap(o2['val_loss'], bf16['val_loss']):+.2%}), O2 + FP8 second moment {o2_v8['val_loss']:.4f} "
+        f"({gap(o2_v8['val_loss'], bf16['val_loss']):+.2%}), "
+        f"{o2['bytes_per_param']:.2f} vs {o2_v8['bytes_per_param']:.2f} bytes/param"
+    )
     assert abs(gap(o2["val_loss"], bf16["val_loss"])) <= 0.02
     assert o2_v8["bytes_per_param"] < o2["bytes_per_param"]

@@ -24,8 +24,7 @@ def _samples():
             yield "cast", (x, scale, dtype)
             yield "cast_with_amax", (x, scale, dtype)
             yield "cast_dequantized", (x, scale, torch.tensor(0.25), dtype, torch.float32)
-            yield "upcast", (cast_ops.saturating_cast(x, scale, format_of(dtype)), torch.tensor(0.5),
-                             torch.bfloat16)
+            yield "upcast", (cast_ops.saturating_cast(x, scale, format_of(dtype)), torch.tensor(0.5), torch.bfloat16)
         yield "amax", (_x(),)
 
 

@@ -3,7 +3,13 @@ import pytest
 import torch
 
 from fp8lm.train.data import (
-    BatchSampler, DataError, eval_batches, is_validation, pack, path_documents, stdlib_documents,
+    BatchSampler,
+    DataError,
+    eval_batches,
+    is_validation,
+    pack,
+    path_documents,
+    stdlib_documents,
 )
 
 

@@ -32,9 +32,14 @@ def test_all_reduce_identical_on_every_rank(ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key,fmt,average", [
-    ("all_reduce", E4M3, False), ("all_reduce_mean", E4M3, True), ("all_reduce_e5m2", E5M2, False),
-])
+@pytest.mark.parametrize(
+    "key,fmt,average",
+    [
+        ("all_reduce", E4M3, False),
+        ("all_reduce_mean", E4M3, True),
+        ("all_reduce_e5m2", E5M2, False),
+    ],
+)
 @pytest.mark.slow
 def test_all_reduce_error_within_fp8_bound(ranks, key, fmt, average):
     world = len(ranks)
@@ -119,7 +124,8 @@ def test_comm_stats_counts_standard_algorithm_bytes(ranks):
     assert stats["all_reduce_bytes"] == pytest.approx(2 * share * world * 4)  # agreed output scales
     assert (stats["all_to_all_calls"], stats["all_gather_calls"], stats["all_reduce_calls"]) == (1, 2, 1)
     assert stats["total_bytes"] == pytest.approx(
-        stats["all_to_all_bytes"] + stats["all_gather_bytes"] + stats["all_reduce_bytes"])
+        stats["all_to_all_bytes"] + stats["all_gather_bytes"] + stats["all_reduce_bytes"]
+    )
     fp32_ddp = collective_bytes("all_reduce", 4 * 20000, world)
     assert stats["total_bytes"] / fp32_ddp < 0.26
 
@@ -160,8 +166,13 @@ def test_comm_helpers_count_bytes_by_kind(ranks):
     world = len(ranks)
     share = (world - 1) / world
     expected = {  # the full tensor's bytes times the kind's cost; a send counts all, a recv none
-        "all_reduce": 2 * share * 8 * 4, "reduce_scatter": share * 4 * world * 4, "all_gather": share * 3 * world,
-        "all_to_all": share * world * 4, "broadcast": share * 5 * 4, "send": 6 * 4, "recv": 0,
+        "all_reduce": 2 * share * 8 * 4,
+        "reduce_scatter": share * 4 * world * 4,
+        "all_gather": share * 3 * world,
+        "all_to_all": share * world * 4,
+        "broadcast": share * 5 * 4,
+        "send": 6 * 4,
+        "recv": 0,
     }
     for r in ranks:
         stats = r["comm"]["stats"]

@@ -32,8 +32,11 @@ def ranks(request):
 @pytest.mark.slow
 def test_weights_are_fp8_except_vectors(ranks):
     for name, dtype in ranks[0]["payload_dtypes"].items():
-        assert dtype == (torch.float32 if name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight"))
-                         else torch.float8_e4m3fn), name
+        assert dtype == (
+            torch.float32
+            if name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight"))
+            else torch.float8_e4m3fn
+        ), name
 
 
 @pytest.mark.slow

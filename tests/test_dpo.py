@@ -23,20 +23,36 @@ def inputs(tmp_path_factory):
     lines = []
     for _ in range(48):
         a, b = rng.randint(0, 50), rng.randint(0, 50)
-        lines.append(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + rng.randint(1, 9))}))
+        lines.append(
+            json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + rng.randint(1, 9))})
+        )
     (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
     return root
 
 
 def dpo_args(inputs, out, *extra):
-    return ["dpo", "--init-from", str(inputs / "init.pt"), "--data", str(inputs / "pairs.jsonl"), "--out", str(out),
-            "--batch-size", "4", "--no-progress", *extra]
+    return [
+        "dpo",
+        "--init-from",
+        str(inputs / "init.pt"),
+        "--data",
+        str(inputs / "pairs.jsonl"),
+        "--out",
+        str(out),
+        "--batch-size",
+        "4",
+        "--no-progress",
+        *extra,
+    ]
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"prompt": "1+1=", "chosen": "2"}', "pairs.jsonl:3: no 'rejected' key"),
-    ("not json", "pairs.jsonl:3: not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "1+1=", "chosen": "2"}', "pairs.jsonl:3: no 'rejected' key"),
+        ("not json", "pairs.jsonl:3: not valid JSON"),
+    ],
+)
 def test_bad_pairs_file_is_one_line_exit_2_and_no_output(inputs, tmp_path, capsys, line, message):
     good = (inputs / "pairs.jsonl").read_text().splitlines()[:2]
     bad = tmp_path / "pairs.jsonl"
@@ -64,8 +80,12 @@ def test_refusals(inputs, tmp_path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_run_files_and_bit_for_bit_resume(inputs, tmp_path, capsys):
     whole = tmp_path / "whole"
-    rc, out, err = run_main(dpo_args(inputs, whole, "--steps", "6", "--save-every", "3", "--eval-every", "3",
-                                     "--opt-level", "O2", "--lr", "1e-3"), capsys)
+    rc, out, err = run_main(
+        dpo_args(
+            inputs, whole, "--steps", "6", "--save-every", "3", "--eval-every", "3", "--opt-level", "O2", "--lr", "1e-3"
+        ),
+        capsys,
+    )
     assert rc == 0, err
     summary = json.loads((whole / "summary.json").read_text())
     assert set(SUMMARY_KEYS) <= set(summary) and summary["steps"] == 6
@@ -82,11 +102,28 @@ def test_run_files_and_bit_for_bit_resume(inputs, tmp_path, capsys):
     (part / "summary.json").unlink()
     for p in (part / "checkpoints").glob("step_00000006*"):
         p.unlink()
-    rc, _, err = run_main(dpo_args(inputs, part, "--steps", "6", "--save-every", "3", "--eval-every", "3",
-                                   "--opt-level", "O2", "--lr", "1e-3"), capsys)
+    rc, _, err = run_main(
+        dpo_args(
+            inputs, part, "--steps", "6", "--save-every", "3", "--eval-every", "3", "--opt-level", "O2", "--lr", "1e-3"
+        ),
+        capsys,
+    )
     assert rc == 2 and "already holds a training run" in err
-    argv = dpo_args(inputs, part, "--steps", "6", "--save-every", "3", "--eval-every", "3", "--opt-level", "O2",
-                    "--lr", "1e-3", "--resume")
+    argv = dpo_args(
+        inputs,
+        part,
+        "--steps",
+        "6",
+        "--save-every",
+        "3",
+        "--eval-every",
+        "3",
+        "--opt-level",
+        "O2",
+        "--lr",
+        "1e-3",
+        "--resume",
+    )
     argv[argv.index("--init-from") : argv.index("--init-from") + 2] = []  # the checkpoint holds the reference
     rc, _, err = run_main(argv, capsys)
     assert rc == 0, err
@@ -98,8 +135,9 @@ def test_run_files_and_bit_for_bit_resume(inputs, tmp_path, capsys):
 @pytest.mark.slow
 def test_bf16_level_learns_the_pairs(inputs, tmp_path, capsys):
     out = tmp_path / "bf16"
-    rc, _, err = run_main(dpo_args(inputs, out, "--steps", "30", "--opt-level", "bf16", "--lr", "1e-2",
-                                   "--eval-every", "30"), capsys)
+    rc, _, err = run_main(
+        dpo_args(inputs, out, "--steps", "30", "--opt-level", "bf16", "--lr", "1e-2", "--eval-every", "30"), capsys
+    )
     assert rc == 0, err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["reference_bytes_per_param"] == pytest.approx(2.0)  # a BF16 copy

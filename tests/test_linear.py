@@ -136,7 +136,7 @@ def test_delayed_and_current_scaling():
     delayed = FP8Linear(64, 32, history_len=4)
     current = FP8Linear(64, 32, scaling="current")
     for step in range(6):
-        x = torch.randn(16, 64) * (10.0 ** step)
+        x = torch.randn(16, 64) * (10.0**step)
         delayed(x)
         current(x)
     assert delayed.input_meta.delayed and delayed.input_meta.step == 6
@@ -172,10 +172,13 @@ def test_nonfinite_inputs_and_grads_stay_visible():
     assert not fp8lm.grads_are_finite(layer.parameters())
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda ps: torch.optim.SGD(ps, lr=0.1),
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    ],
+)
 @pytest.mark.parametrize("weight_format", [fp8lm.FP16, fp8lm.FP32])
 def test_torch_optimizers_step_on_fp8_gradients(make_opt, weight_format):
     """ScalingTensor gradients on a ScalingTensor or plain weight: torch optimizers see correct values."""
@@ -295,5 +298,7 @@ def test_model_with_more_fp8_layers_than_the_recompile_limit_compiles_once_not_p
     for code in (FP8Linear.forward.__code__, _FP8LinearFunction.forward.__code__):
         assert len(_debug_get_cache_entry_list(code)) <= 2
     for a, b in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(a.grad.dequantize() if isinstance(a.grad, fp8lm.ScalingTensor) else a.grad,
-                                   b.grad.dequantize() if isinstance(b.grad, fp8lm.ScalingTensor) else b.grad)
+        torch.testing.assert_close(
+            a.grad.dequantize() if isinstance(a.grad, fp8lm.ScalingTensor) else a.grad,
+            b.grad.dequantize() if isinstance(b.grad, fp8lm.ScalingTensor) else b.grad,
+        )

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fp8lm.train.model import GPT, GPTConfig, PRESETS, preset
+from fp8lm.train.model import GPT, PRESETS, GPTConfig, preset
 
 
 def test_forward_shapes_and_loss_of_a_fresh_model_is_near_uniform():

@@ -67,8 +67,9 @@ def test_policy_is_a_value():
 def test_output_head_keeps_fp8_gemms_and_a_bf16_weight_gradient(level):
     policy = preset(level)
     head = policy.precision("lm_head.weight", W, in_linear=True, output_head=True)
-    assert head == ParamPrecision(policy.linear.weight, fp8lm.BF16, policy.linear.master, policy.linear.exp_avg,
-                                  policy.linear.exp_avg_sq)
+    assert head == ParamPrecision(
+        policy.linear.weight, fp8lm.BF16, policy.linear.master, policy.linear.exp_avg, policy.linear.exp_avg_sq
+    )
     assert policy.gemm_in_fp8("lm_head", output_head=True)
     assert policy.precision("lm_head.weight", W, in_linear=True) == policy.linear  # not the head: unchanged
     for plain in (preset(level, output_head=False), policy.without_output_head()):

@@ -23,13 +23,16 @@ def test_read_pairs(tmp_path):
     assert pairs == [PreferencePair(b"2+2=", b"4", b"5"), PreferencePair(b"2+2=", "vier é".encode(), b"5")]
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", "line 2: not valid JSON"),
-    ("[1, 2]", "line 2: a JSON list, not an object"),
-    ('{"prompt": "a", "chosen": "b"}', "line 2: no 'rejected' key"),
-    ('{"prompt": "a", "chosen": 3, "rejected": "c"}', "line 2: 'chosen' must be a non-empty string, got 3"),
-    ('{"prompt": "", "chosen": "b", "rejected": "c"}', "line 2: 'prompt' must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "line 2: not valid JSON"),
+        ("[1, 2]", "line 2: a JSON list, not an object"),
+        ('{"prompt": "a", "chosen": "b"}', "line 2: no 'rejected' key"),
+        ('{"prompt": "a", "chosen": 3, "rejected": "c"}', "line 2: 'chosen' must be a non-empty string, got 3"),
+        ('{"prompt": "", "chosen": "b", "rejected": "c"}', "line 2: 'prompt' must be a non-empty string"),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path, line, message):
     path = write(tmp_path, ['{"prompt": "a", "chosen": "b", "rejected": "c"}', line])
     with pytest.raises(DataError) as e:

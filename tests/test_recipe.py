@@ -16,7 +16,9 @@ def test_named_recipes_are_frozen_hashable_values():
     current = fp8lm.Recipe.from_name("tensorwise-current")
     assert delayed == fp8lm.Recipe() and delayed.name == "tensorwise-delayed"
     assert (delayed.input_format, delayed.weight_format, delayed.grad_output_format) == (
-        fp8lm.E4M3, fp8lm.E4M3, fp8lm.E5M2,
+        fp8lm.E4M3,
+        fp8lm.E4M3,
+        fp8lm.E5M2,
     )
     assert (delayed.scaling, delayed.history_len, delayed.steps) == ("delayed", 16, 16)
     assert (current.scaling, current.steps) == ("current", 0)

@@ -2,7 +2,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fp8lm
 from fp8lm import ScalingMeta, compute_scale
@@ -71,8 +72,11 @@ def test_scaling_meta_state_round_trip_and_mismatch():
         ScalingMeta(fp8lm.E4M3, history_len=-1)
 
 
-@given(st.floats(min_value=2.0**-99, max_value=2.0**99, width=32), st.integers(0, 3),
-       st.sampled_from([fp8lm.E4M3, fp8lm.E5M2, fp8lm.FP16]))
+@given(
+    st.floats(min_value=2.0**-99, max_value=2.0**99, width=32),
+    st.integers(0, 3),
+    st.sampled_from([fp8lm.E4M3, fp8lm.E5M2, fp8lm.FP16]),
+)
 def test_cpu_scalar_path_matches_the_exact_definition(amax, margin, fmt):
     """The scalar fast path gives the largest power of two with amax * scale <= max (before the
     margin), like the tensor path, except where float32 log2 rounds at a power-of-two boundary."""

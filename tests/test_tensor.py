@@ -4,7 +4,8 @@ import io
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fp8lm
 from fp8lm import ScalingTensor, quantize
@@ -23,7 +24,7 @@ def test_round_trip_relative_error_of_in_range_values(magnitude, values, fmt):
     x = torch.tensor(values, dtype=torch.float64) * magnitude
     q = quantize(x.float(), fmt)
     back = q.dequantize(torch.float64)
-    scaled = (x.abs() * q.scale.double())
+    scaled = x.abs() * q.scale.double()
     in_range = scaled >= MIN_NORMAL[fmt]  # normal after scaling: no subnormal or underflow
     rel = ((back - x).abs() / x.abs())[in_range]
     # float32 input rounding adds ~2^-24, far below the FP8 bounds.
@@ -126,8 +127,12 @@ def test_views_split_and_cat_keep_payload_and_scale():
     q = quantize(x)
     ref = q.dequantize()
     for view, expected in [
-        (q.t(), ref.t()), (q[2:5], ref[2:5]), (q.view(6, 8), ref.view(6, 8)),
-        (q.reshape(48), ref.reshape(48)), (q[1], ref[1]), (q.unsqueeze(0), ref.unsqueeze(0)),
+        (q.t(), ref.t()),
+        (q[2:5], ref[2:5]),
+        (q.view(6, 8), ref.view(6, 8)),
+        (q.reshape(48), ref.reshape(48)),
+        (q[1], ref[1]),
+        (q.unsqueeze(0), ref.unsqueeze(0)),
     ]:
         assert isinstance(view, ScalingTensor)
         assert torch.equal(view.dequantize(), expected)
@@ -241,7 +246,9 @@ def test_cast_with_amax_matches_separate_passes(numel):
     x = torch.randn(numel, dtype=torch.bfloat16) * 7
     scale = torch.tensor(16.0)
     payload, got_amax = cast.saturating_cast_with_amax(x, scale, fp8lm.E4M3)
-    assert torch.equal(payload.view(torch.uint8), cast._eager_cast(x, scale, 448.0, torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(
+        payload.view(torch.uint8), cast._eager_cast(x, scale, 448.0, torch.float8_e4m3fn).view(torch.uint8)
+    )
     assert got_amax.item() == x.float().abs().max().item()
 
 

@@ -29,9 +29,34 @@ TIMEOUT_S = 180
 
 
 def run_options(out: Path, cache: Path, *extra: str) -> list[str]:
-    return ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--steps", str(STEPS), "--eval-every", "8",
-            "--eval-batches", "2", "--save-every", "4", "--keep-checkpoints", "2", "--telemetry-every", "3",
-            "--data", EMAIL, "--cache-dir", str(cache), "--out", str(out), "--no-progress", *extra]
+    return [
+        "--model",
+        "tiny",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--steps",
+        str(STEPS),
+        "--eval-every",
+        "8",
+        "--eval-batches",
+        "2",
+        "--save-every",
+        "4",
+        "--keep-checkpoints",
+        "2",
+        "--telemetry-every",
+        "3",
+        "--data",
+        EMAIL,
+        "--cache-dir",
+        str(cache),
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def torchrun(*args: str) -> list[str]:
@@ -88,10 +113,24 @@ def launch_ranks(args: list[str]) -> list[subprocess.Popen]:
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, "-m", "fp8lm.cli", *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        env = {
+            **ENV,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "fp8lm.cli", *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -146,8 +185,16 @@ def worker_pid(agent: subprocess.Popen, rank: int) -> int | None:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers through /proc")
 def test_max_restarts_with_resume_continues_from_the_last_checkpoint(uninterrupted, work):
     out = work / "restarted"
-    args = ["--max-restarts", "1", "-m", "fp8lm.cli", "train", "--opt-level", "O3",
-            *run_options(out, work / "cache", "--resume")]  # the same command line for both attempts
+    args = [
+        "--max-restarts",
+        "1",
+        "-m",
+        "fp8lm.cli",
+        "train",
+        "--opt-level",
+        "O3",
+        *run_options(out, work / "cache", "--resume"),
+    ]  # the same command line for both attempts
     agent = subprocess.Popen(torchrun(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(out / "checkpoints" / "step_00000004.pt", [agent])
@@ -183,14 +230,30 @@ def test_shared_grad_sync_scaling_logs_mu_and_must_be_resumed_alike(work):
     """--grad-sync-scaling shared: FP8DataParallel's shared per-bucket scale with the automatic
     factor mu, logged every step; a resume with the other scaling is one clear error."""
     out = work / "shared"
-    args = ["-m", "fp8lm.cli", "train", "--opt-level", "O2", "--grad-sync-scaling", "shared",
-            *run_options(out, work / "cache")]
+    args = [
+        "-m",
+        "fp8lm.cli",
+        "train",
+        "--opt-level",
+        "O2",
+        "--grad-sync-scaling",
+        "shared",
+        *run_options(out, work / "cache"),
+    ]
     check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train_loss" in r]
     assert len(steps) == STEPS and all(r["grad_sync_mu"] and all(mu > 0 for mu in r["grad_sync_mu"]) for r in steps)
     assert all(r["train_loss"] == r["train_loss"] for r in steps)  # finite: no NaN
-    args = ["-m", "fp8lm.cli", "train", "--opt-level", "O2", *run_options(out, work / "cache", "--resume"),
-            "--steps", str(STEPS + 4)]
+    args = [
+        "-m",
+        "fp8lm.cli",
+        "train",
+        "--opt-level",
+        "O2",
+        *run_options(out, work / "cache", "--resume"),
+        "--steps",
+        str(STEPS + 4),
+    ]
     proc = subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode != 0 and "resume with --grad-sync-scaling shared" in proc.stdout + proc.stderr

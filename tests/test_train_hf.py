@@ -21,8 +21,7 @@ spec.loader.exec_module(hf_fp8)
 
 
 def linear_layers(model):
-    return [m for m in model.modules()
-            if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
+    return [m for m in model.modules() if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
 
 
 @pytest.mark.parametrize("name", hf_fp8.MODELS)

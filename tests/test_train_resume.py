@@ -13,10 +13,36 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same thread count in every p
 
 
 def fp8lm_train(out, cache, level, *extra):
-    return [sys.executable, "-m", "fp8lm.cli", "train", "--model", "tiny", "--opt-level", level,
-            "--steps", "60", "--batch-size", "4", "--seq-len", "32", "--eval-every", "20",
-            "--eval-batches", "2", "--save-every", "10", "--keep-checkpoints", "2",
-            "--out", str(out), "--cache-dir", str(cache), "--no-progress", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "fp8lm.cli",
+        "train",
+        "--model",
+        "tiny",
+        "--opt-level",
+        level,
+        "--steps",
+        "60",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "20",
+        "--eval-batches",
+        "2",
+        "--save-every",
+        "10",
+        "--keep-checkpoints",
+        "2",
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(cache),
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -26,10 +52,12 @@ def test_kill_9_then_resume_matches_the_uninterrupted_run(tmp_path, level):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     # The uninterrupted run goes alongside the one to be killed (its own cache: no shared files).
     whole_log = open(tmp_path / "whole.log", "wb")
-    uninterrupted = subprocess.Popen(fp8lm_train(whole, tmp_path / "cache-whole", level), env=ENV,
-                                     stdout=whole_log, stderr=subprocess.STDOUT)
-    proc = subprocess.Popen(fp8lm_train(killed, cache, level), env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    uninterrupted = subprocess.Popen(
+        fp8lm_train(whole, tmp_path / "cache-whole", level), env=ENV, stdout=whole_log, stderr=subprocess.STDOUT
+    )
+    proc = subprocess.Popen(
+        fp8lm_train(killed, cache, level), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     first_checkpoint = killed / "checkpoints" / "step_00000010.pt"
     deadline = time.monotonic() + 120
     while not first_checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -24,8 +24,17 @@ _LAZY = {
 _SUBPACKAGES = {"nn", "optim", "distributed", "train", "policy", "ops"}
 
 __all__ = [
-    "Format", "E4M3", "E5M2", "FP16", "BF16", "FP32",
-    "Recipe", "compute_scale", "ScalingMeta", "ScalingTensor", "quantize",
+    "Format",
+    "E4M3",
+    "E5M2",
+    "FP16",
+    "BF16",
+    "FP32",
+    "Recipe",
+    "compute_scale",
+    "ScalingMeta",
+    "ScalingTensor",
+    "quantize",
     *_LAZY,
 ]
 

@@ -14,8 +14,17 @@ __all__ = ["BENCHMARKS", "DEFAULT", "BenchError", "scripts_dir", "command", "run
 
 # name -> ranks it runs on (scripts that need torchrun are launched through torch.distributed.run)
 BENCHMARKS = {
-    "quantize": 1, "gemm": 1, "fp8_linear": 1, "fp8_linear_accuracy": 1, "train_step": 1,
-    "optimizer_step": 1, "fallback": 1, "telemetry": 1, "comm": 2, "dist_train": 2, "cuda_trace": 1,
+    "quantize": 1,
+    "gemm": 1,
+    "fp8_linear": 1,
+    "fp8_linear_accuracy": 1,
+    "train_step": 1,
+    "optimizer_step": 1,
+    "fallback": 1,
+    "telemetry": 1,
+    "comm": 2,
+    "dist_train": 2,
+    "cuda_trace": 1,
 }
 DEFAULT = ("quantize", "gemm", "train_step", "optimizer_step", "telemetry", "fallback", "comm")
 
@@ -66,7 +75,9 @@ def run_benchmark(name: str, scripts: Path, out: Path, extra: list[str]) -> dict
     try:
         result = _json_in(proc.stdout)
     except ValueError as e:
-        raise BenchError(f"benchmark {name} printed no valid JSON ({e}); its output began: {proc.stdout[:200]!r}") from None
+        raise BenchError(
+            f"benchmark {name} printed no valid JSON ({e}); its output began: {proc.stdout[:200]!r}"
+        ) from None
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     tmp = path.with_name(f".{path.name}.tmp")

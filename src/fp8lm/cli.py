@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .bench import BENCHMARKS, DEFAULT, BenchError, run_benchmark, scripts_dir
+from .recipe import RECIPES
 from .telemetry import KINDS
 from .train.checkpoint import CheckpointError
 from .train.compare import compare, parse_levels, parse_seeds
-from .recipe import RECIPES
 from .train.config import GRAD_SYNC_SCALINGS, OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
 from .train.data import DataError
 from .train.dpo import SUMMARY_KEYS as DPO_SUMMARY_KEYS
@@ -47,66 +47,153 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--mlp", choices=MLP_KINDS, help="MLP kind (preset default: gelu)")
     o = p.add_argument_group("optimization")
     o.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
-    o.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default: %(default)s)")
+    o.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default: %(default)s)"
+    )
     o.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step (default: %(default)s)")
     o.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
     o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
-    o.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr of the cosine decay (default: %(default)s)")
+    o.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=d.min_lr_ratio,
+        help="final lr / peak lr of the cosine decay (default: %(default)s)",
+    )
     o.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: a tenth of --steps)")
-    o.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay of matrices (default: %(default)s)")
-    o.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm, 0 = no clipping (default: %(default)s)")
-    o.add_argument("--exp-avg-sq", choices=SECOND_MOMENT_FORMATS, type=str.upper,
-                   help="O2: format of Adam's second moment (default FP16; E4M3/E5M2 store it in FP8)")
-    o.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the batch order (default: %(default)s)")
+    o.add_argument(
+        "--weight-decay",
+        type=float,
+        default=d.weight_decay,
+        help="AdamW weight decay of matrices (default: %(default)s)",
+    )
+    o.add_argument(
+        "--grad-clip", type=float, default=d.grad_clip, help="max gradient norm, 0 = no clipping (default: %(default)s)"
+    )
+    o.add_argument(
+        "--exp-avg-sq",
+        choices=SECOND_MOMENT_FORMATS,
+        type=str.upper,
+        help="O2: format of Adam's second moment (default FP16; E4M3/E5M2 store it in FP8)",
+    )
+    o.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of the weights and the batch order (default: %(default)s)"
+    )
     o.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     g = p.add_argument_group("data")
-    g.add_argument("--data", help="a text file or a folder of text files (default: the Python standard library's .py sources)")
+    g.add_argument(
+        "--data", help="a text file or a folder of text files (default: the Python standard library's .py sources)"
+    )
     g.add_argument("--hf-dataset", help="a Hugging Face dataset name (its 'text' column; needs the 'datasets' package)")
-    g.add_argument("--val-fraction", type=float, default=d.val_fraction, help="share of documents held out for validation (default: %(default)s)")
+    g.add_argument(
+        "--val-fraction",
+        type=float,
+        default=d.val_fraction,
+        help="share of documents held out for validation (default: %(default)s)",
+    )
     g.add_argument("--cache-dir", help="where packed tokens are cached (default: OUT/cache)")
     r = p.add_argument_group("evaluation and output")
-    r.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps and at the end (default: %(default)s)")
+    r.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="validate every N steps and at the end (default: %(default)s)",
+    )
     r.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches (default: %(default)s)")
-    r.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps; the final step is always saved (default: %(default)s)")
-    r.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept (default: %(default)s)")
+    r.add_argument(
+        "--save-every",
+        type=int,
+        default=d.save_every,
+        help="checkpoint every N steps; the final step is always saved (default: %(default)s)",
+    )
+    r.add_argument(
+        "--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept (default: %(default)s)"
+    )
     r.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
-    r.add_argument("--init-from", metavar="CHECKPOINT", help="start from a checkpoint's weights (fine-tuning): a step_*.pt file or a run folder")
+    r.add_argument(
+        "--init-from",
+        metavar="CHECKPOINT",
+        help="start from a checkpoint's weights (fine-tuning): a step_*.pt file or a run folder",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     n = p.add_argument_group("FP8 numerics")
-    n.add_argument("--telemetry-every", type=int, default=d.telemetry_every,
-                   help="record FP8 telemetry (amax, scale, underflow, saturation of every FP8 layer's tensors) to "
-                        "OUT/telemetry.jsonl every N steps; 0 = off (default: %(default)s)")
-    n.add_argument("--grad-sync-scaling", choices=GRAD_SYNC_SCALINGS, default=d.grad_sync_scaling,
-                   help="O1/O2 under torchrun: scaling of the FP8 gradient all-reduce. local: each rank scales its "
-                        "own tensors, sums in FP32; shared: one scale per bucket with the automatic factor mu of "
-                        "FP8-LM, logged as grad_sync_mu (default: %(default)s)")
-    n.add_argument("--recipe", choices=list(RECIPES), default=d.recipe,
-                   help="FP8 levels: the fp8lm.Recipe of the FP8 layers (formats, delayed or current scaling, "
-                        "amax history) (default: %(default)s)")
-    n.add_argument("--fallback", action="store_true",
-                   help="move a layer to BF16 while its telemetry shows too much underflow or saturation, and back "
-                        "(fp8lm.fallback; switches logged to metrics.jsonl)")
+    n.add_argument(
+        "--telemetry-every",
+        type=int,
+        default=d.telemetry_every,
+        help="record FP8 telemetry (amax, scale, underflow, saturation of every FP8 layer's tensors) to "
+        "OUT/telemetry.jsonl every N steps; 0 = off (default: %(default)s)",
+    )
+    n.add_argument(
+        "--grad-sync-scaling",
+        choices=GRAD_SYNC_SCALINGS,
+        default=d.grad_sync_scaling,
+        help="O1/O2 under torchrun: scaling of the FP8 gradient all-reduce. local: each rank scales its "
+        "own tensors, sums in FP32; shared: one scale per bucket with the automatic factor mu of "
+        "FP8-LM, logged as grad_sync_mu (default: %(default)s)",
+    )
+    n.add_argument(
+        "--recipe",
+        choices=list(RECIPES),
+        default=d.recipe,
+        help="FP8 levels: the fp8lm.Recipe of the FP8 layers (formats, delayed or current scaling, "
+        "amax history) (default: %(default)s)",
+    )
+    n.add_argument(
+        "--fallback",
+        action="store_true",
+        help="move a layer to BF16 while its telemetry shows too much underflow or saturation, and back "
+        "(fp8lm.fallback; switches logged to metrics.jsonl)",
+    )
 
 
 def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
     return TrainConfig(
-        model=args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, mlp=args.mlp,
-        opt_level=opt_level, steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
-        seq_len=args.seq_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, exp_avg_sq=args.exp_avg_sq, seed=args.seed, device=args.device,
-        data=args.data, hf_dataset=args.hf_dataset, val_fraction=args.val_fraction, cache_dir=args.cache_dir,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, out=args.out, save_every=args.save_every,
-        keep_checkpoints=args.keep_checkpoints, resume=args.resume, init_from=args.init_from,
-        progress=not args.no_progress, telemetry_every=args.telemetry_every, fallback=args.fallback,
-        grad_sync_scaling=args.grad_sync_scaling, recipe=args.recipe,
+        model=args.model,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        mlp=args.mlp,
+        opt_level=opt_level,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        exp_avg_sq=args.exp_avg_sq,
+        seed=args.seed,
+        device=args.device,
+        data=args.data,
+        hf_dataset=args.hf_dataset,
+        val_fraction=args.val_fraction,
+        cache_dir=args.cache_dir,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        out=args.out,
+        save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        init_from=args.init_from,
+        progress=not args.no_progress,
+        telemetry_every=args.telemetry_every,
+        fallback=args.fallback,
+        grad_sync_scaling=args.grad_sync_scaling,
+        recipe=args.recipe,
     )
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--opt-level", default="bf16", choices=OPT_LEVELS,
-                   help="fp32; bf16 (autocast + FP32 AdamW, the baseline); O1 (FP8 GEMMs, FP8 weight gradients, "
-                        "FP16 weights); O2 (O1 + FP8AdamW); O3 (O2 with FP8 weights; under torchrun, FP8 ZeRO) "
-                        "(default: %(default)s)")
+    p.add_argument(
+        "--opt-level",
+        default="bf16",
+        choices=OPT_LEVELS,
+        help="fp32; bf16 (autocast + FP32 AdamW, the baseline); O1 (FP8 GEMMs, FP8 weight gradients, "
+        "FP16 weights); O2 (O1 + FP8AdamW); O3 (O2 with FP8 weights; under torchrun, FP8 ZeRO) "
+        "(default: %(default)s)",
+    )
     p.add_argument("--out", default="runs/train", help="output folder (default: %(default)s)")
     _add_run_options(p)
 
@@ -124,11 +211,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _add_compare(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--levels", default="bf16,O1,O2", help=f"comma-separated levels of {', '.join(OPT_LEVELS)} (default: %(default)s)")
-    p.add_argument("--out", default="runs/compare", help="output folder, one sub-folder per level (default: %(default)s)")
-    p.add_argument("--seeds", metavar="S,S,...",
-                   help="train every level at each of these seeds (OUT/seed<S>/<level>/) and report each level's gap to "
-                        "bf16 per seed, its mean and spread; --seed is then ignored")
+    p.add_argument(
+        "--levels",
+        default="bf16,O1,O2",
+        help=f"comma-separated levels of {', '.join(OPT_LEVELS)} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--out", default="runs/compare", help="output folder, one sub-folder per level (default: %(default)s)"
+    )
+    p.add_argument(
+        "--seeds",
+        metavar="S,S,...",
+        help="train every level at each of these seeds (OUT/seed<S>/<level>/) and report each level's gap to "
+        "bf16 per seed, its mean and spread; --seed is then ignored",
+    )
     _add_run_options(p)
 
 
@@ -139,7 +235,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if result is None:  # a rank other than 0 under torchrun
         return 0
     per = f"per level and seed, seeds {args.seeds}" if seeds else "per level"
-    print(f"{result['steps']} steps, {result['tokens']:,} tokens {per}, {result['num_params']:,} parameters, {result['device']}")
+    print(
+        f"{result['steps']} steps, {result['tokens']:,} tokens {per}, {result['num_params']:,} parameters, {result['device']}"
+    )
     print(result["table"])
     print(f"comparison: {args.out}/compare.json")
     print(f"plot: {result['plot']}")
@@ -168,9 +266,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
-    p.add_argument("names", nargs="*", metavar="NAME",
-                   help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: {' '.join(DEFAULT)}); "
-                        "arguments after -- go to each of them")
+    p.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: {' '.join(DEFAULT)}); "
+        "arguments after -- go to each of them",
+    )
     p.add_argument("--out", default="runs/bench", help="folder for NAME.json (default: %(default)s)")
     p.add_argument("--scripts", help="the benchmarks/ folder (default: the one of this source checkout)")
 
@@ -191,28 +293,61 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_dpo(p: argparse.ArgumentParser) -> None:
     d = DPOConfig()
-    p.add_argument("--init-from", metavar="CHECKPOINT",
-                   help="the pretrained model: a step_*.pt file or a run folder of fp8lm train (required unless --resume)")
-    p.add_argument("--opt-level", default=d.opt_level, choices=OPT_LEVELS,
-                   help="the policy's level, as in fp8lm train; the frozen reference is stored in E4M3 at O1/O2/O3, "
-                        "in BF16 at bf16 (default: %(default)s)")
-    p.add_argument("--data", metavar="PAIRS.jsonl",
-                   help="JSON Lines with 'prompt', 'chosen', 'rejected' strings (default: built-in pairs from the "
-                        "standard library's sources: true continuation chosen, a corrupted one rejected)")
+    p.add_argument(
+        "--init-from",
+        metavar="CHECKPOINT",
+        help="the pretrained model: a step_*.pt file or a run folder of fp8lm train (required unless --resume)",
+    )
+    p.add_argument(
+        "--opt-level",
+        default=d.opt_level,
+        choices=OPT_LEVELS,
+        help="the policy's level, as in fp8lm train; the frozen reference is stored in E4M3 at O1/O2/O3, "
+        "in BF16 at bf16 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--data",
+        metavar="PAIRS.jsonl",
+        help="JSON Lines with 'prompt', 'chosen', 'rejected' strings (default: built-in pairs from the "
+        "standard library's sources: true continuation chosen, a corrupted one rejected)",
+    )
     p.add_argument("--beta", type=float, default=d.beta, help="DPO's beta (default: %(default)s)")
     p.add_argument("--out", default=d.out, help="output folder (default: %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="pairs per step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps (default: %(default)s)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay of matrices (default: %(default)s)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps (default: %(default)s)"
+    )
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=d.weight_decay,
+        help="AdamW weight decay of matrices (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the pair order (default: %(default)s)")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
-                   help="share of --data pairs held out (default: %(default)s)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=d.val_fraction,
+        help="share of --data pairs held out (default: %(default)s)",
+    )
     p.add_argument("--cache-dir", help="where the built-in pairs' corpus is packed (default: OUT/cache)")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate held-out pairs every N steps and at the end (default: %(default)s)")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps; the final step is always saved (default: %(default)s)")
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept (default: %(default)s)")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="evaluate held-out pairs every N steps and at the end (default: %(default)s)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=d.save_every,
+        help="checkpoint every N steps; the final step is always saved (default: %(default)s)",
+    )
+    p.add_argument(
+        "--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept (default: %(default)s)"
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -220,11 +355,25 @@ def _add_dpo(p: argparse.ArgumentParser) -> None:
 
 def cmd_dpo(args: argparse.Namespace) -> int:
     cfg = DPOConfig(
-        init_from=args.init_from, opt_level=args.opt_level, data=args.data, beta=args.beta, out=args.out,
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, seed=args.seed, val_fraction=args.val_fraction, cache_dir=args.cache_dir,
-        eval_every=args.eval_every, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-        resume=args.resume, device=args.device, progress=not args.no_progress,
+        init_from=args.init_from,
+        opt_level=args.opt_level,
+        data=args.data,
+        beta=args.beta,
+        out=args.out,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        val_fraction=args.val_fraction,
+        cache_dir=args.cache_dir,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        device=args.device,
+        progress=not args.no_progress,
     )
     summary = dpo(cfg)
     print(json.dumps({k: summary[k] for k in ("opt_level", "steps", *DPO_SUMMARY_KEYS)}, indent=1))
@@ -236,7 +385,11 @@ def cmd_dpo(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a GPT on a real corpus at one precision level", _add_train, cmd_train),
     "compare": ("train the same GPT at several precision levels and compare them", _add_compare, cmd_compare),
-    "inspect": ("show a run's FP8 telemetry: the worst tensors and a heatmap (layers x steps)", _add_inspect, cmd_inspect),
+    "inspect": (
+        "show a run's FP8 telemetry: the worst tensors and a heatmap (layers x steps)",
+        _add_inspect,
+        cmd_inspect,
+    ),
     "dpo": ("preference-tune a trained GPT with DPO: FP8 policy, frozen FP8 reference", _add_dpo, cmd_dpo),
     "bench": ("run the benchmark scripts of the source checkout and save their JSON", _add_bench, cmd_bench),
 }
@@ -279,8 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         # traceback, then one line saying which rank stopped and why.
         traceback.print_exc()
         first = (str(e).splitlines() or [""])[0]
-        print(f"fp8lm {args.command}: error: {_rank_prefix()}stopped: {type(e).__name__}: {first} "
-              "(if another rank died or hung, its log says why)", file=sys.stderr)
+        print(
+            f"fp8lm {args.command}: error: {_rank_prefix()}stopped: {type(e).__name__}: {first} "
+            "(if another rank died or hung, its log says why)",
+            file=sys.stderr,
+        )
         code = 1
     if _in_process_group():
         _leave_process_group(code)
@@ -327,8 +483,11 @@ def _leave_process_group(code: int) -> None:
     try:
         shutdown(code)
     except Exception as e:
-        print(f"fp8lm: error: {_rank_prefix()}leaving the process group failed: {type(e).__name__}: "
-              f"{(str(e).splitlines() or [''])[0]}", file=sys.stderr)
+        print(
+            f"fp8lm: error: {_rank_prefix()}leaving the process group failed: {type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0]}",
+            file=sys.stderr,
+        )
         sys.stderr.flush()
         os._exit(1)
 

@@ -27,9 +27,13 @@ def compute_scale(
     no information, so it keeps ``previous`` (1 when there is none). Works elementwise on a tensor
     of amaxes.
     """
-    if isinstance(amax, torch.Tensor) and amax.device.type == "cpu" and amax.numel() == 1 and (
-        previous is None or previous.numel() == 1
-    ) and not torch.compiler.is_compiling():  # traced, a Python float would specialize the graph on its value
+    if (
+        isinstance(amax, torch.Tensor)
+        and amax.device.type == "cpu"
+        and amax.numel() == 1
+        and (previous is None or previous.numel() == 1)
+        and not torch.compiler.is_compiling()
+    ):  # traced, a Python float would specialize the graph on its value
         return _scalar_scale(float(amax), fmt, margin, previous, amax.shape)
     return pow2_scale(torch.as_tensor(amax, dtype=torch.float32), fmt.max, margin, previous)
 
@@ -204,7 +208,9 @@ class ScalingMeta(nn.Module):
     def scaling_state(self) -> dict:
         """Copies of the state (plain tensors; weights_only-safe) for `load_scaling_state`."""
         return {
-            "scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step.clone(),
+            "scale": self.scale.clone(),
+            "amax_history": self.amax_history.clone(),
+            "step": self.step.clone(),
             "rescales": self.rescales.clone(),
         }
 

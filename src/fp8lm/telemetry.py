@@ -121,6 +121,7 @@ class Telemetry:
     def _attach(self) -> list:
         handles = []
         for name, layer in self.layers.items():
+
             def on_input(module, args, name=name):
                 meta = module.input_meta
                 x = args[0]
@@ -128,7 +129,9 @@ class Telemetry:
                 self._record(name, "input", E4M3, quantization_stats(x, E4M3, scale))
                 w = module.weight
                 value = w.dequantize() if isinstance(w, ScalingTensor) else w.detach()
-                self._record(name, "weight", E4M3, quantization_stats(value, E4M3, compute_scale(value.abs().amax(), E4M3)))
+                self._record(
+                    name, "weight", E4M3, quantization_stats(value, E4M3, compute_scale(value.abs().amax(), E4M3))
+                )
 
             def on_grad_output(module, grad_output, name=name):
                 meta = module.grad_output_meta

@@ -33,11 +33,22 @@ _MODEL, _OPTIM = "model.", "optim."
 # Everything the .metadata pickle of a DCP checkpoint holds besides builtin containers and dtypes.
 _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                 "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("torch.serialization", "_get_layout"),
 }
 
 
@@ -105,7 +116,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: FP8Zer
     if missing:
         raise ValueError(f"checkpoint at {path!r} lacks model entries {missing[:5]}: it is from another model")
     for key, meta in metadata.items():
-        owner = key[len(_OPTIM):].rpartition("/")[0]  # "": the optimizer's own entries (skipped_steps)
+        owner = key[len(_OPTIM) :].rpartition("/")[0]  # "": the optimizer's own entries (skipped_steps)
         if key.startswith(_OPTIM) and (owner in owned or not owner):
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype) if _is_tensor(meta) else None
     not_tensors = [k for k in state if not _is_tensor(metadata[k])]
@@ -116,8 +127,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: FP8Zer
         )
     _read(state, path)
     check_finite(state, path)
-    model.load_state_dict({k[len(_MODEL):]: v for k, v in state.items() if k.startswith(_MODEL)})
-    optimizer.load_state_dict({k[len(_OPTIM):]: v for k, v in state.items() if k.startswith(_OPTIM)})
+    model.load_state_dict({k[len(_MODEL) :]: v for k, v in state.items() if k.startswith(_MODEL)})
+    optimizer.load_state_dict({k[len(_OPTIM) :]: v for k, v in state.items() if k.startswith(_OPTIM)})
 
 
 def check_finite(tensors: dict, where: str) -> None:

@@ -183,12 +183,14 @@ class FP8DataParallel(nn.Module):
         """Per bucket: ``numel`` and, with shared scaling, ``mu``, ``clean_steps`` and
         ``last_saturated_fraction``."""
         return [
-            {"numel": b.numel, **(b.autoscaler.state_dict() if b.autoscaler is not None else {})}
-            for b in self._buckets
+            {"numel": b.numel, **(b.autoscaler.state_dict() if b.autoscaler is not None else {})} for b in self._buckets
         ]
 
     def get_extra_state(self) -> dict:
-        return {"scaling": self.scaling, "autoscalers": [b.autoscaler.state_dict() for b in self._buckets if b.autoscaler]}
+        return {
+            "scaling": self.scaling,
+            "autoscalers": [b.autoscaler.state_dict() for b in self._buckets if b.autoscaler],
+        }
 
     def set_extra_state(self, state: dict) -> None:
         scalers = [b.autoscaler for b in self._buckets if b.autoscaler is not None]

@@ -52,10 +52,16 @@ def _init_restarted(backend: str, attempt: int, timeout: timedelta) -> None:
     2.13). The keys of each attempt get their own prefix here."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"fp8lm/attempt_{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"fp8lm/attempt_{attempt}", store), rank=rank, world_size=world, timeout=timeout
+    )
 
 
 def is_distributed() -> bool:

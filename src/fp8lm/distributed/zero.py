@@ -76,7 +76,9 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in names:
-                    raise ValueError("the optimizer holds a parameter that is not in the model: build it over model.parameters()")
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not in the model: build it over model.parameters()"
+                    )
                 params.append(p)
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in the optimizer's param groups")
@@ -287,4 +289,3 @@ def _decode(field: str, value: torch.Tensor):
     if kind == "float":
         return key, float(value)
     return key, value
-

@@ -26,16 +26,25 @@ from ..nn.frozen import freeze_fp8
 __all__ = ["fp8_optimizer", "frozen_reference"]
 
 
-def fp8_optimizer(model: nn.Module, opt_level: str = "O2", lr: float = 1e-4, weight_decay: float = 0.0,
-                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, **options) -> torch.optim.Optimizer:
+def fp8_optimizer(
+    model: nn.Module,
+    opt_level: str = "O2",
+    lr: float = 1e-4,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    **options,
+) -> torch.optim.Optimizer:
     """Convert ``model`` in place to ``opt_level`` and return its optimizer: AdamW (decay on 2+ dim
     parameters only) as `fp8lm.initialize` adapts it (`fp8lm.optim.FP8AdamW` from O2). ``options``
     go to `fp8lm.initialize`. Pass the result as ``optimizers=(optimizer, None)``."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("fp8_optimizer: the model has no parameters that require gradients; pass the policy model")
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
     _, optimizer = initialize(model, adamw, opt_level=opt_level, **options)
     return optimizer

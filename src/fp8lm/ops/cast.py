@@ -20,7 +20,12 @@ from . import native
 from .fastpath import FastPath
 
 __all__ = [
-    "amax", "saturating_cast", "saturating_cast_with_amax", "saturating_cast_dequantized", "upcast", "FUSED_MIN_NUMEL",
+    "amax",
+    "saturating_cast",
+    "saturating_cast_with_amax",
+    "saturating_cast_dequantized",
+    "upcast",
+    "FUSED_MIN_NUMEL",
     "FUSED_CAST",
 ]
 
@@ -93,9 +98,12 @@ def _native_ok(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool
     """Whether the C kernels can take this cast: contiguous CPU tensors of their dtypes, one scale,
     outside autograd and torch.compile tracing."""
     return (
-        native.supports(x) and dtype in native.DTYPE_CODES and scale.numel() == 1
+        native.supports(x)
+        and dtype in native.DTYPE_CODES
+        and scale.numel() == 1
         and not (x.requires_grad and torch.is_grad_enabled())
-        and not torch.compiler.is_compiling() and native.available()
+        and not torch.compiler.is_compiling()
+        and native.available()
     )
 
 
@@ -145,7 +153,11 @@ def saturating_cast_with_amax(x: torch.Tensor, scale: torch.Tensor, fmt: Format)
 
 
 def saturating_cast_dequantized(
-    x: torch.Tensor, scale: torch.Tensor, fmt: Format, dtype: torch.dtype, with_amax: bool = False,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: Format,
+    dtype: torch.dtype,
+    with_amax: bool = False,
     scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`saturating_cast` (with the amax of ``x`` when asked, else None), plus the stored values read
@@ -155,8 +167,9 @@ def saturating_cast_dequantized(
     scale = scale.to(device=x.device, dtype=torch.float32)
     scale_inv = scale.reciprocal() if scale_inv is None else scale_inv.to(device=x.device, dtype=torch.float32)
     if x.numel() and _native_ok(x, scale, fmt.dtype) and dtype in native.DTYPE_CODES:
-        out, x_amax, deq = native.cast(x, scale.item(), fmt.dtype, with_amax, dequantized=dtype,
-                                       scale_inv=scale_inv.item())
+        out, x_amax, deq = native.cast(
+            x, scale.item(), fmt.dtype, with_amax, dequantized=dtype, scale_inv=scale_inv.item()
+        )
         return out, deq, x_amax
     if with_amax:
         out, x_amax = saturating_cast_with_amax(x, scale, fmt)

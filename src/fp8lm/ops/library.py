@@ -101,4 +101,10 @@ def _(x: Tensor) -> Tensor:
 
 
 # Every op, by its name in torch.ops.fp8lm: the opcheck test walks this table.
-OPS = {"cast": cast, "cast_with_amax": cast_with_amax, "cast_dequantized": cast_dequantized, "upcast": upcast, "amax": amax}
+OPS = {
+    "cast": cast,
+    "cast_with_amax": cast_with_amax,
+    "cast_dequantized": cast_dequantized,
+    "upcast": upcast,
+    "amax": amax,
+}

@@ -14,8 +14,16 @@ import torch
 
 from ..distributed.checkpoint import CheckpointError, check_finite
 
-__all__ = ["atomic_write_bytes", "atomic_torch_save", "save_checkpoint", "list_checkpoints", "load_checkpoint",
-           "shards_name", "remove_stale_temporaries", "CheckpointError"]
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_torch_save",
+    "save_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "shards_name",
+    "remove_stale_temporaries",
+    "CheckpointError",
+]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _SHARDS = re.compile(r"^step_(\d+)\.dcp$")
@@ -92,7 +100,9 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     """Delete the temporary files (``.<name>.tmp<pid>``) that writers killed mid-save left in
     ``directory``; those of live processes stay. Returns the deleted paths."""
     d = Path(directory)
-    stale = [p for p in (d.iterdir() if d.is_dir() else []) if (m := _TEMPORARY.match(p.name)) and not _alive(int(m[1]))]
+    stale = [
+        p for p in (d.iterdir() if d.is_dir() else []) if (m := _TEMPORARY.match(p.name)) and not _alive(int(m[1]))
+    ]
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
@@ -115,7 +125,9 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     if p.is_dir():
         found = list_checkpoints(p) or list_checkpoints(p / "checkpoints")
         if not found:
-            raise CheckpointError(f"no checkpoint (step_*.pt) in {str(p)!r}; pass a checkpoint file or a run folder that has one")
+            raise CheckpointError(
+                f"no checkpoint (step_*.pt) in {str(p)!r}; pass a checkpoint file or a run folder that has one"
+            )
         p, older = found[-1], found[:-1]
     if not p.is_file():
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist; pass a checkpoint file or a run folder")

@@ -7,8 +7,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from .checkpoint import atomic_write_bytes, list_checkpoints
 from ..recipe import DEFAULT_RECIPE
+from .checkpoint import atomic_write_bytes, list_checkpoints
 from .config import FP8_DATA_PARALLEL_LEVELS, FP8_LEVELS, FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
 from .loop import check_output, train
 from .parallel import join

@@ -23,7 +23,15 @@ from ..policy import FP8_LEVELS
 from ..recipe import DEFAULT_RECIPE, RECIPES, Recipe
 from .model import GPTConfig, preset
 
-__all__ = ["OPT_LEVELS", "FP8_LEVELS", "FP8_OPTIMIZER_LEVELS", "SECOND_MOMENT_FORMATS", "TrainConfig", "RunError", "default_device"]
+__all__ = [
+    "OPT_LEVELS",
+    "FP8_LEVELS",
+    "FP8_OPTIMIZER_LEVELS",
+    "SECOND_MOMENT_FORMATS",
+    "TrainConfig",
+    "RunError",
+    "default_device",
+]
 
 OPT_LEVELS = ("fp32", "bf16", *FP8_LEVELS)  # the two baselines, then fp8lm's levels
 SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
@@ -98,8 +106,14 @@ class TrainConfig:
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
     def model_config(self) -> GPTConfig:
-        return preset(self.model, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                      mlp=self.mlp, block_size=self.seq_len)
+        return preset(
+            self.model,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            mlp=self.mlp,
+            block_size=self.seq_len,
+        )
 
     def validate(self) -> None:
         if self.opt_level not in OPT_LEVELS:
@@ -116,23 +130,35 @@ class TrainConfig:
         if self.data and self.hf_dataset:
             raise RunError("pass either --data or --hf-dataset, not both")
         if self.resume and self.init_from:
-            raise RunError("--resume continues this run's own checkpoint; drop --init-from (it starts a new run from a checkpoint)")
+            raise RunError(
+                "--resume continues this run's own checkpoint; drop --init-from (it starts a new run from a checkpoint)"
+            )
         if self.amp_options and self.opt_level not in FP8_LEVELS:
             raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
         self._check_recipe()
         if self.exp_avg_sq is not None:
             if self.opt_level not in FP8_OPTIMIZER_LEVELS:
-                raise RunError(f"--exp-avg-sq sets the FP8 optimizer's second moment, which only {'/'.join(FP8_OPTIMIZER_LEVELS)} have (this run is {self.opt_level})")
+                raise RunError(
+                    f"--exp-avg-sq sets the FP8 optimizer's second moment, which only {'/'.join(FP8_OPTIMIZER_LEVELS)} have (this run is {self.opt_level})"
+                )
             if self.exp_avg_sq.upper() not in SECOND_MOMENT_FORMATS:
-                raise RunError(f"unknown --exp-avg-sq format {self.exp_avg_sq!r}: use one of {', '.join(SECOND_MOMENT_FORMATS)}")
+                raise RunError(
+                    f"unknown --exp-avg-sq format {self.exp_avg_sq!r}: use one of {', '.join(SECOND_MOMENT_FORMATS)}"
+                )
         if self.grad_sync_scaling not in GRAD_SYNC_SCALINGS:
-            raise RunError(f"unknown --grad-sync-scaling {self.grad_sync_scaling!r}: use one of {', '.join(GRAD_SYNC_SCALINGS)}")
+            raise RunError(
+                f"unknown --grad-sync-scaling {self.grad_sync_scaling!r}: use one of {', '.join(GRAD_SYNC_SCALINGS)}"
+            )
         if self.grad_sync_scaling != "local" and self.opt_level not in FP8_DATA_PARALLEL_LEVELS:
-            raise RunError(f"--grad-sync-scaling sets the FP8 gradient all-reduce of {'/'.join(FP8_DATA_PARALLEL_LEVELS)} "
-                           f"(this run is {self.opt_level})")
+            raise RunError(
+                f"--grad-sync-scaling sets the FP8 gradient all-reduce of {'/'.join(FP8_DATA_PARALLEL_LEVELS)} "
+                f"(this run is {self.opt_level})"
+            )
         if self.fallback and (self.opt_level not in FP8_LEVELS or self.telemetry_every == 0):
-            raise RunError(f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
-                           f"{self.opt_level}) and --telemetry-every >= 1 (got {self.telemetry_every})")
+            raise RunError(
+                f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
+                f"{self.opt_level}) and --telemetry-every >= 1 (got {self.telemetry_every})"
+            )
         try:
             self.model_config()
         except ValueError as e:  # a bad preset or sizes

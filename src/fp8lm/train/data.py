@@ -28,8 +28,15 @@ import numpy as np
 import torch
 
 __all__ = [
-    "Document", "stdlib_documents", "path_documents", "hf_documents", "TokenSplits", "pack",
-    "BatchSampler", "eval_batches", "DataError",
+    "Document",
+    "stdlib_documents",
+    "path_documents",
+    "hf_documents",
+    "TokenSplits",
+    "pack",
+    "BatchSampler",
+    "eval_batches",
+    "DataError",
 ]
 
 _PACK_VERSION = 1
@@ -57,9 +64,7 @@ def _file_document(path: Path, root: Path) -> Document:
 def stdlib_documents() -> tuple[str, list[Document]]:
     """The ``.py`` files of the running Python's standard library, site-packages excluded."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts and p.is_file()
-    )
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts and p.is_file())
     if not files:
         raise DataError(f"no .py files found in the standard library at {root}; pass --data PATH")
     return f"stdlib:{root}", [_file_document(p, root) for p in files]
@@ -80,12 +85,17 @@ def path_documents(path: str | os.PathLike) -> tuple[str, list[Document]]:
             raise DataError(f"data file {str(p)!r} is empty; pass a file with text in it")
         return f"path:{p.resolve()}", [_file_document(p, p.parent)]
     files = sorted(
-        f for f in p.rglob("*")
-        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
-        and f.stat().st_size > 0 and not _looks_binary(f)
+        f
+        for f in p.rglob("*")
+        if f.is_file()
+        and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        and f.stat().st_size > 0
+        and not _looks_binary(f)
     )
     if not files:
-        raise DataError(f"data folder {str(p)!r} holds no non-empty text files; put text files in it or pass another --data")
+        raise DataError(
+            f"data folder {str(p)!r} holds no non-empty text files; put text files in it or pass another --data"
+        )
     return f"path:{p.resolve()}", [_file_document(f, p) for f in files]
 
 
@@ -171,9 +181,13 @@ def pack(source: str, docs: list[Document], cache_dir: str | os.PathLike, val_fr
             n_train = _write_stream(tmp_train, [data[:-n_val]])
             _write_stream(tmp_val, [data[-n_val:]])
         meta = {
-            "source": source, "split": split, "val_fraction": val_fraction, "documents": len(docs),
+            "source": source,
+            "split": split,
+            "val_fraction": val_fraction,
+            "documents": len(docs),
             "val_documents": len(val_docs) if split == "by-document" else 0,
-            "train_tokens": n_train, "val_tokens": n_val,
+            "train_tokens": n_train,
+            "val_tokens": n_val,
         }
         os.replace(tmp_train, train_path)
         os.replace(tmp_val, val_path)
@@ -228,7 +242,9 @@ class BatchSampler:
         self.batches_drawn = int(state["batches_drawn"])
 
 
-def eval_batches(tokens: np.ndarray, num_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    tokens: np.ndarray, num_batches: int, batch_size: int, seq_len: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed validation set: windows evenly spaced over the validation split (the same for
     every run with the same data and sizes, so validation losses compare directly)."""
     _check_length(tokens, seq_len, "validation")

@@ -30,8 +30,15 @@ from .run import TrainingRun
 __all__ = ["DPOConfig", "DPORun", "dpo", "SUMMARY_KEYS"]
 
 BUILTIN_TRAIN_PAIRS, BUILTIN_HELD_OUT_PAIRS = 8192, 256
-SUMMARY_KEYS = ("dpo_loss", "reward_accuracy", "reward_margin", "kl_to_reference", "policy_bytes_per_param",
-                "reference_bytes_per_param", "tokens_per_s")
+SUMMARY_KEYS = (
+    "dpo_loss",
+    "reward_accuracy",
+    "reward_margin",
+    "kl_to_reference",
+    "policy_bytes_per_param",
+    "reference_bytes_per_param",
+    "tokens_per_s",
+)
 REFERENCE_FILE = "reference.pt"
 _RESUME_KEYS = ("beta", "batch_size", "lr", "seed", "data", "val_fraction")  # what makes the pairs and the loss
 
@@ -55,7 +62,9 @@ class DPOConfig(TrainConfig):
         if not self.beta > 0:
             raise RunError(f"--beta must be > 0, got {self.beta}")
         if not (self.init_from or self.resume):
-            raise RunError("fp8lm dpo starts from a trained model: pass --init-from CHECKPOINT (a step_*.pt or a run folder)")
+            raise RunError(
+                "fp8lm dpo starts from a trained model: pass --init-from CHECKPOINT (a step_*.pt or a run folder)"
+            )
         if self.hf_dataset or self.telemetry_every or self.fallback or self.grad_accum != 1:
             raise RunError("fp8lm dpo does not take --hf-dataset, --telemetry-every, --fallback or --grad-accum")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -81,7 +90,11 @@ def _preferences(cfg: DPOConfig, mcfg: GPTConfig, out: Path):
     prompt, answer = mcfg.block_size // 2, mcfg.block_size // 4
     train = builtin_pairs(splits.train, BUILTIN_TRAIN_PAIRS, prompt, answer, seed=0)
     held_out = builtin_pairs(splits.val, BUILTIN_HELD_OUT_PAIRS, prompt, answer, seed=1)
-    return train, held_out, {"source": "builtin:" + splits.info["source"], "prompt_bytes": prompt, "answer_bytes": answer}
+    return (
+        train,
+        held_out,
+        {"source": "builtin:" + splits.info["source"], "prompt_bytes": prompt, "answer_bytes": answer},
+    )
 
 
 def _reference(mcfg: GPTConfig, weights: dict, opt_level: str, device: torch.device) -> GPT:
@@ -94,7 +107,6 @@ def _reference(mcfg: GPTConfig, weights: dict, opt_level: str, device: torch.dev
     if opt_level == "bf16":
         model.to(torch.bfloat16)
     return model.requires_grad_(False).eval()
-
 
 
 class DPORun(TrainingRun):
@@ -120,8 +132,10 @@ class DPORun(TrainingRun):
         for key in _RESUME_KEYS:
             if saved["config"][key] != getattr(self.cfg, key):
                 flag = "--" + key.replace("_", "-")
-                raise CheckpointError(f"the run in {str(self.out)!r} was trained with {flag} {saved['config'][key]}, "
-                                      f"not {getattr(self.cfg, key)}; resume with the same {flag}")
+                raise CheckpointError(
+                    f"the run in {str(self.out)!r} was trained with {flag} {saved['config'][key]}, "
+                    f"not {getattr(self.cfg, key)}; resume with the same {flag}"
+                )
         return saved["model"]
 
     def next_batch(self) -> PairBatch:
@@ -170,8 +184,9 @@ class DPORun(TrainingRun):
     def save(self, step: int) -> None:
         if not self.reference_saved:  # before the first checkpoint, which then implies it
             config = {key: getattr(self.cfg, key) for key in _RESUME_KEYS}
-            atomic_torch_save({"model": self.reference.state_dict(), "config": config},
-                              self.out / "checkpoints" / REFERENCE_FILE)
+            atomic_torch_save(
+                {"model": self.reference.state_dict(), "config": config}, self.out / "checkpoints" / REFERENCE_FILE
+            )
             self.reference_saved = True
         super().save(step)
 
@@ -179,18 +194,20 @@ class DPORun(TrainingRun):
         summary = super().summary()
         final = self.logs.metrics.records[-1]
         reference = memory_report(self.reference)
-        summary.update({
-            "dpo_loss": final["val_loss"],  # held-out pairs, after the last step
-            "reward_accuracy": final["val_reward_accuracy"],
-            "reward_margin": final["val_reward_margin"],
-            "kl_to_reference": final["val_kl_to_reference"],  # nats per answer token
-            "policy_bytes_per_param": summary["bytes_per_param"],  # weights, gradients, optimizer state
-            "reference_bytes_per_param": reference["bytes_per_param"],
-            "total_bytes_per_param": summary["bytes_per_param"] + reference["bytes_per_param"],
-            "reference_memory": reference,
-            "beta": self.cfg.beta,
-            "pairs": {"train": len(self.train_pairs), "held_out": len(self.held_out), **self.data_info},
-        })
+        summary.update(
+            {
+                "dpo_loss": final["val_loss"],  # held-out pairs, after the last step
+                "reward_accuracy": final["val_reward_accuracy"],
+                "reward_margin": final["val_reward_margin"],
+                "kl_to_reference": final["val_kl_to_reference"],  # nats per answer token
+                "policy_bytes_per_param": summary["bytes_per_param"],  # weights, gradients, optimizer state
+                "reference_bytes_per_param": reference["bytes_per_param"],
+                "total_bytes_per_param": summary["bytes_per_param"] + reference["bytes_per_param"],
+                "reference_memory": reference,
+                "beta": self.cfg.beta,
+                "pairs": {"train": len(self.train_pairs), "held_out": len(self.held_out), **self.data_info},
+            }
+        )
         return summary
 
 

@@ -23,7 +23,9 @@ def sequence_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.T
     float64 for float64 logits) whatever the autocast dtype of the logits.
     """
     if logits.shape[:-1] != targets.shape or targets.shape != mask.shape:
-        raise ValueError(f"logits {tuple(logits.shape)}, targets {tuple(targets.shape)} and mask {tuple(mask.shape)} do not fit")
+        raise ValueError(
+            f"logits {tuple(logits.shape)}, targets {tuple(targets.shape)} and mask {tuple(mask.shape)} do not fit"
+        )
     logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return (picked * mask).sum(-1)

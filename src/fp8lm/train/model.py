@@ -53,7 +53,7 @@ class GPTConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
+    def from_dict(cls, d: dict) -> GPTConfig:
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -92,9 +92,7 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.c_attn(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
 
 

@@ -24,7 +24,13 @@ import torch
 from .data import DataError
 
 __all__ = [
-    "PreferencePair", "read_pairs", "builtin_pairs", "split_pairs", "PairBatch", "encode_pairs", "PairSampler",
+    "PreferencePair",
+    "read_pairs",
+    "builtin_pairs",
+    "split_pairs",
+    "PairBatch",
+    "encode_pairs",
+    "PairSampler",
 ]
 
 _KEYS = ("prompt", "chosen", "rejected")
@@ -42,10 +48,14 @@ def _parse_line(line: str, where: str) -> PreferencePair:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be one object with "
-                        "'prompt', 'chosen' and 'rejected' strings") from None
+        raise DataError(
+            f"{where}: not valid JSON ({e.msg}); each line must be one object with "
+            "'prompt', 'chosen' and 'rejected' strings"
+        ) from None
     if not isinstance(record, dict):
-        raise DataError(f"{where}: a JSON {type(record).__name__}, not an object with 'prompt', 'chosen' and 'rejected'")
+        raise DataError(
+            f"{where}: a JSON {type(record).__name__}, not an object with 'prompt', 'chosen' and 'rejected'"
+        )
     for key in _KEYS:
         if key not in record:
             raise DataError(f"{where}: no {key!r} key; each line needs 'prompt', 'chosen' and 'rejected' strings")
@@ -62,22 +72,27 @@ def read_pairs(path: str | os.PathLike) -> list[PreferencePair]:
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise DataError(f"preference file {str(p)!r} is not UTF-8 text (byte {e.start}); pass a JSON Lines file") from None
+        raise DataError(
+            f"preference file {str(p)!r} is not UTF-8 text (byte {e.start}); pass a JSON Lines file"
+        ) from None
     pairs = [_parse_line(line, f"{p}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
     if not pairs:
         raise DataError(f"preference file {str(p)!r} holds no pairs; put one JSON object per line in it")
     return pairs
 
 
-def builtin_pairs(tokens: np.ndarray, count: int, prompt_len: int, answer_len: int, seed: int,
-                  corrupted: int = 2) -> list[PreferencePair]:
+def builtin_pairs(
+    tokens: np.ndarray, count: int, prompt_len: int, answer_len: int, seed: int, corrupted: int = 2
+) -> list[PreferencePair]:
     """``count`` pairs from random windows of ``tokens``: the window's first ``prompt_len`` bytes,
     its next ``answer_len`` bytes (chosen) and those with ``corrupted`` of them replaced by other
     printable characters (rejected). The same arguments give the same pairs."""
     window = prompt_len + answer_len
     if len(tokens) < window or not 0 < corrupted <= answer_len:
-        raise DataError(f"the corpus split has {len(tokens)} tokens, too few for pairs of {window} bytes "
-                        f"({corrupted} corrupted); use more data or a shorter --seq-len")
+        raise DataError(
+            f"the corpus split has {len(tokens)} tokens, too few for pairs of {window} bytes "
+            f"({corrupted} corrupted); use more data or a shorter --seq-len"
+        )
     rng = np.random.default_rng(seed)
     offsets = rng.integers(0, len(tokens) - window + 1, size=count)
     pairs = []
@@ -114,7 +129,7 @@ class PairBatch:
     def pairs(self) -> int:
         return self.inputs.shape[0] // 2
 
-    def to(self, device: torch.device) -> "PairBatch":
+    def to(self, device: torch.device) -> PairBatch:
         return PairBatch(self.inputs.to(device), self.targets.to(device), self.mask.to(device))
 
 

@@ -16,19 +16,45 @@ from .config import RunError, TrainConfig
 from .parallel import Ranks, restarts_allowed
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "RESUME_KEYS", "resume_config", "check_output", "check_writable_folder", "lock_output",
-    "check_state_fits", "check_resume",
+    "CHECKPOINT_FORMAT",
+    "RESUME_KEYS",
+    "resume_config",
+    "check_output",
+    "check_writable_folder",
+    "lock_output",
+    "check_state_fits",
+    "check_resume",
 ]
 
 CHECKPOINT_FORMAT = "fp8lm.train/2"
 # Options a resumed run must share with the run it continues (besides the model's shape and the
 # level, checked on their own): they decide the batches, the token counts and the updates.
 RESUME_KEYS = (
-    "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2",
-    "grad_clip", "seed", "data", "hf_dataset", "val_fraction", "recipe", "exp_avg_sq", "fallback",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+    "seed",
+    "data",
+    "hf_dataset",
+    "val_fraction",
+    "recipe",
+    "exp_avg_sq",
+    "fallback",
 )
 # GPTConfig field -> the option that sets it
-_MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "mlp": "--mlp", "block_size": "--seq-len"}
+_MODEL_FLAGS = {
+    "n_layer": "--n-layer",
+    "n_head": "--n-head",
+    "n_embd": "--n-embd",
+    "mlp": "--mlp",
+    "block_size": "--seq-len",
+}
 
 
 def check_output(cfg: TrainConfig) -> bool:
@@ -64,8 +90,10 @@ def check_writable_folder(path: Path, option: str) -> None:
     if not existing.is_dir():
         raise RunError(f"{option} {str(path)!r}: {str(existing)!r} is a file, not a folder; pass another path")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise RunError(f"{option} {str(path)!r}: cannot write in {str(existing)!r} (read-only or no permission); "
-                       f"pass a folder you can write to")
+        raise RunError(
+            f"{option} {str(path)!r}: cannot write in {str(existing)!r} (read-only or no permission); "
+            f"pass a folder you can write to"
+        )
 
 
 def lock_output(out: Path) -> IO[str]:

@@ -39,8 +39,10 @@ def worst_table(records: list[dict], stat: str, top: int = 10) -> str:
     header = f"{'step':>6} {'layer':<28} {'kind':<12} {'fmt':<5} {stat:>10} {'amax':>10} {'scale':>10}"
     lines = [header, "-" * len(header)]
     for r in worst(records, stat, top):
-        lines.append(f"{r['step']:>6} {r['layer']:<28} {r['kind']:<12} {r['fmt']:<5} {r[stat]:>10.4%} "
-                     f"{r['amax']:>10.3g} {r['scale']:>10.3g}")
+        lines.append(
+            f"{r['step']:>6} {r['layer']:<28} {r['kind']:<12} {r['fmt']:<5} {r[stat]:>10.4%} "
+            f"{r['amax']:>10.3g} {r['scale']:>10.3g}"
+        )
     return "\n".join(lines)
 
 
@@ -61,7 +63,9 @@ def heatmap_grid(records: list[dict], kind: str, stat: str) -> tuple[list[str], 
     return layers, steps, grid
 
 
-def plot_heatmap(records: list[dict], path: str | os.PathLike, kind: str = "grad_output", stat: str = "underflow") -> Path:
+def plot_heatmap(
+    records: list[dict], path: str | os.PathLike, kind: str = "grad_output", stat: str = "underflow"
+) -> Path:
     """Write the heatmap of `heatmap_grid` as a PNG."""
     if kind not in KINDS:
         raise InspectError(f"unknown tensor kind {kind!r}: use one of {', '.join(KINDS)}")
