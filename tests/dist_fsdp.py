@@ -40,8 +40,7 @@ def reduce_scatter_checks(rank, world) -> dict:
 
 
 def model_checks(rank, world) -> dict:
-    from fp8lm.distributed import comm_stats, reset_comm_stats
-    from fp8lm.distributed import fully_shard, precompute_fp8_scales
+    from fp8lm.distributed import comm_stats, fully_shard, precompute_fp8_scales, reset_comm_stats
 
     model = small_model()
     reference = copy.deepcopy(model)

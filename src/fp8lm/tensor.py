@@ -30,11 +30,26 @@ aten = torch.ops.aten
 # result keeps the scale. Views share the scale tensor (so an in-place requantize of the base is
 # seen by its views); copies get their own.
 _VIEW_OPS = {
-    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
-    aten.t.default, aten.transpose.int, aten.permute.default, aten.slice.Tensor,
-    aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
-    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-    aten.expand.default, aten.as_strided.default, aten.narrow.default, aten.chunk.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.expand.default,
+    aten.as_strided.default,
+    aten.narrow.default,
+    aten.chunk.default,
 }
 _COPY_OPS = {aten.clone.default}
 # new_zeros / new_empty of a ScalingTensor: a ScalingTensor of the same payload format (zeros are
@@ -317,9 +332,7 @@ def quantize(
     if isinstance(x, ScalingTensor):
         x = x.dequantize(x.dtype)
     if not x.dtype.is_floating_point:
-        raise TypeError(
-            f"quantize expects a floating-point tensor, got {x.dtype}; convert it first, e.g. x.float()"
-        )
+        raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}; convert it first, e.g. x.float()")
     fmt = format_of(fmt)
     if scale is None:
         scale = compute_scale(_amax(x.detach()), fmt, margin)
