@@ -112,7 +112,7 @@ class FP8Operand:
     def dtype(self) -> torch.dtype:
         return self._base.dtype
 
-    def t(self) -> "FP8Operand":
+    def t(self) -> FP8Operand:
         out = object.__new__(FP8Operand)
         out._base, out.scale_inv, out._cache, out.finite = self._base, self.scale_inv, self._cache, self.finite
         out._transposed = not self._transposed
@@ -246,9 +246,15 @@ def _scaled_mm(a: FP8Operand, b: FP8Operand, out_dtype: torch.dtype, bias: torch
         b_data = b_data.t().contiguous().t()
     scale_a = a.scale_inv.to(device=a_data.device, dtype=torch.float32)
     scale_b = b.scale_inv.to(device=a_data.device, dtype=torch.float32)
-    out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    # cuBLASLt adds a BF16/FP16 bias in the GEMM's epilogue (no pass over the output of its own);
+    # a float32 output, or a padded one, gets it added afterwards.
+    fused_bias = bias is not None and not padded and a_data.device.type == "cuda" and out_dtype != torch.float32
+    out = torch._scaled_mm(
+        a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+        bias=bias.to(out_dtype) if fused_bias else None,
+    )
     if padded:
         out = out[:m, :n]
-    if bias is not None:
+    if bias is not None and not fused_bias:
         out = out + bias.to(out_dtype)
     return out
