@@ -2,6 +2,7 @@
 options than the run's; --init-from refuses a checkpoint of another depth."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from fp8lm.train.checkpoint import CheckpointError
 from fp8lm.train.config import RunError, TrainConfig
 from fp8lm.train.loop import train
+from fp8lm.train.run import TrainingRun
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +71,24 @@ def test_init_from_a_deeper_checkpoint_is_refused(finished, tmp_path, tiny_run, 
     with pytest.raises(CheckpointError, match="'blocks.1.* is not in this model; it was trained with n_layer=2"):
         train(config(tiny_run, token_cache, tmp_path / "ft", n_layer=1, init_from=str(out)))
     assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("level", ["bf16", pytest.param("O2", marks=pytest.mark.slow)])
+def test_skipped_steps_are_counted_once_and_right_after_a_resume(tmp_path, tiny_run, token_cache, monkeypatch, level):
+    """bf16 steps torch's AdamW (the run counts skips), O2 fp8lm's FP8AdamW (it counts its own)."""
+    real_loss = TrainingRun.loss
+
+    def loss_inf_at_steps_2_and_5(self, model, batch):
+        loss = real_loss(self, model, batch)
+        return loss * math.inf if self.core.training and self.sampler.batches_drawn in (2, 5) else loss
+
+    monkeypatch.setattr(TrainingRun, "loss", loss_inf_at_steps_2_and_5)
+    whole = train(config(tiny_run, token_cache, tmp_path / "whole", opt_level=level, steps=6, save_every=3))
+    assert whole["skipped_steps"] == 2
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "whole", part)
+    (part / "summary.json").unlink()
+    (part / "checkpoints" / "step_00000006.pt").unlink()
+    resumed = train(config(tiny_run, token_cache, part, opt_level=level, steps=6, save_every=3, resume=True))
+    assert resumed["skipped_steps"] == 2
+    assert (part / "metrics.jsonl").read_bytes() == (tmp_path / "whole" / "metrics.jsonl").read_bytes()

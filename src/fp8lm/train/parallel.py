@@ -25,6 +25,7 @@ from ..distributed import FP8DataParallel, FP8ZeroOptimizer, comm_stats, ddp_byt
 from ..distributed import load_checkpoint as load_sharded
 from ..distributed import save_checkpoint as save_sharded
 from ..grad import clip_grad_norm_
+from ..optim import SkipsNonFiniteSteps
 from .checkpoint import shards_name
 
 __all__ = [
@@ -112,7 +113,11 @@ class ReplicatedState:
     def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[float, bool]:
         """Clip the gradients to ``max_norm`` and step; returns the norm before clipping and whether
         the step was skipped: an inf/NaN gradient skips the update rather than poison the weights."""
+        # model.parameters(), not the optimizer's group order: the norm's float sum stays as it was
         grad_norm = float(clip_grad_norm_(model.parameters(), max_norm))
+        if isinstance(optimizer, SkipsNonFiniteSteps):  # fp8lm's optimizers skip and count on their own
+            optimizer.step()
+            return grad_norm, optimizer.last_step_skipped
         if not math.isfinite(grad_norm):
             return grad_norm, True
         optimizer.step()

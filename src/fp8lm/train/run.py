@@ -24,6 +24,7 @@ from ..distributed import FP8DataParallel, ddp_bytes, reset_comm_stats
 from ..fallback import PrecisionFallback
 from ..memory import memory_report
 from ..nn import load_scaling_state_dict, scaling_state_dict
+from ..optim import SkipsNonFiniteSteps
 from ..ops.gemm import CPUBF16Linear
 from ..telemetry import Telemetry, worst
 from .checkpoint import atomic_write_bytes, load_checkpoint, remove_stale_temporaries, save_checkpoint
@@ -119,7 +120,7 @@ class TrainingRun:
         self.load_data()
         self.telemetry = self._telemetry()
         self.fallback = PrecisionFallback(self.telemetry.layers) if cfg.fallback else None
-        self.start_step, self.skipped_steps = 0, 0
+        self.start_step, self.torch_skipped_steps = 0, 0
         self.train_time, self.timed_steps = 0.0, 0  # the first step compiles and warms up: not timed
         self.memory: dict | None = None
         self.resumed = resume is not None
@@ -240,8 +241,17 @@ class TrainingRun:
         return grad_norm
 
     def count_skipped(self, skipped: bool) -> None:
-        """The run's count of steps skipped for non-finite gradients (checkpointed, summarized)."""
-        self.skipped_steps += int(skipped)
+        """Count a step skipped for non-finite gradients, unless the optimizer counts it itself."""
+        if not isinstance(self.optimizer, SkipsNonFiniteSteps):
+            self.torch_skipped_steps += int(skipped)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (checkpointed, summarized): one counter, the
+        optimizer's own for fp8lm's optimizers (saved in their state), the run's for torch's."""
+        if isinstance(self.optimizer, SkipsNonFiniteSteps):
+            return self.optimizer.skipped_steps
+        return self.torch_skipped_steps
 
     def log_telemetry(self, records: list[dict], record: dict) -> None:
         """A sampled step: telemetry records to telemetry.jsonl, their worst values to the metrics
@@ -385,7 +395,7 @@ class TrainingRun:
             torch.cuda.set_rng_state_all(own["rng"]["cuda"])
         if self.fallback is not None and state["fallback"] is not None:
             self.fallback.load_state_dict(state["fallback"])
-        self.start_step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
+        self.start_step, self.torch_skipped_steps = int(state["step"]), int(state["skipped_steps"])
         self.memory = state.get("memory")
         timing = state.get("timing") or {"train_time": 0.0, "timed_steps": 0}
         self.train_time, self.timed_steps = float(timing["train_time"]), int(timing["timed_steps"])
