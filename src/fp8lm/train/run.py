@@ -24,8 +24,8 @@ from ..distributed import FP8DataParallel, ddp_bytes, reset_comm_stats
 from ..fallback import PrecisionFallback
 from ..memory import memory_report
 from ..nn import load_scaling_state_dict, scaling_state_dict
-from ..optim import SkipsNonFiniteSteps
 from ..ops.gemm import CPUBF16Linear
+from ..optim import SkipsNonFiniteSteps
 from ..telemetry import Telemetry, worst
 from .checkpoint import atomic_write_bytes, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
