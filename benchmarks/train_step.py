@@ -9,9 +9,12 @@ model, batch and data:
 - ``act_bytes_per_token``: storage autograd saves for backward, per token.
 BF16, torchao and fp8lm levels run under BF16 autocast; the baseline optimizer is torch's fused
 AdamW (its fastest); fp8lm O2 uses FP8AdamW via `fp8lm.initialize`; torchao converts the same
-linear layers with `convert_to_float8_training` (tensorwise scaling), when installed.
+linear layers with `convert_to_float8_training` (tensorwise scaling), when installed. On CPUs
+without BF16 instructions the BF16 GEMMs run as `fp8lm.ops.gemm.CPUBF16Linear` computes them.
+``--compile both`` times every level eager and ``torch.compile``-d (``LEVEL+compiled``) in the
+same rounds; a compiled level's ratio is to compiled BF16.
 
-    python benchmarks/train_step.py [--sizes 4x128,4x384,8x512] [--levels fp32,bf16,torchao,O1,O2]
+    python benchmarks/train_step.py [--sizes 4x128,4x384,8x512] [--levels fp32,bf16,torchao,O1,O2] [--compile [both]]
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ import random
 import time
 
 import torch
+from common import keep_freed_memory, machine
 
 import fp8lm
+from fp8lm.ops.gemm import CPUBF16Linear
 from fp8lm.train.measure import saved_tensor_bytes
 from fp8lm.train.model import GPT, GPTConfig
-
-from common import keep_freed_memory, machine
 
 LEVELS = ("fp32", "bf16", "torchao", "O1", "O2")
 
@@ -47,6 +50,13 @@ def torchao_available() -> bool:
     except Exception:
         return False
     return True
+
+
+COMPILED = "+compiled"
+
+
+def run_name(level: str, compiled: bool) -> str:
+    return level + COMPILED if compiled else level
 
 
 def build(level: str, cfg: GPTConfig, device: str, compile_model: bool):
@@ -70,12 +80,17 @@ def measure_size(layers: int, width: int, levels: list[str], args) -> dict:
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(args.device)
     y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(args.device)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    runs = {level: build(level, cfg, args.device, args.compile) for level in levels}
+    variants = {"all": [True], "both": [False, True]}.get(args.compile, [False])
+    runs = {
+        run_name(level, compiled): build(level, cfg, args.device, compiled) for compiled in variants for level in levels
+    }
 
     def loss_of(level, forward):
-        if level == "fp32":
+        if level.startswith("fp32"):
             return forward(x, y)[1]
-        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16):
+        # CPUBF16Linear: BF16 GEMMs as FP32 GEMMs of BF16-rounded operands where the CPU has no BF16
+        # instructions (torch's BF16 GEMM is ~40x slower there), as the training app runs them.
+        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16), CPUBF16Linear():
             return forward(x, y)[1]
 
     def step(level, run, zero=True):
@@ -99,8 +114,9 @@ def measure_size(layers: int, width: int, levels: list[str], args) -> dict:
         state[level] = fp8lm.memory_report(model, opt)["bytes_per_param"]
         opt.zero_grad(set_to_none=True)
         acts[level] = saved_tensor_bytes(lambda: loss_of(level, forward), exclude=list(model.parameters())) / x.numel()
-    if "bf16" not in runs:
-        raise SystemExit(f"the bf16 baseline failed: {errors['bf16']}")
+    for compiled in variants:
+        if run_name("bf16", compiled) not in runs:
+            raise SystemExit(f"the bf16 baseline failed: {errors[run_name('bf16', compiled)]}")
     times = {level: [] for level in runs}
     order = list(runs.items())
     shuffle = random.Random(0).shuffle
@@ -114,13 +130,14 @@ def measure_size(layers: int, width: int, levels: list[str], args) -> dict:
             sync()
             times[level].append((time.perf_counter() - start) / args.steps)
     best = {level: min(t) * 1e3 for level, t in times.items()}
+    baseline = {level: best[run_name("bf16", level.endswith(COMPILED))] for level in best}
     return {
         "size": f"{layers}x{width}",
-        "num_params": sum(p.numel() for p in runs[levels[0]][0].parameters()),
+        "num_params": sum(p.numel() for p in next(iter(runs.values()))[0].parameters()),
         "model": cfg.to_dict(),
         "tokens_per_step": x.numel(),
         "step_ms": best,
-        "ratio_to_bf16": {level: ms / best["bf16"] for level, ms in best.items()},
+        "ratio_to_bf16": {level: ms / baseline[level] for level, ms in best.items()},  # compiled: to compiled bf16
         "bytes_per_param": state,
         "act_bytes_per_token": acts,
         "errors": errors,
@@ -137,7 +154,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="steps per timed round")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--compile", action="store_true", help="torch.compile each model (all levels)")
+    parser.add_argument("--compile", nargs="?", const="all", choices=["all", "both"],
+                        help="torch.compile each model; 'both': each level eager and compiled (LEVEL+compiled), "
+                             "timed in the same rounds, compiled ratios against compiled bf16")
     args = parser.parse_args()
     levels = args.levels.split(",")
     unknown = sorted(set(levels) - set(LEVELS))
