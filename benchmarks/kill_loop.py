@@ -1,0 +1,121 @@
+"""kill -9 of `fp8lm train` at random moments, during checkpoint saves and in the gap between the
+final checkpoint and ``summary.json``; each killed run is continued with ``--resume`` (and killed
+again) until it finishes, then its ``metrics.jsonl`` is compared with an uninterrupted run's.
+
+    python benchmarks/kill_loop.py --runs 4 --kills 3
+
+Prints one JSON object: kills per moment, runs finished, runs whose metrics equal the
+uninterrupted run's byte for byte, attempts that ended before their kill, the last stderr line of
+any attempt that failed, and temporary files left at the end. A tiny model and few steps: a run takes seconds on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# where to kill: a random moment, while a checkpoint's temporary file exists, or when the final
+# checkpoint exists but summary.json does not
+MOMENTS = ("random", "saving", "final_gap")
+
+
+def command(out: Path, cache: Path, level: str, steps: int, resume: bool) -> list[str]:
+    data = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
+    return [sys.executable, "-m", "fp8lm.cli", "train", "--model", "tiny", "--opt-level", level, "--steps", str(steps),
+            "--batch-size", "4", "--seq-len", "32", "--eval-every", "5", "--eval-batches", "2", "--save-every", "2",
+            "--keep-checkpoints", "2", "--data", data, "--cache-dir", str(cache), "--out", str(out), "--no-progress",
+            *(["--resume"] if resume else [])]
+
+
+def seen(out: Path, moment: str, steps: int, pid: int) -> bool:
+    """Whether the run in ``out`` (process ``pid``) is at ``moment`` now."""
+    checkpoints = out / "checkpoints"
+    if moment == "saving":  # its own temporary checkpoint file, not one a killed run left
+        return checkpoints.is_dir() and any(p.name.endswith(f".pt.tmp{pid}") for p in checkpoints.iterdir())
+    final = checkpoints / f"step_{steps:08d}.pt"
+    return final.exists() and not (out / "summary.json").exists()
+
+
+def kill_once(argv: list[str], out: Path, moment: str, steps: int, rng: random.Random, limit_s: float) -> str:
+    """Start ``argv``, kill -9 it at ``moment``; returns what happened: killed, finished, or the error line."""
+    proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + (rng.uniform(0.5, limit_s) if moment == "random" else 600)
+    while proc.poll() is None and time.monotonic() < deadline:
+        if moment != "random" and seen(out, moment, steps, proc.pid):
+            break
+        time.sleep(0.002)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return "killed"
+    err = proc.stderr.read().strip().splitlines()
+    return "finished" if proc.returncode == 0 else f"exit {proc.returncode}: {err[-1] if err else ''}"
+
+
+def trial(root: Path, cache: Path, level: str, steps: int, kills: int, rng: random.Random, limit_s: float,
+          counts: dict) -> tuple[Path, bool]:
+    """One run killed ``kills`` times, then resumed to the end; returns its folder and whether it finished."""
+    out = root / f"run{len(list(root.iterdir()))}"
+    for _ in range(kills):
+        if (out / "summary.json").exists():  # finished before a kill: nothing left to kill
+            break
+        moment = rng.choice(MOMENTS)
+        resume = (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_*.pt"))
+        result = kill_once(command(out, cache, level, steps, resume), out, moment, steps, rng, limit_s)
+        if result == "killed":
+            counts["kills"][moment] += 1
+        elif result == "finished":
+            counts["finished_before_the_kill"] += 1
+        else:
+            counts["errors"].append(result)
+    resume = (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_*.pt"))
+    if (out / "summary.json").exists():
+        return out, True
+    done = subprocess.run(command(out, cache, level, steps, resume), env=ENV, capture_output=True, text=True)
+    if done.returncode != 0:
+        counts["errors"].append(done.stderr.strip().splitlines()[-1])
+    return out, done.returncode == 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=4, help="runs, each killed --kills times (default: %(default)s)")
+    p.add_argument("--kills", type=int, default=3, help="kills per run (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="steps per run (default: %(default)s)")
+    p.add_argument("--level", default="O2", help="opt level (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the kill moments (default: %(default)s)")
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        cache, runs = tmp_path / "cache", tmp_path / "runs"
+        runs.mkdir()
+        t0 = time.monotonic()
+        subprocess.run(command(tmp_path / "whole", cache, args.level, args.steps, False), env=ENV, check=True,
+                       capture_output=True)
+        limit_s = time.monotonic() - t0  # kill at random within one uninterrupted run's time
+        reference = (tmp_path / "whole" / "metrics.jsonl").read_bytes()
+        counts: dict = {"kills": dict.fromkeys(MOMENTS, 0), "finished_before_the_kill": 0, "errors": []}
+        finished = identical = 0
+        for _ in range(args.runs):
+            out, ok = trial(runs, cache, args.level, args.steps, args.kills, rng, limit_s, counts)
+            if ok:
+                finished += 1
+                identical += (out / "metrics.jsonl").read_bytes() == reference
+        leftovers = [str(p.relative_to(runs)) for p in runs.rglob(".*.tmp*")]
+    print(json.dumps({"level": args.level, "steps": args.steps, "runs": args.runs, "finished": finished,
+                      "metrics_identical": identical, **counts, "temporaries_left": leftovers}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
