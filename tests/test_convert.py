@@ -116,7 +116,9 @@ def test_fp8_linear_registers_weight_then_bias_like_nn_linear(bias):
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
 def test_initialize_keeps_parameter_and_state_dict_order(opt_level):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32, bias=False), nn.LayerNorm(32), nn.Linear(32, 16))
+    model = nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32, bias=False), nn.LayerNorm(32), nn.Linear(32, 16)
+    )
     names, keys = [n for n, _ in model.named_parameters()], list(model.state_dict())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = fp8lm.initialize(model, optimizer, opt_level=opt_level)

@@ -39,10 +39,16 @@ from ..recipe import BACKENDS
 from .cast import FP8_DTYPES, upcast
 
 __all__ = [
-    "FP8Operand", "fp8_mm", "upcast", "scaled_mm_supported", "choose_backend", "emulation_dtype", "BACKENDS",
-    "bf16_gemm_is_fast", "CPUBF16Linear",
+    "FP8Operand",
+    "fp8_mm",
+    "upcast",
+    "scaled_mm_supported",
+    "choose_backend",
+    "emulation_dtype",
+    "BACKENDS",
+    "bf16_gemm_is_fast",
+    "CPUBF16Linear",
 ]
-
 
 
 def scaled_mm_supported(device: torch.device | str) -> bool:
@@ -84,8 +90,13 @@ class FP8Operand:
 
     __slots__ = ("_base", "scale_inv", "_transposed", "_cache", "finite")
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, finite: bool | None = None,
-                 dequantized: torch.Tensor | None = None):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        scale_inv: torch.Tensor,
+        finite: bool | None = None,
+        dequantized: torch.Tensor | None = None,
+    ):
         if data.dtype not in FP8_DTYPES or data.dim() != 2:
             raise TypeError(f"an FP8Operand is a 2-D float8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
         self._base = data
@@ -249,10 +260,8 @@ def _scaled_mm(a: FP8Operand, b: FP8Operand, out_dtype: torch.dtype, bias: torch
     # cuBLASLt adds a BF16/FP16 bias in the GEMM's epilogue (no pass over the output of its own);
     # a float32 output, or a padded one, gets it added afterwards.
     fused_bias = bias is not None and not padded and a_data.device.type == "cuda" and out_dtype != torch.float32
-    out = torch._scaled_mm(
-        a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-        bias=bias.to(out_dtype) if fused_bias else None,
-    )
+    epilogue_bias = bias.to(out_dtype) if bias is not None and fused_bias else None
+    out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, bias=epilogue_bias)
     if padded:
         out = out[:m, :n]
     if bias is not None and not fused_bias:

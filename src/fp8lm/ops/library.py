@@ -67,13 +67,18 @@ def cast_dequantized(
     payload, deq, x_amax = cast_ops.saturating_cast_dequantized(
         x, scale, _fmt(dtype), out_dtype, with_amax=True, scale_inv=scale_inv
     )
+    assert x_amax is not None  # with_amax=True always returns it
     return payload, deq, x_amax
 
 
 @cast_dequantized.register_fake
 def _(x: Tensor, scale: Tensor, scale_inv: Tensor, dtype: torch.dtype, out_dtype: torch.dtype):
-    like = {"memory_format": torch.contiguous_format}
-    return torch.empty_like(x, dtype=dtype, **like), torch.empty_like(x, dtype=out_dtype, **like), _scalar_like(x)
+    contiguous = torch.contiguous_format
+    return (
+        torch.empty_like(x, dtype=dtype, memory_format=contiguous),
+        torch.empty_like(x, dtype=out_dtype, memory_format=contiguous),
+        _scalar_like(x),
+    )
 
 
 @torch.library.custom_op("fp8lm::upcast", mutates_args=())
