@@ -51,7 +51,10 @@ def test_resume_finishes_a_run_killed_before_its_summary(finished, tmp_path, tin
         (dict(batch_size=2), "trained with --batch-size 4, this command has --batch-size 2"),
         (dict(seed=7), "trained with --seed 1337, this command has --seed 7"),
         (dict(data=None), "this command has no --data; pass --data "),
-        (dict(warmup_steps=1), "trained with no --warmup-steps, this command has --warmup-steps 1; drop --warmup-steps"),
+        (
+            dict(warmup_steps=1),
+            "trained with no --warmup-steps, this command has --warmup-steps 1; drop --warmup-steps",
+        ),
         (dict(weight_decay=0.0), "trained with --weight-decay 0.1, this command has --weight-decay 0.0"),
     ],
 )
