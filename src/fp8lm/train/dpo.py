@@ -162,6 +162,7 @@ class DPORun(TrainingRun):
     def step(self, step: int) -> dict:
         self.tokens_per_step = self.tokens_per_pair_batch
         record = super().step(step)
+        record["dpo_loss"] = record["train_loss"]  # the batch's DPO loss, under its own name too
         record["reward_accuracy"] = float(self.last_terms.accuracy)
         record["reward_margin"] = float(self.last_terms.margins.mean())
         return record
