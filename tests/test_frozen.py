@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import fp8lm
 from fp8lm.memory import memory_report
@@ -81,3 +82,12 @@ def test_bad_input(gpt):
     converted, _ = fp8lm.initialize(copy.deepcopy(gpt), None, opt_level="O1")
     with pytest.raises(ValueError, match="before fp8lm.initialize"):
         freeze_fp8(converted)
+
+
+def test_a_bare_linear_layer_is_frozen_and_returned():
+    linear = nn.Linear(32, 16)
+    frozen = freeze_fp8(linear)
+    assert isinstance(frozen, FP8Linear) and frozen is not linear
+    assert frozen.weight.payload.dtype == torch.float8_e4m3fn and not frozen.weight.requires_grad
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(frozen(x), linear(x), rtol=0.1, atol=0.05)

@@ -28,7 +28,8 @@ def _embedding_weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def freeze_fp8(model: nn.Module, weight_format: Format | str = E4M3, multiple_of: int = 16) -> nn.Module:
-    """Convert ``model`` in place to a frozen model with ``weight_format`` weights; returns it.
+    """Convert ``model`` in place to a frozen model with ``weight_format`` weights; returns the
+    model to use (a new `FP8Linear` when ``model`` itself is a linear layer).
 
     Convert a copy (``freeze_fp8(copy.deepcopy(model))``) to keep the original. Linear layers whose
     sizes are not multiples of ``multiple_of`` keep their weights as they are.
@@ -42,7 +43,8 @@ def freeze_fp8(model: nn.Module, weight_format: Format | str = E4M3, multiple_of
             "freeze a copy made before fp8lm.initialize"
         )
     model.zero_grad(set_to_none=True)
-    convert_linears(model, multiple_of=multiple_of, weight_format=fmt, recipe="tensorwise-current")
+    converted = convert_linears(model, multiple_of=multiple_of, weight_format=fmt, recipe="tensorwise-current")
+    model = converted.get("", model)  # a model that is itself a linear layer is replaced whole
     tables = {
         id(w): nn.Parameter(quantize(w.detach(), fmt), requires_grad=False)
         for w in _embedding_weights(model)
