@@ -120,13 +120,14 @@ def compare(cfg: TrainConfig, levels: list[str], seeds: list[int] | None = None)
         seed_cfg = replace(cfg, seed=seed, out=str(out / f"seed{seed}"), cache_dir=cache)
         runs, summaries = _train_levels(seed_cfg, levels, Path(seed_cfg.out), ranks)
         if ranks.main:
-            per_seed[seed] = (runs, summaries)
-            _write(Path(seed_cfg.out), _rows(summaries), summaries, {lv: Path(r.out) for lv, r in runs.items()})
+            seed_rows = _rows(summaries)
+            per_seed[seed] = (runs, summaries, seed_rows)
+            _write(Path(seed_cfg.out), seed_rows, summaries, {lv: Path(r.out) for lv, r in runs.items()})
     if not ranks.main:
         return None
-    rows = aggregate_seeds({seed: _rows(s) for seed, (_, s) in per_seed.items()})
+    rows = aggregate_seeds({seed: seed_rows for seed, (_, _, seed_rows) in per_seed.items()})
     first_seed = per_seed[seeds[0]][1]
-    dirs = {f"{level}@{seed}": Path(r.out) for seed, (runs, _) in per_seed.items() for level, r in runs.items()}
+    dirs = {f"{level}@{seed}": Path(r.out) for seed, (runs, _, _) in per_seed.items() for level, r in runs.items()}
     result = _write(out, rows, first_seed, dirs, seeds=seeds)
     result["table"] = format_seed_table(rows, seeds)
     return result
