@@ -75,6 +75,8 @@ def _run(job: dict) -> dict:
     from fp8lm.train.loop import train
 
     level, options = VARIANTS[job["variant"]]
+    # long runs checkpoint every 500 steps and continue from there (bit for bit) when restarted
+    save_every = 500 if job["steps"] > 1000 else 0
     cfg = TrainConfig(
         opt_level=level,
         seed=job["seed"],
@@ -85,6 +87,8 @@ def _run(job: dict) -> dict:
         telemetry_every=0,
         amp_options=options,
         device="cpu",
+        save_every=save_every,
+        resume=save_every > 0 and (Path(job["out"]) / "checkpoints").is_dir(),
     )
     start = time.perf_counter()
     summary = train(cfg)
