@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 # One variant: (level, fp8lm.initialize options). Policy overrides are module-name patterns of
-# fp8lm.train.model.GPT: lm_head, wte/wpe (embeddings), blocks.*.attn.*, blocks.*.mlp.*.
+# fp8lm.train.model.GPT: lm_head, wte and wpe (embeddings), blocks.*.attn.*, blocks.*.mlp.*.
 _HI = {"fp8_gemm": False, "weight": "FP32", "grad": "FP32", "exp_avg": "FP32", "exp_avg_sq": "FP32"}
 VARIANTS: dict[str, tuple[str, dict]] = {
     "fp32": ("fp32", {}),
@@ -35,7 +35,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O2": ("O2", {}),
     # layer types kept in high precision (GEMMs in BF16, FP32 weight, gradient and moments)
     "O2-head-hp": ("O2", {"policy": {"lm_head": _HI}}),
-    "O2-emb-hp": ("O2", {"policy": {"transformer.wte": _HI, "transformer.wpe": _HI}}),
+    "O2-emb-hp": ("O2", {"policy": {"wte": _HI, "wpe": _HI}}),
     "O2-attn-hp": ("O2", {"policy": {"*.attn.*": _HI}}),
     "O2-mlp-hp": ("O2", {"policy": {"*.mlp.*": _HI}}),
     # one FP8 choice of the output head at a time
@@ -51,9 +51,15 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O2-v-fp32": ("O2", {"policy": {"*": {"exp_avg_sq": "FP32"}}}),
     "O2-master-fp32": ("O2", {"policy": {"*": {"weight": "FP32", "exp_avg": "FP32", "exp_avg_sq": "FP32"}}}),
     "O2-gemm-bf16": ("O2", {"policy": {"*": {"fp8_gemm": False}}}),
-    "O2-current": ("O2", {"scaling": "current"}),
-    "O2-hist1": ("O2", {"history_len": 1}),
-    "O2-hist64": ("O2", {"history_len": 64}),
+    # scaling (fp8lm.Recipe fields): current scaling, amax history length, margin, output-gradient format
+    "O2-current": ("O2", {"recipe": {"scaling": "current"}}),
+    "O2-hist1": ("O2", {"recipe": {"history_len": 1}}),
+    "O2-hist64": ("O2", {"recipe": {"history_len": 64}}),
+    "O2-margin1": ("O2", {"recipe": {"margin": 1}}),
+    "O2-gradout-e4m3": ("O2", {"recipe": {"grad_output_format": "E4M3"}}),
+    # the output-head rule of the default policy undone (the head's weight gradient in E4M3)
+    "O2-head-grad-e4m3": ("O2", {"policy": {"lm_head": {"grad": "E4M3"}}}),
+    "O1-head-grad-e4m3": ("O1", {"policy": {"lm_head": {"grad": "E4M3"}}}),
     "O1-head-hp": ("O1", {"policy": {"lm_head": _HI}}),
     "O1-head-grad-bf16": ("O1", {"policy": {"lm_head": {"grad": "BF16"}}}),
     "O1-grad-e5m2": ("O1", {"policy": {"*": {"grad": "E5M2"}}}),
@@ -75,6 +81,8 @@ def _run(job: dict) -> dict:
     from fp8lm.train.loop import train
 
     level, options = VARIANTS[job["variant"]]
+    if "recipe" in options:
+        options = {**options, "recipe": _recipe(options["recipe"])}
     # long runs checkpoint every 500 steps and continue from there (bit for bit) when restarted
     save_every = 500 if job["steps"] > 1000 else 0
     cfg = TrainConfig(
@@ -102,6 +110,14 @@ def _run(job: dict) -> dict:
     }
 
 
+def _recipe(fields: dict):
+    """The default fp8lm.Recipe with ``fields`` changed (formats by name)."""
+    from fp8lm.formats import format_of
+    from fp8lm.recipe import Recipe
+
+    return Recipe(**{k: format_of(v) if k.endswith("_format") else v for k, v in fields.items()})
+
+
 def time_steps(variants: list[str], rounds: int, steps: int) -> dict:
     """Step time of each variant on the main job's model and batch shape, one thread, in
     interleaved rounds (the machine's load hits all variants alike): the minimum over rounds of
@@ -120,6 +136,8 @@ def time_steps(variants: list[str], rounds: int, steps: int) -> dict:
         level, options = VARIANTS[name]
         model = GPT(preset("small"))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if "recipe" in options:
+            options = {**options, "recipe": _recipe(options["recipe"])}
         if level not in ("fp32", "bf16"):
             model, opt = fp8lm.initialize(model, opt, level, **options)
         runs[name] = (model, opt, level != "fp32")
