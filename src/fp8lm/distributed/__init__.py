@@ -18,6 +18,7 @@ from .data_parallel import FP8DataParallel, broadcast_module
 from .fsdp import fully_shard, precompute_fp8_scales
 from .reduction import SCALINGS, FlatLayout, FP8Reduction, LocalScaling, SharedScaling
 from .runtime import is_distributed, rank, setup, shutdown, world_size
+from .tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 from .wrap import wrap
 from .zero import FP8ZeroOptimizer, partition_by_size
 
@@ -51,4 +52,7 @@ __all__ = [
     "wrap",
     "fully_shard",
     "precompute_fp8_scales",
+    "FP8ColwiseParallel",
+    "FP8RowwiseParallel",
+    "PrepareFP8ModuleInput",
 ]

@@ -84,16 +84,19 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t = x.shape[:2]
+        # Head count from c_attn's output: under tensor parallelism a rank holds only its heads.
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,233 @@
+"""FP8 tensor and sequence parallelism as DTensor parallel styles, applied with torch's
+``parallelize_module`` to `FP8Linear` layers.
+
+- `FP8ColwiseParallel`: the weight (and bias) sharded by output rows, ``Shard(0)``; an input in
+  ``Shard(1)`` (sequence parallel) is all-gathered as E4M3 bytes with one scale agreed over the
+  TP group, and its gradient goes back through the FP8 reduce-scatter; a plain replicated input
+  gets its gradient summed with the FP8 all-reduce. Output: the local ``Shard(-1)`` slice.
+- `FP8RowwiseParallel`: the weight sharded by input columns, ``Shard(1)``, the bias replicated and
+  added once after the reduction; the partial outputs are summed with FP8 payloads, one scale per
+  chunk and FP32 sums: reduce-scattered to ``Shard(1)`` under sequence parallelism (backward: the
+  gradient all-gathered as E5M2), all-reduced to ``Replicate()`` otherwise.
+- `PrepareFP8ModuleInput`: torch's `PrepareModuleInput` with the layout changes in FP8:
+  ``Shard(d) -> Replicate()`` is the E4M3 all-gather (for tensor-parallel consumers, whose input
+  gradients are partial sums: backward reduce-scatters them), ``Replicate() -> Shard(d)`` a local
+  slice whose gradient is all-gathered as E5M2.
+
+They compose with torch's ``SequenceParallel`` for norms. Weights become ``nn.Parameter``
+DTensors whose local tensors keep fp8lm's storage (a `ScalingTensor` with its payload and scale);
+the layer computes on the local shards with its own FP8 GEMMs, and the wire formats are those of
+`fp8lm.distributed.activation_comm`. Each rank keeps its slice of its own copy of the module (all
+copies must be equal: built from one seed or loaded from one checkpoint), so applying a style
+sends nothing. ``chunks=k`` (column-wise only) shards each of ``k`` equal row blocks separately,
+for fused projections (``q, k, v`` in one GEMM: ``chunks=3``); the DTensor's rows are then ordered
+rank by rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement
+
+from ..nn.linear import FP8Linear
+from .activation_comm import (
+    all_reduce_partial,
+    copy_to_parallel_region,
+    gather_from_shards,
+    reduce_replicated_grad,
+    reduce_scatter_to_shards,
+    scatter_to_shards,
+)
+
+__all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput"]
+
+
+def _shard_dim(placement: Placement, ndim: int) -> int | None:
+    """The dimension a ``Shard`` placement cuts (non-negative), None for ``Replicate``."""
+    if isinstance(placement, Replicate):
+        return None
+    if isinstance(placement, Shard):
+        return placement.dim % ndim
+    raise ValueError(f"FP8 parallel styles take Shard or Replicate layouts, got {placement}")
+
+
+def _change_layout(x: torch.Tensor, current: Placement, desired: Placement, group) -> torch.Tensor:
+    """``x`` (a local tensor in layout ``current``) in layout ``desired``, through FP8 collectives."""
+    have, want = _shard_dim(current, x.dim()), _shard_dim(desired, x.dim())
+    if have == want:
+        return x
+    if want is None:
+        return gather_from_shards(x, have, group)
+    if have is None:
+        return scatter_to_shards(x, want, group)
+    raise ValueError(f"FP8 parallel styles cannot redistribute {current} to {desired}: go through Replicate()")
+
+
+def _local_input(x, layout: Placement) -> tuple[torch.Tensor, Placement, bool]:
+    """The local tensor, its layout (a DTensor's own, else ``layout``) and whether it was a DTensor."""
+    if isinstance(x, DTensor):
+        return x.to_local(), x.placements[0], True
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"FP8 parallel styles expect a tensor input, got {type(x).__name__}")
+    return x, layout, False
+
+
+def _shard_value(value: torch.Tensor, dim: int, chunks: int, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's part of ``value`` along ``dim``: its slice of each of ``chunks`` equal blocks."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    if value.shape[dim] % (chunks * world):
+        raise ValueError(
+            f"cannot shard a dimension of size {value.shape[dim]} into {chunks} block(s) over {world} "
+            "ranks: make it divisible by chunks x tensor-parallel size"
+        )
+    blocks = value.detach().chunk(chunks, dim)
+    return torch.cat([b.chunk(world, dim)[rank] for b in blocks], dim).contiguous()
+
+
+def _distribute(module: nn.Module, name: str, placement: Placement, chunks: int, mesh: DeviceMesh) -> None:
+    param = module._parameters.get(name)
+    if param is None:
+        return
+    dim = _shard_dim(placement, param.dim())
+    local = param.detach() if dim is None else _shard_value(param, dim, chunks, mesh)
+    dt = DTensor.from_local(local, mesh, (placement,), run_check=False)
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+class _LocalShards:
+    """While an FP8Linear's forward runs, its DTensor parameters are swapped for their local
+    tensors (differentiable ``to_local`` views), so its FP8 GEMMs see fp8lm's storage formats."""
+
+    def __init__(self, held_back: tuple[str, ...] = ()) -> None:
+        self.held_back = held_back  # parameters the style applies itself (a row-wise bias)
+        self.saved: dict[str, nn.Parameter] = {}
+        self.local: dict[str, torch.Tensor] = {}
+
+    def swap_in(self, module: nn.Module) -> None:
+        for name, param in list(module._parameters.items()):
+            if isinstance(param, DTensor):
+                self.saved[name] = param
+                self.local[name] = param.to_local()
+                module._parameters[name] = None if name in self.held_back else self.local[name]  # type: ignore[assignment]
+
+    def restore(self, module: nn.Module, *_) -> None:
+        module._parameters.update(self.saved)
+        self.saved = {}
+
+
+def _check_linear(style: str, module: nn.Module) -> None:
+    if not isinstance(module, FP8Linear):
+        raise TypeError(
+            f"{style} applies to FP8Linear layers, got {type(module).__name__}: convert the model with "
+            "fp8lm.initialize first, or use torch's own style for this module"
+        )
+
+
+class FP8ColwiseParallel(ColwiseParallel):
+    """torch's `ColwiseParallel` for `FP8Linear`, with FP8 communication (module docstring).
+    ``output_layouts`` must be ``Shard(-1)`` (the default); ``chunks``: see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+        chunks: int = 1,
+    ) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        if not (isinstance(self.output_layouts[0], Shard) and self.output_layouts[0].dim == -1):
+            raise ValueError(
+                f"FP8ColwiseParallel's output stays sharded: output_layouts=Shard(-1), got {output_layouts}"
+            )
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        self.chunks = chunks
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_linear(type(self).__name__, module)
+        for name in ("weight", "bias"):
+            _distribute(module, name, Shard(0), self.chunks, device_mesh)
+        shards, group = _LocalShards(), device_mesh.get_group()
+
+        def prepare_input(mod, args):
+            x, layout, was_dtensor = _local_input(args[0], self.input_layouts[0])
+            if isinstance(layout, Replicate):
+                # A replicated DTensor's producer reduces the gradient; a plain input is reduced here.
+                x = x if was_dtensor else copy_to_parallel_region(x, group)
+            else:
+                x = _change_layout(x, layout, Replicate(), group)
+            shards.swap_in(mod)
+            return (x, *args[1:])
+
+        def prepare_output(mod, args, out):
+            return out if self.use_local_output else DTensor.from_local(out, device_mesh, (Shard(-1),), run_check=False)
+
+        module.register_forward_pre_hook(prepare_input)
+        module.register_forward_hook(shards.restore, always_call=True)
+        module.register_forward_hook(prepare_output)
+        return module
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1].replace("ColwiseParallel(", "FP8ColwiseParallel(") + f", chunks={self.chunks})"
+
+
+class FP8RowwiseParallel(RowwiseParallel):
+    """torch's `RowwiseParallel` for `FP8Linear`, with FP8 communication (module docstring).
+    ``output_layouts``: ``Replicate()`` (FP8 all-reduce, the default) or ``Shard(d)`` (FP8
+    reduce-scatter, sequence parallel)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_linear(type(self).__name__, module)
+        _distribute(module, "weight", Shard(1), 1, device_mesh)
+        _distribute(module, "bias", Replicate(), 1, device_mesh)
+        shards, group = _LocalShards(held_back=("bias",)), device_mesh.get_group()
+        output_layout = self.output_layouts[0]
+
+        def prepare_input(mod, args):
+            x, layout, _ = _local_input(args[0], self.input_layouts[0])
+            x = _change_layout(x, layout, Shard(-1), group)
+            shards.swap_in(mod)
+            return (x, *args[1:])
+
+        def prepare_output(mod, args, out):
+            dim = _shard_dim(output_layout, out.dim())
+            out = all_reduce_partial(out, group) if dim is None else reduce_scatter_to_shards(out, dim, group)
+            bias = shards.local.get("bias")
+            if bias is not None:
+                # On a shard of the tokens, the bias gradient is partial: summed over the group.
+                out = out + (bias if dim is None else reduce_replicated_grad(bias, group)).to(out.dtype)
+            return (
+                out
+                if self.use_local_output
+                else DTensor.from_local(out, device_mesh, (output_layout,), run_check=False)
+            )
+
+        module.register_forward_pre_hook(prepare_input)
+        module.register_forward_hook(prepare_output)
+        module.register_forward_hook(shards.restore, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return "FP8" + super().__repr__()
+
+
+class PrepareFP8ModuleInput(PrepareModuleInput):
+    """torch's `PrepareModuleInput` (same arguments) whose layout changes go through FP8
+    collectives (module docstring). ``Shard(d) -> Replicate()`` is meant for inputs that feed
+    tensor-parallel layers: its backward sums the ranks' gradients."""
+
+    def _prepare_input_arg(self, input, mesh: DeviceMesh, input_layout, desired_layout):
+        if input_layout is None:
+            return input
+        x, current, _ = _local_input(input, input_layout)
+        desired = desired_layout or current
+        x = _change_layout(x, current, desired, mesh.get_group())
+        return x if self.use_local_output else DTensor.from_local(x, mesh, (desired,), run_check=False)
+
+    def __repr__(self) -> str:
+        return "PrepareFP8ModuleInput" + super().__repr__().removeprefix("PrepareModuleInput")

@@ -1,0 +1,98 @@
+"""Worker for tests/test_tensor_parallel.py: a GPT block under FP8 tensor + sequence parallelism
+(gloo ranks), next to the same FP8 block in one process and a float64 copy; saves what the test
+compares."""
+
+import copy
+import sys
+
+import torch
+
+from dist_launch import worker_main
+
+BATCH, SEQ, EMBD, HEADS = 2, 16, 64, 4
+
+
+def block_plan():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from fp8lm.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
+
+    gather = PrepareFP8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    return {
+        "ln_1": SequenceParallel(),
+        "ln_2": SequenceParallel(),
+        "attn": gather,
+        "attn.c_attn": FP8ColwiseParallel(chunks=3),
+        "attn.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
+        "mlp": gather,
+        "mlp.c_fc": FP8ColwiseParallel(),
+        "mlp.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.dequantize() if hasattr(t, "dequantize") else t.detach().clone()
+
+
+def storage(p: torch.Tensor) -> tuple:
+    local = p.to_local()
+    return type(local).__name__, getattr(local, "payload", local).dtype
+
+
+def block_checks(rank, world) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fp8lm.distributed import comm_stats, reset_comm_stats
+    from fp8lm.nn.convert import convert_linears
+    from fp8lm.train.model import Block, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_embd=EMBD, n_head=HEADS)
+    block = Block(cfg)
+    convert_linears(block)
+    reference = copy.deepcopy(block)
+    exact = Block(cfg).double()
+    exact.load_state_dict({k: v.double() for k, v in reference.state_dict().items()})
+    parallelize_module(block, init_device_mesh("cpu", (world,)), block_plan())
+
+    g = torch.Generator().manual_seed(5)
+    x, grad_y = torch.randn(BATCH, SEQ, EMBD, generator=g), torch.randn(BATCH, SEQ, EMBD, generator=g)
+    x_local = x.chunk(world, 1)[rank].clone().requires_grad_()
+    reset_comm_stats()
+    y = block(x_local)
+    y.backward(grad_y.chunk(world, 1)[rank])
+    res = {"stats": comm_stats(), "out": y.detach(), "grad_x": x_local.grad.clone()}
+    res["storage"] = {n: storage(p) for n, p in block.named_parameters() if "c_" in n}
+    res["grad_storage"] = {n: storage(p.grad) for n, p in block.named_parameters() if "c_" in n}
+    for name, model, inp in (("ref", reference, x), ("exact", exact, x.double())):
+        inp = inp.clone().requires_grad_()
+        out = model(inp)
+        out.backward(grad_y.to(out.dtype))
+        res[f"{name}_out"], res[f"{name}_grad_x"] = out.detach(), inp.grad
+    return res
+
+
+def indivisible_checks(rank, world) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fp8lm.distributed.tensor_parallel import FP8ColwiseParallel
+    from fp8lm.nn import FP8Linear
+
+    try:
+        parallelize_module(FP8Linear(16, 3 * world + 1), init_device_mesh("cpu", (world,)), FP8ColwiseParallel())
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def checks(rank, world, mode):
+    return {"block": block_checks, "indivisible": indivisible_checks}[mode](rank, world)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    worker_main(checks)

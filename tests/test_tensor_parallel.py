@@ -1,0 +1,91 @@
+"""FP8 tensor + sequence parallelism (tests/dist_tp.py on 2 and 4 gloo ranks): a GPT block's
+output and input gradient against the same FP8 block in one process and a float64 copy, the
+weights' storage, the bytes by collective kind; and the styles' bad input."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from dist_launch import run_workers
+from dist_tp import BATCH, EMBD, SEQ
+from fp8lm.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
+
+TIMEOUT = 600.0
+# The FP8 wire adds one E4M3 rounding (relative error <= 2**-4) to each exchanged activation and
+# sum, and one E5M2 rounding to each gathered gradient, on top of the FP8 GEMMs' own roundings of
+# inputs, weights and gradients: the block's error against float64 may grow by at most a quarter
+# of the single-process FP8 block's (measured: 1.13x for the output, 1.07x for the input gradient).
+ERROR_GROWTH = 1.25
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
+def block_ranks(request):
+    return run_workers("dist_tp.py", request.param, "block", timeout=TIMEOUT)
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got.double() - exact).norm() / exact.norm())
+
+
+@pytest.mark.slow
+def test_block_output_and_input_grad_within_bound(block_ranks):
+    out = torch.cat([r["out"] for r in block_ranks], 1)
+    grad_x = torch.cat([r["grad_x"] for r in block_ranks], 1)
+    r0 = block_ranks[0]
+    for got, ref, exact in ((out, r0["ref_out"], r0["exact_out"]), (grad_x, r0["ref_grad_x"], r0["exact_grad_x"])):
+        assert got.shape == exact.shape == (BATCH, SEQ, EMBD)
+        assert not torch.equal(got, ref)  # the activations did travel in FP8
+        assert relative_error(got, exact) <= ERROR_GROWTH * relative_error(ref, exact)
+
+
+@pytest.mark.slow
+def test_weights_are_dtensor_shards_in_fp8lm_storage(block_ranks):
+    for r in block_ranks:
+        for name, (kind, dtype) in r["storage"].items():
+            if name.endswith("weight"):
+                assert (kind, dtype) == ("ScalingTensor", torch.float16)
+        for name, (kind, dtype) in r["grad_storage"].items():
+            if name.endswith("weight"):
+                assert (kind, dtype) == ("ScalingTensor", torch.float8_e4m3fn)
+
+
+@pytest.mark.slow
+def test_bytes_by_kind(block_ranks):
+    world = len(block_ranks)
+    share = (world - 1) / world
+    activation = BATCH * SEQ * EMBD  # bytes of one FP8 activation or gradient over the whole sequence
+    for r in block_ranks:
+        s = r["stats"]
+        # 2 E4M3 activation gathers + 2 E5M2 gradient gathers; 4 FP8 reductions (2 row-wise outputs
+        # forward, 2 gathered inputs' gradients backward), each all-gathering world x world scales.
+        assert s["all_gather_calls"] == 8
+        assert s["all_gather_bytes"] == share * (4 * activation + 4 * 4 * world * world)
+        assert s["all_to_all_calls"] == 4 and s["all_to_all_bytes"] == share * 4 * activation
+        # 4 agreed scales (amax + flag, 8 bytes) and the 2 row-wise biases' gradients (FP32)
+        assert s["all_reduce_calls"] == 6
+        assert s["all_reduce_bytes"] == 2 * share * (4 * 8 + 2 * 4 * EMBD)
+
+
+@pytest.mark.slow
+def test_indivisible_shard_is_one_clear_error():
+    for r in run_workers("dist_tp.py", 2, "indivisible", timeout=TIMEOUT):
+        assert "divisible by chunks x tensor-parallel size" in r["error"]
+
+
+def test_styles_refuse_plain_linear():
+    for style in (FP8ColwiseParallel(), FP8RowwiseParallel()):
+        with pytest.raises(TypeError, match="applies to FP8Linear layers"):
+            style._apply(nn.Linear(16, 16), None)
+
+
+def test_styles_keep_torch_arguments():
+    style = FP8RowwiseParallel(input_layouts=Shard(-1), output_layouts=Shard(1), use_local_output=False)
+    assert (style.input_layouts, style.output_layouts, style.use_local_output) == ((Shard(-1),), (Shard(1),), False)
+    prep = PrepareFP8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    assert (prep.input_layouts, prep.desired_input_layouts) == ((Shard(1),), (Replicate(),))
+    assert "chunks=3" in repr(FP8ColwiseParallel(chunks=3))
+    with pytest.raises(ValueError, match="output_layouts=Shard"):
+        FP8ColwiseParallel(output_layouts=Replicate())
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        FP8ColwiseParallel(chunks=0)
