@@ -59,3 +59,31 @@ def test_layer_with_underflowing_gradients_moves_to_bf16_and_back():
 def test_policy_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FallbackPolicy(**kwargs)
+
+
+def test_layer_whose_stored_weight_gradient_underflows_moves_to_bf16_and_back():
+    # An output head's case: output-gradient channels over seven decades. E5M2 keeps them all
+    # (no output-gradient underflow), but the per-tensor E4M3 weight gradient flushes the rows of
+    # the small channels to zero.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    policy = fp8lm.policy.preset("O1", output_head=False)  # the head rule would store it in BF16
+    model, _ = fp8lm.initialize(model, None, opt_level="O1", policy=policy)
+    telemetry = Telemetry(model, every=1)
+    fallback = PrecisionFallback(telemetry.layers, FallbackPolicy(weight_grad_underflow=0.1, patience=2))
+
+    decades = torch.logspace(-7, 0, 32)
+    events = _run(model, telemetry, fallback, 3, decades)
+    assert [(e["layer"], e["to"]) for e in events] == [("2", "bf16")]
+    assert events[0]["step"] == 1 and "weight-gradient underflow" in events[0]["reason"]
+
+    # In high precision the weight gradient is measured as E4M3 would store it: still over.
+    with telemetry.step(3):
+        (model(torch.randn(16, 32)) * decades).sum().backward()
+    (record,) = [r for r in telemetry.after_backward() if r["layer"] == "2" and r["kind"] == "weight_grad"]
+    assert type(model[2].weight.grad) is torch.Tensor and record["underflow"] > 0.1
+    model.zero_grad()
+
+    events = _run(model, telemetry, fallback, 2, torch.ones(32))
+    assert [(e["layer"], e["to"]) for e in events] == [("2", "fp8")]
+    assert "weight-gradient underflow" in events[0]["reason"]

@@ -1,7 +1,8 @@
 """Automatic precision fallback: move a layer's GEMMs to high precision, and back, by telemetry.
 
-A layer whose FP8 casts lose too much (a fraction of its output gradient underflowing to zero, or
-of its input saturating, above a threshold) for ``patience`` consecutive telemetry samples runs in
+A layer whose FP8 casts lose too much (a fraction of its output gradient or of its stored weight
+gradient underflowing to zero, or of its input saturating, above a threshold) for ``patience``
+consecutive telemetry samples runs in
 high precision (``FP8Linear.high_precision = True``: GEMMs in BF16 under autocast, and the weight
 gradient kept in the weight's dtype, since a per-tensor FP8 gradient would lose the same small
 values again); once the same statistics, measured as FP8 would
@@ -22,12 +23,15 @@ __all__ = ["FallbackPolicy", "PrecisionFallback"]
 @dataclass(frozen=True)
 class FallbackPolicy:
     underflow: float = 0.05  # fraction of non-zero output-gradient values lost to zero
+    # fraction of the stored FP8 weight gradient that is zero: per-tensor scaling flushes the rows
+    # of rare tokens in an output head (docs/training.md, "Loss fidelity")
+    weight_grad_underflow: float = 0.1
     saturation: float = 1e-3  # fraction of input values clipped at the format's max
     recover_below: float = 0.5  # back to FP8 below this fraction of the thresholds
     patience: int = 2  # consecutive samples before a switch
 
     def __post_init__(self) -> None:
-        if not (0 < self.underflow <= 1 and 0 < self.saturation <= 1):
+        if not all(0 < f <= 1 for f in (self.underflow, self.weight_grad_underflow, self.saturation)):
             raise ValueError("fallback thresholds must be fractions in (0, 1]")
         if not 0 <= self.recover_below < 1:
             raise ValueError(f"recover_below must be in [0, 1), got {self.recover_below}")
@@ -51,6 +55,9 @@ class PrecisionFallback:
         for r in records:
             if r["kind"] == "grad_output":
                 ratio, what = r["underflow"] / self.policy.underflow, f"output-gradient underflow {r['underflow']:.3g}"
+            elif r["kind"] == "weight_grad":
+                ratio = r["underflow"] / self.policy.weight_grad_underflow
+                what = f"weight-gradient underflow {r['underflow']:.3g}"
             elif r["kind"] == "input":
                 ratio, what = r["saturation"] / self.policy.saturation, f"input saturation {r['saturation']:.3g}"
             else:

@@ -151,6 +151,12 @@ class Telemetry:
             grad = layer.weight.grad
             if isinstance(grad, ScalingTensor):
                 self._record(name, "weight_grad", grad.fmt, stored_stats(grad))
+            elif grad is not None and layer.high_precision and layer.weight_grad_format.is_fp8:
+                # kept in high precision by the fallback: measured as FP8 would store it (its own
+                # amax's scale), so that the fallback can tell when it may return to FP8
+                fmt = layer.weight_grad_format
+                scale = compute_scale(grad.detach().abs().amax().float(), fmt)
+                self._record(name, "weight_grad", fmt, quantization_stats(grad, fmt, scale))
         return self._flush()
 
     def after_optimizer_step(self) -> list[dict]:
