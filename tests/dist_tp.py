@@ -89,8 +89,33 @@ def indivisible_checks(rank, world) -> dict:
     return {"error": None}
 
 
+def handed_checks(rank, world) -> dict:
+    """One call of each `comm` function on tensors of known sizes; what each rank handed over."""
+    import torch.distributed as dist
+
+    from fp8lm.distributed import comm, comm_stats, reset_comm_stats
+
+    sent = {"all_reduce": torch.ones(10), "all_gather": torch.ones(3, dtype=torch.float8_e4m3fn)}
+    sent |= {"reduce_scatter": torch.ones(4 * world, dtype=torch.bfloat16), "all_to_all": torch.ones(2 * world)}
+    reset_comm_stats()
+    comm.all_reduce(sent["all_reduce"])
+    comm.all_gather(torch.empty(3 * world, dtype=torch.float8_e4m3fn), sent["all_gather"])
+    comm.reduce_scatter(torch.empty(4, dtype=torch.bfloat16), sent["reduce_scatter"])
+    comm.all_to_all(torch.empty(2 * world), sent["all_to_all"])
+    comm.broadcast(torch.ones(5, dtype=torch.int64), src=1)
+    if rank == 0:
+        comm.send(torch.ones(7, dtype=torch.float16), dst=1)
+    elif rank == 1:
+        comm.recv(torch.empty(7, dtype=torch.float16), src=0)
+    dist.barrier()
+    nbytes = {kind: t.nbytes for kind, t in sent.items()}
+    nbytes |= {"broadcast": 40 if rank == 1 else 0, "send": 14 if rank == 0 else 0, "recv": 0}
+    return {"stats": comm_stats(), "nbytes": nbytes}
+
+
 def checks(rank, world, mode):
-    return {"block": block_checks, "indivisible": indivisible_checks}[mode](rank, world)
+    modes = {"block": block_checks, "indivisible": indivisible_checks, "handed": handed_checks}
+    return modes[mode](rank, world)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,34 @@ def test_bytes_by_kind(block_ranks):
 
 
 @pytest.mark.slow
+def test_block_handed_bytes_are_the_payloads(block_ranks):
+    world = len(block_ranks)
+    for r in block_ranks:
+        s = r["stats"]
+        # each rank hands its FP8 slice of the sequence to the 4 gathers, and world x 4-byte scales
+        # (one per chunk) to each of the 4 reductions' scale gathers
+        assert s["all_gather_handed_bytes"] == 4 * BATCH * SEQ * EMBD // world + 4 * 4 * world
+        assert s["all_to_all_handed_bytes"] == 4 * BATCH * SEQ * EMBD
+        assert s["all_reduce_handed_bytes"] == 4 * 8 + 2 * 4 * EMBD
+        assert s["handed_bytes"] == sum(s[f"{k}_handed_bytes"] for k in ("all_gather", "all_to_all", "all_reduce"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_comm_stats_handed_bytes_equal_tensor_nbytes(world):
+    for rank, r in enumerate(run_workers("dist_tp.py", world, "handed", timeout=TIMEOUT)):
+        for kind, nbytes in r["nbytes"].items():
+            assert r["stats"][f"{kind}_handed_bytes"] == nbytes, kind
+        calls = {k: r["stats"][f"{k}_calls"] for k in r["nbytes"]}
+        assert calls == {
+            **dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"), 1),
+            "send": int(rank == 0),
+            "recv": int(rank == 1),
+        }
+        assert r["stats"]["handed_bytes"] == sum(r["nbytes"].values())
+
+
+@pytest.mark.slow
 def test_indivisible_shard_is_one_clear_error():
     for r in run_workers("dist_tp.py", 2, "indivisible", timeout=TIMEOUT):
         assert "divisible by chunks x tensor-parallel size" in r["error"]

@@ -11,6 +11,11 @@ sends under the usual ring-algorithm costs, for a tensor of ``size`` bytes in to
 
 Scales travel in their own small collectives and are counted like any other bytes. The counts
 are per process, so they are comparable across runs whatever the backend actually does.
+
+Next to that cost, each call records the bytes this rank *handed* to the process group: the
+tensor it contributes (the input of an all-gather, reduce-scatter or all-to-all, the reduced
+tensor, a broadcast's tensor on its source, a sent tensor; nothing for a receive), i.e. exactly
+the ``nbytes`` of the tensors passed in to be sent.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ __all__ = ["KINDS", "collective_bytes", "ddp_bytes", "record", "comm_stats", "re
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv")
 
 _bytes: dict[str, float] = defaultdict(float)
+_handed: dict[str, int] = defaultdict(int)
 _calls: dict[str, int] = defaultdict(int)
 
 
@@ -42,23 +48,28 @@ def ddp_bytes(numel: int, bytes_per_element: int, world_size: int) -> float:
     return collective_bytes("all_reduce", numel * bytes_per_element, world_size)
 
 
-def record(kind: str, full_bytes: float, world_size: int) -> None:
-    """Count one collective of ``kind`` over ``full_bytes`` (the whole tensor, all ranks' parts)."""
+def record(kind: str, full_bytes: float, world_size: int, handed_bytes: int = 0) -> None:
+    """Count one collective of ``kind`` over ``full_bytes`` (the whole tensor, all ranks' parts) to
+    which this rank handed a tensor of ``handed_bytes``."""
     _bytes[kind] += collective_bytes(kind, full_bytes, world_size)
+    _handed[kind] += handed_bytes
     _calls[kind] += 1
 
 
 def comm_stats() -> dict:
     """Bytes this rank sent since the last reset: ``total_bytes``, ``<kind>_bytes`` and
-    ``<kind>_calls`` for every kind in `KINDS`."""
-    stats: dict = {"total_bytes": sum(_bytes.values())}
+    ``<kind>_calls`` for every kind in `KINDS` (the algorithm cost); ``handed_bytes`` and
+    ``<kind>_handed_bytes``: the bytes of the tensors it handed to the process group."""
+    stats: dict = {"total_bytes": sum(_bytes.values()), "handed_bytes": sum(_handed.values())}
     for kind in KINDS:
         stats[f"{kind}_bytes"] = _bytes[kind]
         stats[f"{kind}_calls"] = _calls[kind]
+        stats[f"{kind}_handed_bytes"] = _handed[kind]
     return stats
 
 
 def reset_comm_stats() -> None:
     """Set every count back to zero."""
     _bytes.clear()
+    _handed.clear()
     _calls.clear()

@@ -56,7 +56,7 @@ def _summable(t: torch.Tensor, name: str) -> torch.Tensor:
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
     """Reduce ``tensor`` over the ranks in place with ``op``."""
     _summable(tensor, "all_reduce")
-    accounting.record("all_reduce", _nbytes(tensor), dist.get_world_size(group))
+    accounting.record("all_reduce", _nbytes(tensor), dist.get_world_size(group), _nbytes(tensor))
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return work if async_op else tensor
 
@@ -64,7 +64,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
 def all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op: bool = False):
     """Every rank's ``input_tensor`` concatenated in rank order into ``output`` (``world_size`` times as
     many elements)."""
-    accounting.record("all_gather", _nbytes(output), dist.get_world_size(group))
+    accounting.record("all_gather", _nbytes(output), dist.get_world_size(group), _nbytes(input_tensor))
     work = _all_gather_tensor(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
     return work if async_op else output
 
@@ -74,7 +74,7 @@ def reduce_scatter(
 ):
     """Rank ``r``'s ``output`` becomes chunk ``r`` of ``input_tensor`` reduced over the ranks with ``op``."""
     _summable(input_tensor, "reduce_scatter")
-    accounting.record("reduce_scatter", _nbytes(input_tensor), dist.get_world_size(group))
+    accounting.record("reduce_scatter", _nbytes(input_tensor), dist.get_world_size(group), _nbytes(input_tensor))
     work = _reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=async_op)
     return work if async_op else output
 
@@ -82,14 +82,15 @@ def reduce_scatter(
 def all_to_all(output: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op: bool = False):
     """Chunk ``j`` of this rank's ``input_tensor`` goes to rank ``j``; chunk ``i`` of ``output`` comes from
     rank ``i`` (equal chunks along the first dimension)."""
-    accounting.record("all_to_all", _nbytes(input_tensor), dist.get_world_size(group))
+    accounting.record("all_to_all", _nbytes(input_tensor), dist.get_world_size(group), _nbytes(input_tensor))
     work = dist.all_to_all_single(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
     return work if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """Rank ``src``'s ``tensor`` (``src`` counted within ``group``) copied into every rank's."""
-    accounting.record("broadcast", _nbytes(tensor), dist.get_world_size(group))
+    handed = _nbytes(tensor) if dist.get_rank(group) == src else 0
+    accounting.record("broadcast", _nbytes(tensor), dist.get_world_size(group), handed)
     source = dist.get_global_rank(group, src) if group is not None else src
     work = dist.broadcast(_wire(tensor), src=source, group=group, async_op=async_op)
     return work if async_op else tensor
@@ -107,7 +108,7 @@ def recv(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
 
 
 def _point_to_point(kind: str, tensor: torch.Tensor, peer: int, group, async_op: bool):
-    accounting.record(kind, _nbytes(tensor), dist.get_world_size(group))
+    accounting.record(kind, _nbytes(tensor), dist.get_world_size(group), _nbytes(tensor) if kind == "send" else 0)
     peer = dist.get_global_rank(group, peer) if group is not None else peer
     blocking, non_blocking = (dist.send, dist.isend) if kind == "send" else (dist.recv, dist.irecv)
     if async_op:
