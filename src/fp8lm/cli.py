@@ -115,6 +115,23 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="start from a checkpoint's weights (fine-tuning): a step_*.pt file or a run folder",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_parallel_options(p)
+    _add_numerics_options(p)
+
+
+def _add_parallel_options(p: argparse.ArgumentParser) -> None:
+    """How a run under torchrun spreads over its ranks."""
+    d = p.add_argument_group("parallelism (under torchrun)")
+    d.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard weights, gradients and optimizer state with FSDP2: O1/O2 gather weights and reduce-scatter "
+        "gradients in FP8, bf16 in BF16 (torch's MixedPrecisionPolicy), fp32 in FP32; not with O3 (FP8 ZeRO)",
+    )
+
+
+def _add_numerics_options(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
     n = p.add_argument_group("FP8 numerics")
     n.add_argument(
         "--telemetry-every",
@@ -181,6 +198,7 @@ def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
         telemetry_every=args.telemetry_every,
         fallback=args.fallback,
         grad_sync_scaling=args.grad_sync_scaling,
+        fsdp=args.fsdp,
         recipe=args.recipe,
     )
 
@@ -376,6 +394,8 @@ def cmd_dpo(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     summary = dpo(cfg)
+    if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     print(json.dumps({k: summary[k] for k in ("opt_level", "steps", *DPO_SUMMARY_KEYS)}, indent=1))
     print(f"summary: {args.out}/summary.json")
     return 0

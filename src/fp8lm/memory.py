@@ -3,12 +3,16 @@
 Counts what is allocated, not what the dtypes suggest: a ScalingTensor contributes its payload's
 storage (and its scale, under ``scales``), and every storage is counted once, however many tensors
 view it (tied weights, views into one flat buffer: the whole storage goes to the first tensor seen).
+Of a DTensor (FSDP2's sharded parameters, their gradients and optimizer state) it counts this
+rank's shard: on a rank, the report is that rank's bytes, and ``bytes_per_param`` divides them by
+the whole model's parameter count.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .scaling import ScalingMeta
 from .tensor import ScalingTensor
@@ -41,6 +45,8 @@ class _Tally:
     def add(self, kind: str, t: torch.Tensor | None) -> None:
         if t is None:
             return
+        if isinstance(t, DTensor):  # an FSDP2 shard: this rank holds (and counts) its local part
+            t = t.to_local()
         if isinstance(t, ScalingTensor):
             self.add(kind, t.payload)
             self.add("scales", t.scale)

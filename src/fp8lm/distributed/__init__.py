@@ -16,6 +16,7 @@ from .collectives import (
 )
 from .data_parallel import FP8DataParallel, broadcast_module
 from .fsdp import fully_shard, precompute_fp8_scales
+from .fsdp_checkpoint import load_fsdp_checkpoint, save_fsdp_checkpoint
 from .reduction import SCALINGS, FlatLayout, FP8Reduction, LocalScaling, SharedScaling
 from .runtime import is_distributed, rank, setup, shutdown, world_size
 from .tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
@@ -52,6 +53,8 @@ __all__ = [
     "wrap",
     "fully_shard",
     "precompute_fp8_scales",
+    "save_fsdp_checkpoint",
+    "load_fsdp_checkpoint",
     "FP8ColwiseParallel",
     "FP8RowwiseParallel",
     "PrepareFP8ModuleInput",

@@ -29,7 +29,7 @@ from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_shard_amax
 from . import comm
 from .collectives import fp8_reduce_scatter
 
-__all__ = ["fully_shard", "precompute_fp8_scales", "FP8ReduceScatter", "CountedAllGather"]
+__all__ = ["fully_shard", "precompute_fp8_scales", "FP8ReduceScatter", "CountedAllGather", "CountedReduceScatter"]
 
 
 class _PlainAllocation:
@@ -44,6 +44,14 @@ class CountedAllGather(_PlainAllocation):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         return comm.all_gather(output_tensor, input_tensor, group, async_op=async_op)
+
+
+class CountedReduceScatter(_PlainAllocation):
+    """FSDP2's own gradient reduce-scatter (in its ``MixedPrecisionPolicy.reduce_dtype``) through
+    `fp8lm.distributed.comm`, so `comm_stats` counts its bytes."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        return comm.reduce_scatter(output_tensor, input_tensor, op, group, async_op=async_op)
 
 
 class FP8ReduceScatter(_PlainAllocation):
@@ -82,7 +90,7 @@ def _sharded_scaling_tensors(module: nn.Module) -> list[tuple[nn.Module, DTensor
 def _choose_gather_formats(module: nn.Module) -> None:
     """E4M3 for the weight of every FP8 GEMM (a format is fixed at the shard's first all-gather)."""
     for owner, param, shard in _sharded_scaling_tensors(module):
-        is_fp8_weight = isinstance(owner, FP8Linear) and param is owner.weight
+        is_fp8_weight = isinstance(owner, FP8Linear) and owner.fp8_enabled and param is owner.weight
         fsdp_gather_format(param, shard, E4M3 if is_fp8_weight else None)
 
 
@@ -90,12 +98,12 @@ def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs)
     """`torch.distributed.fsdp.fully_shard` (same arguments and return value) with FP8 weight
     all-gather for FP8Linear weights, FP8 gradient reduce-scatter (``fp8_reduce_scatter=False``
     keeps FSDP's own, in its ``MixedPrecisionPolicy.reduce_dtype``) and counted communication.
-    Call it on each block, then on the whole model, as with torch's."""
+    Call it on each block, then on the whole model, as with torch's. On a model without fp8lm
+    layers it is torch's FSDP2 (with ``fp8_reduce_scatter=False``), counted."""
     sharded = torch_fully_shard(module, **kwargs)
     _choose_gather_formats(sharded)
     sharded.set_custom_all_gather(CountedAllGather())
-    if fp8_reduce_scatter:
-        sharded.set_custom_reduce_scatter(FP8ReduceScatter())
+    sharded.set_custom_reduce_scatter(FP8ReduceScatter() if fp8_reduce_scatter else CountedReduceScatter())
     return sharded
 
 

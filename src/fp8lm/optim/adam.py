@@ -14,11 +14,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..formats import E4M3, FP16, Format, format_of
 from ..tensor import ScalingTensor
+from .dtensor import local_tensor
 from .functional import adam_hyperparams, adam_ratio_bound
 from .fused import KERNELS, fused_adam_step_
+from .sharded import ShardedParam, agree_amaxes, agree_scales
 from .skipping import SkipsNonFiniteSteps
 from .slots import AdamSlot, ParamSlot
 from .state import FORMAT_KEYS, check_param_dtype, checked_state, init_state, validate_group
@@ -128,6 +131,7 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
         if grad.shape != p.shape:
             raise RuntimeError(f"gradient of shape {tuple(grad.shape)} does not match its parameter {tuple(p.shape)}")
+        grad = local_tensor(grad)
         entry = self._param_slots.get(p)
         if entry is None or not entry.holds(p, state):
             entry = ParamSlot.build(p, state, staged)
@@ -158,19 +162,22 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
             state = self.state[p]
             state["step"] += 1
             if "master" in state:
-                value = state["master"].float() / state["master_scale"]
-                p.data.copy_(value) if not isinstance(p, ScalingTensor) else p.copy_(value)
+                value = local_tensor(state["master"]).float() / state["master_scale"]
+                weight = local_tensor(p)
+                weight.data.copy_(value) if not isinstance(weight, ScalingTensor) else weight.copy_(value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """One fused step over all parameters with a gradient; skipped as a whole (counted in
-        ``skipped_steps``, flagged in ``last_step_skipped``) when any gradient is non-finite."""
+        ``skipped_steps``, flagged in ``last_step_skipped``) when any gradient is non-finite. DTensor
+        parameters (FSDP2) step their shards, with scales agreed over their mesh (`fp8lm.optim.sharded`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         params: list[torch.Tensor] = []
         slots: list[AdamSlot] = []
+        sharded: list[ShardedParam] = []
         staged: list = []
         shared: dict = {}
         for group in self.param_groups:
@@ -178,10 +185,18 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
                 if p.grad is None or p.numel() == 0:
                     continue
                 state = self.state[p] or init_state(self.state[p], p, group)
-                slots.append(self._slot(p, group, state, staged, shared))
+                slot = self._slot(p, group, state, staged, shared) if local_tensor(p).numel() else None
+                if slot is not None:
+                    slots.append(slot)
+                if isinstance(p, DTensor):
+                    sharded.append(
+                        ShardedParam(p, state, slot, *self._hyperparams(group, state["step"] + 1, p.device, shared))
+                    )
                 params.append(p)
         try:
-            applied = fused_adam_step_(slots, kernel=self.kernel)
+            applied = agree_amaxes(sharded) and fused_adam_step_(slots, kernel=self.kernel)
+            if sharded:
+                agree_scales(sharded, applied)
         finally:
             for slot in slots:  # cached slots keep nothing of this step alive (gradients, temporaries)
                 slot.release_step()
@@ -189,6 +204,17 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
         if applied:
             self._finish_step(params, staged)
         return loss
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """`fp8lm.clip_grad_norm_` over this optimizer's parameters; over DTensor shards (FSDP2) by
+        the norm of the whole gradients (torch's ``clip_grad_norm_``, which reduces over the mesh)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if not any(isinstance(p, DTensor) for p in params):
+            return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        return total.full_tensor() if isinstance(total, DTensor) else total
 
     # -- checkpoints ----------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from ..formats import Format, format_of
 from ..tensor import ScalingTensor
+from .dtensor import local_tensor
 
 __all__ = ["AdamSlot", "ParamSlot"]
 
@@ -107,23 +108,27 @@ class ParamSlot:
     versions: tuple | None = None
 
     @staticmethod
-    def _sources(p: torch.Tensor, state: dict) -> tuple:
+    def weight_source(p: torch.Tensor, state: dict) -> tuple:
+        """``(payload, scale, scaled)`` of the weight the optimizer updates for ``p``: its master in
+        ``state``, or this rank's ScalingTensor payload and scale, or ``(None, None, False)`` for a
+        plain tensor (updated through its ``.data``)."""
+        local = local_tensor(p)
         if "master" in state:
-            return state["master"], state["master_scale"], True
-        if isinstance(p, ScalingTensor):
-            return p.payload, p.scale, True
+            return local_tensor(state["master"]), state["master_scale"], True
+        if isinstance(local, ScalingTensor):
+            return local.payload, local.scale, True
         return None, None, False
 
     @classmethod
     def build(cls, p: torch.Tensor, state: dict, staged: list) -> ParamSlot:
         """The slot of ``p`` over its ``state``; a non-contiguous weight is updated on a contiguous
         copy, appended to ``staged`` as ``(original, copy)`` to be written back after the step."""
-        w_base, w_scale, w_scaled = cls._sources(p, state)
-        w = w_base if w_base is not None else p.data
+        w_base, w_scale, w_scaled = cls.weight_source(p, state)
+        w = w_base if w_base is not None else local_tensor(p).data
         cacheable = w.is_contiguous()
         if not cacheable:
             staged.append((w, w := w.contiguous()))
-        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
         slot = AdamSlot(
             w=w.view(-1),
             w_scale=w_scale,
@@ -136,18 +141,19 @@ class ParamSlot:
             v_scale=state["exp_avg_sq_scale"],
             hyperparams=None,
         )
-        return cls(slot, (w_base, m, v), (w_scale, slot.m_scale, slot.v_scale), p.data_ptr(), cacheable)
+        data_ptr = local_tensor(p).data_ptr()
+        return cls(slot, (w_base, m, v), (w_scale, slot.m_scale, slot.v_scale), data_ptr, cacheable)
 
     def holds(self, p: torch.Tensor, state: dict) -> bool:
-        w_base, w_scale, w_scaled = self._sources(p, state)
+        w_base, w_scale, w_scaled = self.weight_source(p, state)
         return (
             w_base is self.bases[0]
             and (not w_scaled or w_scale is self.scales[0])
-            and state["exp_avg"] is self.bases[1]
-            and state["exp_avg_sq"] is self.bases[2]
+            and local_tensor(state["exp_avg"]) is self.bases[1]
+            and local_tensor(state["exp_avg_sq"]) is self.bases[2]
             and state["exp_avg_scale"] is self.scales[1]
             and state["exp_avg_sq_scale"] is self.scales[2]
-            and p.data_ptr() == self.data_ptr
+            and local_tensor(p).data_ptr() == self.data_ptr
         )
 
     def known_amaxes(self) -> Amaxes:

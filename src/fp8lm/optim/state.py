@@ -16,16 +16,22 @@ Layout per parameter (FP8-LM level 2, 6 bytes/param with an FP8 gradient):
 
 All state is plain tensors (payload ``state[k]``, float32 ``state[k + "_scale"]``) and the int
 ``state["step"]``, so an optimizer's ``state_dict()`` loads with ``torch.load(weights_only=True)``.
+
+A DTensor parameter (FSDP2's shards) gets DTensor payloads laid out like it, so each rank stores
+only its shard; scales stay plain 0-d tensors, one value for the whole tensor on every rank
+(`fp8lm.optim.sharded` keeps them agreed).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..formats import Format, format_of
 from ..ops.cast import saturating_cast
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor
+from .dtensor import local_tensor, mesh_reduce, sharded_like
 
 __all__ = [
     "FORMAT_KEYS",
@@ -43,6 +49,7 @@ FORMAT_KEYS = ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype")
 
 def param_is_master(p: torch.Tensor, master_fmt: Format) -> bool:
     """Whether the parameter itself can serve as the master weight (see the module docstring)."""
+    p = local_tensor(p)
     if isinstance(p, ScalingTensor):
         return p.payload.dtype == master_fmt.dtype
     return p.dtype == master_fmt.dtype or p.element_size() > master_fmt.bytes
@@ -52,18 +59,31 @@ def init_state(state: dict, p: torch.Tensor, group: dict) -> dict:
     """Fill an empty ``state`` of ``p`` with zero moments (and a master copy where ``p`` cannot be
     its own master) in the formats of its param ``group``; returns it."""
     m_fmt, v_fmt, master_fmt = (format_of(group[k]) for k in FORMAT_KEYS)
-    dev = p.device
+    local = local_tensor(p)
+    dev = local.device
     state["step"] = 0
-    state["exp_avg"] = torch.zeros(p.shape, dtype=m_fmt.dtype, device=dev)
+    state["exp_avg"] = sharded_like(torch.zeros(local.shape, dtype=m_fmt.dtype, device=dev), p)
     state["exp_avg_scale"] = torch.ones((), dtype=torch.float32, device=dev)
-    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=v_fmt.dtype, device=dev)
+    state["exp_avg_sq"] = sharded_like(torch.zeros(local.shape, dtype=v_fmt.dtype, device=dev), p)
     state["exp_avg_sq_scale"] = torch.ones((), dtype=torch.float32, device=dev)
     if not param_is_master(p, master_fmt):
-        value = p.detach().dequantize() if isinstance(p, ScalingTensor) else p.detach().float()
-        scale = compute_scale(value.abs().amax(), master_fmt)
-        state["master"] = saturating_cast(value, scale, master_fmt)
+        if isinstance(p, DTensor) and isinstance(local, ScalingTensor):
+            raise ValueError(
+                f"a sharded {local.fmt.name} parameter needs a separate {master_fmt.name} master weight, which "
+                "fp8lm keeps only in FP8 ZeRO: shard O2 models with FSDP2 (their FP16 weights are the masters), "
+                "or train O3 with fp8lm.distributed.FP8ZeroOptimizer"
+            )
+        value = local.detach().dequantize() if isinstance(local, ScalingTensor) else local.detach().float()
+        scale = compute_scale(_whole_amax(value, p), master_fmt)
+        state["master"] = sharded_like(saturating_cast(value, scale, master_fmt), p)
         state["master_scale"] = scale
     return state
+
+
+def _whole_amax(local_value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The amax of the whole tensor of which ``local_value`` is this rank's part (0 when empty)."""
+    local_amax = local_value.abs().amax() if local_value.numel() else local_value.new_zeros(())
+    return mesh_reduce(local_amax.float(), p.device_mesh, "max") if isinstance(p, DTensor) else local_amax
 
 
 def checked_state(name: str, saved: dict, p: torch.Tensor, group: dict) -> dict:
@@ -83,11 +103,23 @@ def checked_state(name: str, saved: dict, p: torch.Tensor, group: dict) -> dict:
                 f"{name}.load_state_dict: state {key!r} is {t.dtype} of shape {tuple(t.shape)}, expected {dtype} "
                 f"of shape {tuple(p.shape)}; load into an optimizer over the same model with the same formats"
             )
-    out = {"step": int(saved["step"])}
+    out: dict = {"step": int(saved["step"])}
     for key in expected:
-        out[key] = saved[key].to(p.device, copy=True)
-        out[key + "_scale"] = saved[key + "_scale"].to(p.device, torch.float32, copy=True)
+        out[key] = _copy_laid_out_like(name, key, saved[key], p)
+        out[key + "_scale"] = saved[key + "_scale"].to(local_tensor(p).device, torch.float32, copy=True)
     return out
+
+
+def _copy_laid_out_like(name: str, key: str, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A copy of saved state tensor ``t`` on ``p``'s device, refused unless sharded as ``p`` is."""
+    local, local_p = local_tensor(t), local_tensor(p)
+    if isinstance(t, DTensor) != isinstance(p, DTensor) or local.shape != local_p.shape:
+        raise ValueError(
+            f"{name}.load_state_dict: state {key!r} holds {tuple(local.shape)} elements on this rank, its parameter "
+            f"{tuple(local_p.shape)}; load sharded (FSDP2) state with "
+            "torch.distributed.checkpoint.state_dict.set_state_dict, which lays it out like the parameters"
+        )
+    return sharded_like(local.to(local_p.device, copy=True), p)
 
 
 def validate_group(name: str, group: dict) -> None:

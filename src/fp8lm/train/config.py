@@ -102,6 +102,7 @@ class TrainConfig:
     fallback: bool = False  # move layers to BF16 (and back) by telemetry (fp8lm.fallback)
     # O1/O2 under torchrun: scaling of the FP8 gradient all-reduce (fp8lm.distributed.FP8DataParallel)
     grad_sync_scaling: str = "local"
+    fsdp: bool = False  # under torchrun: shard with FSDP2 (fp8lm.distributed.fully_shard) instead
     recipe: str = DEFAULT_RECIPE  # FP8 levels: the named fp8lm.Recipe of every FP8Linear
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
@@ -154,6 +155,7 @@ class TrainConfig:
                 f"--grad-sync-scaling sets the FP8 gradient all-reduce of {'/'.join(FP8_DATA_PARALLEL_LEVELS)} "
                 f"(this run is {self.opt_level})"
             )
+        self._check_fsdp()
         if self.fallback and (self.opt_level not in FP8_LEVELS or self.telemetry_every == 0):
             raise RunError(
                 f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
@@ -173,6 +175,15 @@ class TrainConfig:
             if not (math.isfinite(value) and above and below):
                 interval = f"{'[' if closed[0] else '('}{low}, {high}{']' if closed[1] else ')'}"
                 raise RunError(f"--{name.replace('_', '-')} must be a finite number in {interval}, got {value}")
+
+    def _check_fsdp(self) -> None:
+        if self.fsdp and self.opt_level == "O3":
+            raise RunError(
+                "--fsdp with O3: FSDP2 shards slices of FP16 weights, O3 is FP8 ZeRO (whole FP8 tensors, sharded "
+                "masters); use --opt-level O2 --fsdp, or O3 without --fsdp"
+            )
+        if self.fsdp and self.grad_sync_scaling != "local":
+            raise RunError("--grad-sync-scaling sets FP8DataParallel's all-reduce, which --fsdp replaces: drop one")
 
     def _check_recipe(self) -> None:
         if self.recipe not in RECIPES:

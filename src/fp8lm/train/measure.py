@@ -11,11 +11,14 @@ __all__ = ["saved_tensor_bytes"]
 
 def _storages(t: torch.Tensor):
     """(key, nbytes) of the storages under ``t``; a wrapper subclass (a ScalingTensor) is the
-    storages of its inner tensors (payload and scale), not the size it presents."""
+    storages of its inner tensors (payload and scale), not the size it presents. A DTensor (FSDP2)
+    is its local shard's storages."""
     if hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         for name in names:
-            yield from _storages(getattr(t, name))
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # a DTensor also names its device mesh
+                yield from _storages(inner)
         return
     s = t.untyped_storage()
     yield (t.device, s.data_ptr()), s.nbytes()

@@ -114,6 +114,7 @@ class TrainingRun:
             self.ranks,
             cfg.initialize_options(),
             grad_sync_scaling=cfg.grad_sync_scaling,
+            fsdp=cfg.fsdp,
         )
         self.core = unwrap(self.model)  # the model itself: state dicts, evaluation, memory, telemetry
         self.layout = state_layout(self.optimizer)
@@ -130,6 +131,7 @@ class TrainingRun:
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.model_config.block_size
         self.num_params = sum(p.numel() for p in self.core.parameters())
         self.logs: RunLogs | None = None
+        self.act_bytes_per_token: float | None = None  # measured after the last step
         self.lock: IO[str] | None = None  # rank 0's hold on OUT/.lock while fit runs
 
     # -- pieces a subclass may override -------------------------------------------------------
@@ -319,10 +321,14 @@ class TrainingRun:
             for step in range(self.start_step, cfg.steps):
                 record = self.step(step)
                 done = record["step"]
-                if (done % cfg.eval_every == 0 or done == cfg.steps) and self.ranks.main:
+                evaluates = self.ranks.main or self.layout.collective_forward  # FSDP2: every rank takes part
+                if (done % cfg.eval_every == 0 or done == cfg.steps) and evaluates:
                     record.update(self.evaluate())
-                    tqdm.write(f"step {done}: train loss {record['train_loss']:.4f}, val loss {record['val_loss']:.4f}")
-                    sys.stdout.flush()  # seen at once also when piped to a file
+                    if self.ranks.main:
+                        tqdm.write(
+                            f"step {done}: train loss {record['train_loss']:.4f}, val loss {record['val_loss']:.4f}"
+                        )
+                        sys.stdout.flush()  # seen at once also when piped to a file
                 if self.ranks.main:
                     self.logs.metrics.write(record)
                 if self.timed_steps:
@@ -338,6 +344,8 @@ class TrainingRun:
             bar.close()
             if self.logs is not None:
                 self.logs.close()
+        if self.ranks.main or self.layout.collective_forward:
+            self.act_bytes_per_token = self.activation_bytes_per_token()
         if not self.ranks.main:
             return None
         summary = self.summary()
@@ -358,6 +366,7 @@ class TrainingRun:
             },
         }
         shards = self.layout.save_shards(directory, step, self.core, self.optimizer)
+        model_state = self.layout.model_state(self.core)
         every_rank = gather_to_main(own, self.ranks)
         if not self.ranks.main:
             return
@@ -366,7 +375,7 @@ class TrainingRun:
             "step": step,
             "opt_level": self.cfg.opt_level,
             "model_config": self.model_config.to_dict(),
-            "model": self.core.state_dict(),
+            "model": model_state,
             "optimizer": self.layout.optimizer_state(self.optimizer),
             "optimizer_shards": shards,
             "data_parallel": self.model.get_extra_state() if isinstance(self.model, FP8DataParallel) else None,
@@ -411,7 +420,7 @@ class TrainingRun:
             "train_loss": sum(last) / len(last),  # mean of the last (up to) 10 steps
             "val_loss": records[-1]["val_loss"],
             "tokens_per_s": self.timed_steps * self.tokens_per_step / self.train_time,  # steps after the first
-            "act_bytes_per_token": self.activation_bytes_per_token(),
+            "act_bytes_per_token": self.act_bytes_per_token,
             "bytes_per_param": self.memory["bytes_per_param"],
             "memory": self.memory,  # rank 0's share under O3
             "skipped_steps": self.skipped_steps,

@@ -1,0 +1,119 @@
+"""Distributed Checkpoint of FSDP2 training: the model and its optimizer through
+``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``, written and read
+by ``torch.distributed.checkpoint`` (DCP).
+
+What is saved: the model's sharded parameters as stored (a ScalingTensor shard keeps its payload
+and scale: an O2 FP16 weight is written as FP16 bytes) and the optimizer's state (the FP8 and FP16
+moment shards as DTensors, their scales, one per tensor, once), its param groups, step counts and
+skipped-step counter. Each rank writes its own shards; a checkpoint saved at N ranks loads at M
+(DCP re-shards by offsets), also into an unsharded model in one process.
+
+Reading trusts nothing in the folder: the metadata goes through `CheckpointReader` (it builds
+only DCP's metadata classes and reads data files inside the folder only); the non-tensor entries
+(param groups, steps) are read with ``torch.load(weights_only=True)`` instead of DCP's plain
+pickle; every tensor loaded must be finite; and everything is read into copies and checked before
+the model or the optimizer changes.
+
+Not in it: the FP8 layers' delayed-scaling state (amax histories, one per rank and not part of the
+model's state dict); save it per rank with `fp8lm.nn.scaling_state_dict` for a bit-exact resume,
+as ``fp8lm train`` does.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+from ..optim import FP8Adam, FP8AdamW, SkipsNonFiniteSteps
+from ..optim.state import init_state
+from .checkpoint import CheckpointError, CheckpointReader, check_finite
+
+__all__ = ["save_fsdp_checkpoint", "load_fsdp_checkpoint", "PlainDataLoadPlanner"]
+
+_SKIPPED = "skipped_steps"  # the optimizer's own counter, which get_state_dict leaves out
+
+
+class PlainDataLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading non-tensor entries with ``torch.load(weights_only=True)``: plain
+    numbers, strings and containers load; anything that would run code raises `CheckpointError`."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        name = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # a hostile pickle, or bytes torch cannot read at all
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(
+                f"sharded checkpoint entry {name!r} is not plain data ({first}): fp8lm did not write it; resume "
+                "from another checkpoint"
+            ) from None
+        plain = io.BytesIO()
+        torch.save(obj, plain)  # DCP's own loader then reads back only what was just checked
+        plain.seek(0)
+        super().load_bytes(read_item, plain)
+
+
+def save_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write ``model`` and ``optimizer`` (sharded by FSDP2, or not) to the folder ``path``; every
+    rank calls it."""
+    _fill_state(optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    optim_state[_SKIPPED] = getattr(optimizer, _SKIPPED, 0)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.fspath(path))
+
+
+def load_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a `save_fsdp_checkpoint` folder, saved at any world size, into ``model`` and
+    ``optimizer`` as they are laid out now; every rank calls it. Raises `CheckpointError` for
+    untrusted or non-finite content (see the module docstring) before anything changes."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint folder at {path!r}; pass the folder save_fsdp_checkpoint wrote")
+    _fill_state(optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    optim_state[_SKIPPED] = 0
+    # Copies: DCP reads in place, and these state dicts hold the live parameters and state.
+    state = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), {"model": model_state, "optim": optim_state})
+    try:
+        dcp.load(state, storage_reader=CheckpointReader(path), planner=PlainDataLoadPlanner())
+    except CheckpointException as e:  # DCP wraps every rank's failure in one multi-line exception
+        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
+    check_finite(_local_tensors(state), path)
+    skipped = int(state["optim"].pop(_SKIPPED))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if isinstance(optimizer, SkipsNonFiniteSteps):
+        optimizer.skipped_steps = skipped
+
+
+def _fill_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of an fp8lm optimizer its (zero) state, so that ``get_state_dict`` need
+    not take its zero-gradient step, which would requantize the weights."""
+    if not isinstance(optimizer, (FP8Adam, FP8AdamW)):  # torch's optimizers: that step changes nothing
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                init_state(optimizer.state[p], p, group)
+
+
+def _local_tensors(tree, prefix: str = "") -> dict:
+    """This rank's part of every tensor in nested dicts and lists, by dotted name."""
+    if isinstance(tree, DTensor):
+        return {prefix: tree.to_local()}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    out = {prefix: tree} if isinstance(tree, torch.Tensor) else {}
+    for key, value in items:
+        out.update(_local_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out

@@ -1,0 +1,31 @@
+"""What fp8lm's optimizers need of DTensors (FSDP2's parameters, gradients and their state): this
+rank's shard, a state tensor laid out like its parameter, and reductions over a device mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial
+
+__all__ = ["local_tensor", "sharded_like", "mesh_reduce"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sharded_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``local``, this rank's part of a tensor of ``p``'s shape, as a DTensor laid out like the
+    DTensor ``p``; ``local`` itself when ``p`` is a plain tensor."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def mesh_reduce(values: torch.Tensor, mesh: DeviceMesh, op: str) -> torch.Tensor:
+    """``values`` reduced elementwise (``op``: "max" or "min") over every rank of ``mesh``, as a
+    plain tensor: one all-reduce per mesh dimension, through DTensor's collectives."""
+    placements = [Partial(op)] * mesh.ndim
+    on_mesh = values.to(mesh.device_type)  # NCCL meshes reduce device tensors
+    return DTensor.from_local(on_mesh, mesh, placements, run_check=False).full_tensor().to(values.device)
