@@ -1,8 +1,11 @@
 """`fp8lm dpo`: the run, its files, a bit-for-bit resume, and refusals of bad input."""
 
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 from cli_helpers import run_main
 from fp8lm.train.dpo import SUMMARY_KEYS
 from fp8lm.train.model import GPT, preset
+from fp8lm.train.preference import PairSampler, read_pairs, split_pairs
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +68,13 @@ def test_bad_pairs_file_is_one_line_exit_2_and_no_output(inputs, tmp_path, capsy
     assert not (tmp_path / "out" / "summary.json").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-def test_refusals(inputs, tmp_path, capsys, monkeypatch):
+def test_refusals(inputs, tmp_path, capsys):
     rc, _, err = run_main(["dpo", "--out", str(tmp_path / "o"), "--steps", "2"], capsys)
     assert rc == 2 and "pass --init-from CHECKPOINT" in err
     rc, _, err = run_main(dpo_args(inputs, tmp_path / "o", "--beta", "0"), capsys)
     assert rc == 2 and "--beta must be > 0" in err
     rc, _, err = run_main(["dpo", "--init-from", str(tmp_path / "none.pt"), "--out", str(tmp_path / "o")], capsys)
     assert rc == 2 and "does not exist" in err
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    rc, _, err = run_main(dpo_args(inputs, tmp_path / "o"), capsys)
-    assert rc == 2 and "without torchrun" in err
     assert not (tmp_path / "o").exists()
 
 
@@ -131,6 +132,28 @@ def test_run_files_and_bit_for_bit_resume(inputs, tmp_path, capsys):
     rc, _, err = run_main([*argv, "--beta", "0.2"], capsys)
     assert rc == 2 and "already reached step 6" in err
 
+    # killed after the final checkpoint, before summary.json: --resume only writes the summary
+    resumed = json.loads((part / "summary.json").read_text())
+    assert resumed["tokens"] == summary["tokens"]
+    (part / "summary.json").unlink()
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 0, err
+    finished = json.loads((part / "summary.json").read_text())
+    for key in ("tokens", "tokens_per_s", "dpo_loss", "reward_accuracy", "policy_bytes_per_param"):
+        assert finished[key] == resumed[key], key
+
+
+def test_tokens_are_the_positions_of_the_batches_drawn(inputs, tmp_path, capsys):
+    rc, _, err = run_main(dpo_args(inputs, tmp_path / "o", "--steps", "3", "--opt-level", "bf16"), capsys)
+    assert rc == 0, err
+    # the same batches: the run's training pairs and sampler seed; answers differ in length
+    train, _ = split_pairs(read_pairs(inputs / "pairs.jsonl"), 0.05)
+    sampler = PairSampler(train, 4, seed=1337, block_size=preset("tiny").block_size)
+    widths = [sampler.next().inputs.shape[1] for _ in range(3)]
+    records = [json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in records] == [8 * sum(widths[:n]) for n in (1, 2, 3)]
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["tokens"] == 8 * sum(widths)
+
 
 @pytest.mark.slow
 def test_bf16_level_learns_the_pairs(inputs, tmp_path, capsys):
@@ -145,3 +168,38 @@ def test_bf16_level_learns_the_pairs(inputs, tmp_path, capsys):
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = records[0]["dpo_loss"], sum(r["dpo_loss"] for r in records[-5:]) / 5
     assert first == pytest.approx(0.6931, abs=1e-3) and last < first - 0.05  # policy = reference at the start
+
+
+def torchrun_dpo(inputs, out, level, *extra):
+    """``fp8lm dpo`` on 2 gloo ranks (one thread each, eager: comparable bit for bit)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fp8lm.cli"]
+    argv += dpo_args(inputs, out, "--steps", "4", "--save-every", "2", "--eval-every", "2", "--opt-level", level)
+    if "--resume" in extra:  # the checkpoint holds the reference
+        argv.remove("--init-from")
+        argv.remove(str(inputs / "init.pt"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run([*argv, *extra], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_torchrun_two_ranks_and_bit_for_bit_resume(inputs, tmp_path, level):
+    whole = tmp_path / "whole"
+    torchrun_dpo(inputs, whole, level)
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["world_size"] == 2 and set(SUMMARY_KEYS) <= set(summary)
+    assert 1.0 < summary["reference_bytes_per_param"] < 1.1  # every rank holds the E4M3 reference
+    records = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["comm_bytes"] > 0 for r in records)  # the policy's FP8 gradients crossed ranks
+    assert records[-1]["tokens"] == summary["tokens"]
+    if level == "O3":
+        return
+    part = tmp_path / "part"
+    shutil.copytree(whole, part)
+    (part / "summary.json").unlink()
+    for p in (part / "checkpoints").glob("step_00000004*"):
+        p.unlink()
+    torchrun_dpo(inputs, part, level, "--resume")
+    assert (part / "metrics.jsonl").read_text() == (whole / "metrics.jsonl").read_text()
+    assert json.loads((part / "summary.json").read_text())["tokens"] == summary["tokens"]

@@ -97,14 +97,19 @@ def test_encode_pairs_cuts_prompt_start_then_answer_end():
     assert batch.inputs[1, 0].item() == ord("9") and rejected_answer == b"ABCDEFG"  # one prompt byte stays
 
 
-def test_sampler_resumes_exactly():
-    pairs = [PreferencePair(bytes([i + 1]), b"a", b"b") for i in range(50)]
-    a = PairSampler(pairs, 4, seed=5)
-    a.next()
+def test_sampler_resumes_exactly_and_counts_tokens():
+    # answers of 1 to 10 bytes: batches of different widths
+    pairs = [PreferencePair(bytes([i + 1]), b"a" * (1 + i % 10), b"b") for i in range(50)]
+    a = PairSampler(pairs, 2, seed=5, block_size=16)
+    first = a.next()
     state = a.state_dict()
     after = [a.next() for _ in range(3)]
-    b = PairSampler(pairs, 4, seed=99)
+    b = PairSampler(pairs, 2, seed=99, block_size=16)
     b.load_state_dict(state)
-    assert [b.next() for _ in range(3)] == after and b.batches_drawn == 4
-    assert all(len(batch) == 4 for batch in after)
+    again = [b.next() for _ in range(3)]
+    assert all(torch.equal(x.inputs, y.inputs) and torch.equal(x.mask, y.mask) for x, y in zip(after, again))
+    assert b.batches_drawn == 4 and all(batch.pairs == 2 for batch in after)
+    widths = [batch.inputs.shape[1] for batch in (first, *after)]
+    assert len(set(widths)) > 1  # the count follows each batch, not the first one's width
+    assert a.tokens_drawn == b.tokens_drawn == 4 * sum(widths)  # 2 sequences per pair, padding included
     assert torch.is_tensor(state["generator"])

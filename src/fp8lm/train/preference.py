@@ -155,24 +155,32 @@ def encode_pairs(pairs: list[PreferencePair], block_size: int) -> PairBatch:
 
 
 class PairSampler:
-    """Random batches of pairs (with replacement). Its position is a generator state, so a
-    checkpoint of ``state_dict()`` makes a resumed run draw exactly the same batches."""
+    """Random batches of pairs (with replacement), encoded for a model of ``block_size`` positions.
+    Its position is a generator state, so a checkpoint of ``state_dict()`` makes a resumed run draw
+    exactly the same batches; ``tokens_drawn`` counts the positions of the batches drawn so far
+    (padding included: what the model computes), also across a resume."""
 
-    def __init__(self, pairs: list[PreferencePair], batch_size: int, seed: int) -> None:
+    def __init__(self, pairs: list[PreferencePair], batch_size: int, seed: int, block_size: int) -> None:
         if not pairs:
             raise DataError("no training pairs to sample from")
-        self.pairs, self.batch_size = pairs, batch_size
+        self.pairs, self.batch_size, self.block_size = pairs, batch_size, block_size
         self.generator = torch.Generator().manual_seed(seed)
-        self.batches_drawn = 0
+        self.batches_drawn = self.tokens_drawn = 0
 
-    def next(self) -> list[PreferencePair]:
+    def next(self) -> PairBatch:
         idx = torch.randint(0, len(self.pairs), (self.batch_size,), generator=self.generator)
+        batch = encode_pairs([self.pairs[i] for i in idx.tolist()], self.block_size)
         self.batches_drawn += 1
-        return [self.pairs[i] for i in idx.tolist()]
+        self.tokens_drawn += batch.inputs.numel()
+        return batch
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn}
+        return {
+            "generator": self.generator.get_state(),
+            "batches_drawn": self.batches_drawn,
+            "tokens_drawn": self.tokens_drawn,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
-        self.batches_drawn = int(state["batches_drawn"])
+        self.batches_drawn, self.tokens_drawn = int(state["batches_drawn"]), int(state["tokens_drawn"])
