@@ -6,13 +6,23 @@ Convention (MS-AMP, Transformer Engine, torchao): ``fp8 = cast(x * scale)``, ``x
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .formats import Format
 
-__all__ = ["compute_scale", "pow2_scale", "ScalingMeta", "OUTLIER_OVERFLOW"]
+__all__ = [
+    "compute_scale",
+    "pow2_scale",
+    "ScalingMeta",
+    "ScalingSpec",
+    "scale_and_record_",
+    "scale_for_amax_",
+    "record_",
+    "OUTLIER_OVERFLOW",
+]
 
 # How far beyond the format's max a delayed-scaled tensor may reach before it counts as an outlier.
 OUTLIER_OVERFLOW = 16.0
@@ -68,6 +78,60 @@ def _scalar_scale(amax: float, fmt: Format, margin: int, previous: torch.Tensor 
     return torch.full(shape, 2.0 ** min(max(exp, -126), 126), dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class ScalingSpec:
+    """How one tensor stream is scaled: its format, amax history length (0: current scaling) and
+    margin. Frozen and hashable, so ``torch.compile`` treats it as a constant."""
+
+    fmt: Format
+    history_len: int
+    margin: int
+
+    @property
+    def delayed(self) -> bool:
+        return self.history_len > 0
+
+    @property
+    def fits(self) -> tuple[float, float]:
+        """The range a tensor's scaled amax may take before it is an outlier (see `ScalingMeta`);
+        a margin lowers both ends."""
+        low = math.sqrt(self.fmt.max * self.fmt.min_normal)
+        return low * 2.0**-self.margin, self.fmt.max * OUTLIER_OVERFLOW
+
+
+def scale_and_record_(spec: ScalingSpec, state: tuple[torch.Tensor, ...], amax: torch.Tensor) -> torch.Tensor:
+    """The scale to cast a tensor of amax ``amax`` with, and that amax recorded in ``state``
+    (`ScalingMeta.state`, updated in place), in tensor ops only: no host sync, and traceable by
+    ``torch.compile`` with no graph break and no value-dependent recompile.
+
+    Gives the numbers of the CPU path (`ScalingMeta.scale_for`): current scaling and the first
+    delayed step scale from the tensor's own amax; later delayed steps from the history, except
+    an outlier, which restarts the history and is scaled from its own amax too. The amax is
+    needed before the cast, so a delayed cast here reads its tensor twice (amax, then cast)."""
+    scale, amax_history, step, rescales, last_amax = state
+    amax = amax.to(torch.float32)
+    last_amax.copy_(amax)
+    own = pow2_scale(amax, spec.fmt.max, spec.margin, scale)
+    if not spec.delayed:
+        scale.copy_(own)
+        amax_history.copy_(amax.reshape(1))
+        return own
+    first = step == 0
+    reference = torch.where(first, own, scale)
+    low, high = spec.fits
+    scaled = amax * reference
+    finite = torch.isfinite(amax)
+    outlier = finite & (amax > 0) & ((scaled < low) | (scaled > high))
+    used = torch.where(first | outlier, own, scale)
+    amax_history.masked_fill_(outlier, 0.0)
+    rescales.add_(outlier.to(rescales.dtype))
+    slot = (step % amax_history.numel()).reshape(1)
+    amax_history.index_put_((slot,), torch.where(finite, amax, 0.0).reshape(1))
+    scale.copy_(pow2_scale(amax_history.amax(), spec.fmt.max, spec.margin, used))
+    step.add_(1)
+    return used
+
+
 class ScalingMeta(nn.Module):
     """Scaling state of one tensor stream (an input, an output gradient, ...), in buffers.
 
@@ -115,9 +179,7 @@ class ScalingMeta(nn.Module):
         # Whether step > 0, cached so that asking reads no device memory (on CUDA: no host sync);
         # step only grows, so only loading a state sets it back.
         self._has_history = False
-        # The range a tensor's scaled amax may take before it is an outlier (a margin lowers both).
-        low = math.sqrt(self.fmt.max * self.fmt.min_normal)
-        self._fits = (low * 2.0**-self.margin, self.fmt.max * OUTLIER_OVERFLOW)
+        self.spec = ScalingSpec(fmt, history_len, margin)
 
     def _apply(self, fn, recurse=True):
         # .to(device) moves the state; .to(dtype) / .half() keep it float32 (scales are float32 by contract).
@@ -129,6 +191,12 @@ class ScalingMeta(nn.Module):
 
     def extra_repr(self) -> str:
         return f"fmt={self.fmt.name}, history_len={self.history_len}, margin={self.margin}"
+
+    @property
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """The buffers ``(scale, amax_history, step, rescales, last_amax)``, which the scaling
+        functions (`scale_and_record_`) update in place."""
+        return (self.scale, self.amax_history, self.step, self.rescales, self.last_amax)
 
     @property
     def delayed(self) -> bool:
@@ -150,60 +218,18 @@ class ScalingMeta(nn.Module):
         amax = torch.maximum(hi.float(), -lo.float())
         if self.amax_history.device != amax.device:
             self.to(amax.device)
-        if not self.delayed:
-            self.scale = compute_scale(amax, self.fmt, self.margin, self.scale)
-            self.amax_history[0] = amax
-            self.last_amax.copy_(amax)
-            return self.scale
-        if not self.scale_known_in_advance:
-            # No history yet: the first step scales just in time so it does not overflow.
-            self.scale = compute_scale(amax, self.fmt, self.margin, self.scale)
-        scale = self.scale
-        if self.record(amax):
-            scale = self.scale  # an outlier: scaled from its own amax
+        scale = scale_for_amax_(self.spec, self.state, amax)
+        self._has_history = self.delayed
         return scale
 
     def record(self, amax: torch.Tensor) -> bool:
         """Delayed scaling: add the amax of a tensor cast with ``scale`` to the history and derive
-        the next scale (a new tensor: the one the tensor was cast with stays as it was). Returns
-        True when the tensor was an outlier for that scale (see the class docstring): ``scale`` is
-        then its own current scale, to cast it again with. Off the CPU the check stays on the
-        device (no sync): the history restarts and ``rescales`` counts, but it returns False, so
-        only the following steps are rescaled."""
-        amax = amax.to(torch.float32)
-        self.last_amax.copy_(amax)
-        if amax.device.type == "cpu" and not torch.compiler.is_compiling():
-            value = amax.item()
-            low, high = self._fits
-            scaled = value * self.scale.item()
-            outlier = value > 0 and math.isfinite(value) and not low <= scaled <= high
-            if outlier:
-                self.amax_history.zero_()
-                self.rescales += 1
-            self._append(value if math.isfinite(value) else 0.0)
-            return outlier
-        self._record_on_device(amax)
-        return False
-
-    def _record_on_device(self, amax: torch.Tensor) -> None:
-        """`record` in tensor ops only."""
-        low, high = self._fits
-        scaled = amax * self.scale
-        finite = torch.isfinite(amax)
-        outlier = finite & (amax > 0) & ((scaled < low) | (scaled > high))
-        self.amax_history.masked_fill_(outlier, 0.0)
-        self.rescales += outlier
-        self._append(torch.where(finite, amax, 0.0))
-
-    def _append(self, amax: torch.Tensor | float) -> None:
-        slot = self.step % self.amax_history.numel()
-        if isinstance(amax, float):
-            self.amax_history[int(slot)] = amax
-        else:  # a tensor index: no host sync
-            self.amax_history.index_put_((slot.reshape(1),), amax.reshape(1))
-        self.scale = compute_scale(self.amax_history.amax(), self.fmt, self.margin, self.scale)
-        self.step += 1
+        the next scale (in place). Returns True when the tensor was an outlier for that scale
+        (see the class docstring): ``scale`` is then its own current scale, to cast it again
+        with. Off the CPU the check stays on the device (no sync): the history restarts and
+        ``rescales`` counts, but it returns False, so only the following steps are rescaled."""
         self._has_history = True
+        return record_(self.spec, self.state, amax)
 
     def scaling_state(self) -> dict:
         """Copies of the state (plain tensors; weights_only-safe) for `load_scaling_state`."""
@@ -222,8 +248,75 @@ class ScalingMeta(nn.Module):
                 f"amax history of length {state['amax_history'].numel()} does not fit this layer's "
                 f"history_len={self.history_len}; build the model with the same history length"
             )
-        self.scale = state["scale"].to(self.scale.device, torch.float32).clone()
+        self.scale.copy_(state["scale"])
         self.amax_history.copy_(state["amax_history"])
         self.step.copy_(torch.as_tensor(state["step"]))
         self.rescales.copy_(torch.as_tensor(state.get("rescales", 0)))  # absent before outliers were counted
         self._has_history = bool(self.step > 0)
+
+
+def _on_cpu_eagerly(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s value costs nothing: a CPU tensor outside ``torch.compile`` tracing
+    (where a Python number would specialize the graph on its value)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def scale_for_amax_(spec: ScalingSpec, state: tuple[torch.Tensor, ...], amax: torch.Tensor) -> torch.Tensor:
+    """The scale to cast a tensor of amax ``amax`` with, its amax recorded in ``state`` (in place):
+    `scale_and_record_`, in Python arithmetic on CPU (a dozen tiny tensor ops cost more there)."""
+    if not _on_cpu_eagerly(amax):
+        return scale_and_record_(spec, state, amax)
+    scale, amax_history, step, _, last_amax = state
+    if not spec.delayed:
+        scale.copy_(compute_scale(amax, spec.fmt, spec.margin, scale))
+        amax_history[0] = amax
+        last_amax.copy_(amax)
+        return scale.clone()
+    if int(step) == 0:  # no history yet: the first step scales just in time so it does not overflow
+        scale.copy_(compute_scale(amax, spec.fmt, spec.margin, scale))
+    used = scale.clone()
+    if record_(spec, state, amax):
+        used = scale.clone()  # an outlier: scaled from its own amax
+    return used
+
+
+def record_(spec: ScalingSpec, state: tuple[torch.Tensor, ...], amax: torch.Tensor) -> bool:
+    """`ScalingMeta.record` on a state tuple (`ScalingMeta.state`)."""
+    scale, amax_history, _, rescales, last_amax = state
+    amax = amax.to(torch.float32)
+    last_amax.copy_(amax)
+    if not _on_cpu_eagerly(amax):
+        _record_on_device(spec, state, amax)
+        return False
+    value = amax.item()
+    low, high = spec.fits
+    scaled = value * scale.item()
+    outlier = value > 0 and math.isfinite(value) and not low <= scaled <= high
+    if outlier:
+        amax_history.zero_()
+        rescales += 1
+    _append(spec, state, value if math.isfinite(value) else 0.0)
+    return outlier
+
+
+def _record_on_device(spec: ScalingSpec, state: tuple[torch.Tensor, ...], amax: torch.Tensor) -> None:
+    """`record_` in tensor ops only."""
+    scale, amax_history, _, rescales, _ = state
+    low, high = spec.fits
+    scaled = amax * scale
+    finite = torch.isfinite(amax)
+    outlier = finite & (amax > 0) & ((scaled < low) | (scaled > high))
+    amax_history.masked_fill_(outlier, 0.0)
+    rescales.add_(outlier.to(rescales.dtype))
+    _append(spec, state, torch.where(finite, amax, 0.0))
+
+
+def _append(spec: ScalingSpec, state: tuple[torch.Tensor, ...], amax: torch.Tensor | float) -> None:
+    scale, amax_history, step = state[:3]
+    if isinstance(amax, float):
+        amax_history[int(step) % amax_history.numel()] = amax
+    else:  # a tensor index: no host sync
+        slot = step % amax_history.numel()
+        amax_history.index_put_((slot.reshape(1),), amax.reshape(1))
+    scale.copy_(compute_scale(amax_history.amax(), spec.fmt, spec.margin, scale))
+    step.add_(1)

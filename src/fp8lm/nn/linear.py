@@ -27,123 +27,167 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import E4M3, FP16, FP32, Format, format_of
-from ..ops.cast import amax, saturating_cast, saturating_cast_dequantized, saturating_cast_with_amax
+from ..ops.cast import saturating_cast_dequantized, saturating_cast_with_amax
 from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm
+from ..ops.library import traceable_amax, traceable_cast, traceable_cast_dequantized, traceable_upcast
 from ..recipe import SCALING_MODES, Recipe, recipe_from
-from ..scaling import ScalingMeta, compute_scale
+from ..scaling import ScalingMeta, ScalingSpec, compute_scale, record_, scale_for_amax_
 from ..tensor import ScalingTensor, quantize
 from .state import dequantize_entries
 
 __all__ = ["FP8Linear", "SCALING_MODES"]
 
+State = tuple[torch.Tensor, ...]  # a ScalingMeta's buffers (ScalingMeta.state)
+
+
+def _on_cpu_eagerly(t: torch.Tensor) -> bool:
+    """Whether reading a value of ``t`` costs nothing: a CPU tensor, outside torch.compile tracing
+    (where a Python number would specialize the graph on its value)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
 
 def _finite_hint(amax_value: torch.Tensor) -> bool | None:
-    """Whether a tensor with this amax is finite, where asking costs no device sync (CPU) and does
-    not make torch.compile specialize on the value."""
-    if amax_value.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    return math.isfinite(amax_value.item())
+    """Whether a tensor with this amax is finite, where asking costs no device sync; else None."""
+    return math.isfinite(amax_value.item()) if _on_cpu_eagerly(amax_value) else None
 
 
-def _propagate_nonfinite(out: torch.Tensor, amax_value: torch.Tensor, finite: bool | None) -> torch.Tensor:
-    """The saturating cast turns inf into the format's max; make ``out`` NaN when its FP8 operand
-    came from a non-finite tensor, so non-finite checks downstream still see it."""
-    if finite is True:
-        return out
-    return out.add_((amax_value - amax_value).to(out.dtype))  # 0, or NaN for an inf/NaN amax
+def _carry_nonfinite(scale_inv: torch.Tensor, amax_value: torch.Tensor) -> torch.Tensor:
+    """``scale_inv``, made NaN when the tensor of this amax held inf or NaN: a GEMM with the
+    operand then gives NaN everywhere (its dequantization multiplies by it), so non-finite checks
+    downstream see it, at the cost of one scalar op rather than a pass over the output. (The
+    saturating cast alone would turn an inf into the format's max.)"""
+    return scale_inv + (amax_value - amax_value)  # + 0, or NaN for an inf/NaN amax
 
 
-def _cast_with(
-    x: torch.Tensor, scale: torch.Tensor, meta: ScalingMeta, emulated_as: torch.dtype | None
+def _operand(
+    data: torch.Tensor, scale_inv: torch.Tensor, amax_value: torch.Tensor, deq: torch.Tensor | None
+) -> FP8Operand:
+    """The GEMM operand of a cast tensor, with non-finite values carried in its scale."""
+    finite = _finite_hint(amax_value)
+    if finite is not True:
+        scale_inv = _carry_nonfinite(scale_inv, amax_value)
+        deq = None if finite is False else deq  # read back with the finite scale: read again
+    return FP8Operand(data, scale_inv, finite, dequantized=deq)
+
+
+def _cast(
+    x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Format, emulated_as: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The FP8 payload of ``x`` with a known scale, and its values read back in ``emulated_as``."""
+    """The FP8 payload of ``x`` and, for an emulated GEMM multiplying in ``emulated_as``, its values
+    read back in that dtype (None on FP8 hardware), so the GEMM needs no separate upcast."""
     if emulated_as is None:
-        return saturating_cast(x, scale, meta.fmt), None
-    data, deq, _ = saturating_cast_dequantized(x, scale, meta.fmt, emulated_as)
-    return data, deq
+        return traceable_cast(x, scale, fmt), None
+    return traceable_cast_dequantized(x, scale, scale_inv, fmt, emulated_as)
 
 
-def _cast_operand(
-    x: torch.Tensor, meta: ScalingMeta, emulated_as: torch.dtype | None
+def _stream_operand(
+    x: torch.Tensor, spec: ScalingSpec, state: State, emulated_as: torch.dtype | None
 ) -> tuple[FP8Operand, torch.Tensor]:
-    """A delayed- or current-scaled tensor stream as a GEMM operand, and its amax. With a known
-    delayed scale, the cast and this tensor's amax come from one read of ``x``. ``emulated_as``:
-    the dtype an emulated GEMM will multiply in (None on FP8 hardware); the cast then also returns
-    the values read back in it, so the GEMM needs no separate upcast."""
-    if meta.scale_known_in_advance:
-        scale = meta.scale
-        if emulated_as is None:
-            (data, x_amax), deq = saturating_cast_with_amax(x, scale, meta.fmt), None
-        else:
-            data, deq, cast_amax = saturating_cast_dequantized(x, scale, meta.fmt, emulated_as, with_amax=True)
-            assert cast_amax is not None  # asked for with with_amax
-            x_amax = cast_amax
-        if meta.record(x_amax):  # an outlier for the delayed scale: cast again with its own scale
-            scale = meta.scale
-            data, deq = _cast_with(x, scale, meta, emulated_as)
+    """A delayed- or current-scaled tensor stream as a GEMM operand, and its amax; ``state`` is
+    updated in place. On CPU, a delayed scale known in advance casts and takes the amax in one
+    read of ``x`` (recasting an outlier). Elsewhere, and while torch.compile traces, the amax
+    comes first and the scale from it in tensor ops (`fp8lm.scaling.scale_and_record_`): no host
+    sync, no data-dependent branch, the same numbers."""
+    if _on_cpu_eagerly(x) and spec.delayed and int(state[2]) > 0:
+        return _delayed_operand_one_pass(x, spec, state, emulated_as)
+    x_amax = traceable_amax(x)
+    scale = scale_for_amax_(spec, state, x_amax)
+    scale_inv = _carry_nonfinite(scale.reciprocal(), x_amax)
+    data, deq = _cast(x, scale, scale_inv, spec.fmt, emulated_as)
+    return _operand(data, scale.reciprocal(), x_amax, deq), x_amax
+
+
+def _delayed_operand_one_pass(
+    x: torch.Tensor, spec: ScalingSpec, state: State, emulated_as: torch.dtype | None
+) -> tuple[FP8Operand, torch.Tensor]:
+    """`_stream_operand` on CPU with the scale from the amax history: cast and amax in one pass."""
+    scale = state[0].clone()  # the state's scale changes when the amax is recorded
+    if emulated_as is None:
+        (data, x_amax), deq = saturating_cast_with_amax(x, scale, spec.fmt), None
     else:
-        scale = meta.scale_for(x)
-        x_amax = meta.last_amax.clone()
-        data, deq = _cast_with(x, scale, meta, emulated_as)
-    return FP8Operand(data, scale.reciprocal(), _finite_hint(x_amax), dequantized=deq), x_amax
+        data, deq, cast_amax = saturating_cast_dequantized(x, scale, spec.fmt, emulated_as, with_amax=True)
+        assert cast_amax is not None  # asked for with with_amax
+        x_amax = cast_amax
+    if record_(spec, state, x_amax):  # an outlier for the delayed scale: cast again with its own scale
+        scale = state[0].clone()
+        data, deq = _cast(x, scale, scale.reciprocal(), spec.fmt, emulated_as)
+    return _operand(data, scale.reciprocal(), x_amax, deq), x_amax
 
 
-def _quantize_weight(
-    weight: torch.Tensor, fmt: Format, emulated_as: torch.dtype | None
-) -> tuple[FP8Operand, torch.Tensor]:
-    """FP8 (``fmt``) operand of the weight, scaled just in time; reads a ScalingTensor's payload directly
-    with one combined power-of-two scale (no float32 copy of the weight). ``emulated_as``: as in
-    `_cast_operand`."""
-    if isinstance(weight, ScalingTensor) and weight.payload.dtype == fmt.dtype:
+def _weight_operand(
+    payload: torch.Tensor, stored_scale: torch.Tensor | None, fmt: Format, emulated_as: torch.dtype | None
+) -> FP8Operand:
+    """FP8 (``fmt``) operand of the weight, scaled just in time. ``payload``: the weight's stored
+    values (a ScalingTensor's payload, with its ``stored_scale``; or the plain weight, with None),
+    read directly with one combined power-of-two scale (no float32 copy of the weight).
+    ``emulated_as``: as in `_cast`."""
+    if stored_scale is not None and payload.dtype == fmt.dtype:
         # Already an operand of this format (an E4M3 weight, FSDP2's FP8 all-gather): no second cast.
-        value_amax = amax(weight.payload).float() / weight.scale
-        deq = None if emulated_as is None else weight.dequantize(emulated_as)
-        return FP8Operand(weight.payload, weight.scale_inv, _finite_hint(value_amax), dequantized=deq), value_amax
-    if isinstance(weight, ScalingTensor):
-        source, payload_amax = weight.payload, amax(weight.payload)
-        scale = compute_scale(payload_amax, fmt)
-        value_amax = payload_amax / weight.scale
-        scale_inv = (scale * weight.scale).reciprocal()
+        value_amax = traceable_amax(payload) / stored_scale
+        scale_inv = stored_scale.reciprocal()
+        deq = None if emulated_as is None else traceable_upcast(payload, scale_inv, emulated_as)
+        return _operand(payload, scale_inv, value_amax, deq)
+    payload_amax = traceable_amax(payload)
+    scale = compute_scale(payload_amax, fmt)
+    if stored_scale is None:
+        value_amax, scale_inv = payload_amax, scale.reciprocal()
     else:
-        source = weight.detach()
-        value_amax = amax(source)
-        scale = compute_scale(value_amax, fmt)
-        scale_inv = scale.reciprocal()
-    if emulated_as is None:
-        data, deq = saturating_cast(source, scale, fmt), None
-    else:  # read back with the combined scale: the weight's values, not its payload's
-        data, deq, _ = saturating_cast_dequantized(source, scale, fmt, emulated_as, scale_inv=scale_inv)
-    return FP8Operand(data, scale_inv, _finite_hint(value_amax), dequantized=deq), value_amax
+        value_amax, scale_inv = payload_amax / stored_scale, (scale * stored_scale).reciprocal()
+    # Read back with the combined scale: the weight's values, not its payload's.
+    data, deq = _cast(payload, scale, _carry_nonfinite(scale_inv, value_amax), fmt, emulated_as)
+    return _operand(data, scale_inv, value_amax, deq)
+
+
+def _stored_weight_grad(grad: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch.Tensor:
+    """The weight gradient as stored: a ScalingTensor of ``fmt`` presenting ``dtype`` (quantize's
+    steps), or for FP32 a plain tensor of ``dtype``."""
+    if fmt == FP32:
+        return grad.to(dtype)
+    scale = compute_scale(traceable_amax(grad), fmt)
+    return ScalingTensor(traceable_cast(grad, scale, fmt), scale, dtype)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
+    """``y = x W^T + b`` with FP8 GEMMs. Takes only tensors and constants (the frozen recipe and
+    scaling specs), and updates the scaling state (tuples of buffers) in place, so that
+    ``torch.compile`` traces it into the model's graph."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: FP8Linear):
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        w_payload: torch.Tensor,
+        w_scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        input_state: State,
+        grad_output_state: State,
+        recipe: Recipe,
+        input_spec: ScalingSpec,
+        grad_output_spec: ScalingSpec,
+        weight_grad_format: Format,
+    ):
         device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            out_dtype = torch.get_autocast_dtype(device_type)
-        else:
-            out_dtype = x.dtype
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        emulated_as = (
-            emulation_dtype(out_dtype, x.device) if choose_backend(x.device, layer.backend) == "emulated" else None
-        )
-        x_op, x_amax = _cast_operand(x2, layer.input_meta, emulated_as)
-        w_op, w_amax = _quantize_weight(weight, layer.recipe.weight_format, emulated_as)
+        emulated = choose_backend(x.device, recipe.backend) == "emulated"
+        emulated_as = emulation_dtype(out_dtype, x.device) if emulated else None
+        x_op, _ = _stream_operand(x2, input_spec, input_state, emulated_as)
+        w_op = _weight_operand(w_payload, w_scale, recipe.weight_format, emulated_as)
         b = None if bias is None else bias.detach()
         with torch.autocast(device_type, enabled=False):
-            y = fp8_mm(x_op, w_op.t(), out_dtype, bias=b, backend=layer.backend)
-        if not (x_op.finite and w_op.finite):
-            y = _propagate_nonfinite(y, torch.maximum(x_amax, w_amax), None)
+            y = fp8_mm(x_op, w_op.t(), out_dtype, bias=b, backend=recipe.backend)
 
-        ctx.layer = layer
-        ctx.out_dtype = out_dtype
+        ctx.recipe, ctx.grad_output_spec, ctx.weight_grad_format = recipe, grad_output_spec, weight_grad_format
+        # Not saved tensors: the backward pass updates them in place (version checks would refuse
+        # a second backward through a layer after the first updated them).
+        ctx.grad_output_state = grad_output_state
+        ctx.out_dtype, ctx.emulated_as = out_dtype, emulated_as
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.x_finite, ctx.w_finite = x_op.finite, w_op.finite
-        ctx.emulated_as = emulated_as
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.save_for_backward(
             x_op.data if need_w else None,
             x_op.scale_inv if need_w else None,
@@ -154,33 +198,22 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        layer: FP8Linear = ctx.layer
         x8, x_scale_inv, w8, w_scale_inv = ctx.saved_tensors
+        backend = ctx.recipe.backend
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_op, g_amax = _cast_operand(g2, layer.grad_output_meta, ctx.emulated_as)
-        g_finite = g_op.finite
+        g_op, _ = _stream_operand(g2, ctx.grad_output_spec, ctx.grad_output_state, ctx.emulated_as)
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 w_op = FP8Operand(w8, w_scale_inv, ctx.w_finite)
-                grad_x = fp8_mm(g_op, w_op, ctx.out_dtype, backend=layer.backend)
-                grad_x = _propagate_nonfinite(grad_x, g_amax, g_finite).to(ctx.x_dtype).reshape(ctx.x_shape)
+                grad_x = fp8_mm(g_op, w_op, ctx.out_dtype, backend=backend).to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 x_op = FP8Operand(x8, x_scale_inv, ctx.x_finite)
-                grad_w = _propagate_nonfinite(
-                    fp8_mm(g_op.t(), x_op, ctx.out_dtype, backend=layer.backend), g_amax, g_finite
-                )
-                grad_w = layer._store_weight_grad(grad_w, ctx.weight_dtype)
-            if ctx.needs_input_grad[2]:
+                grad_w = fp8_mm(g_op.t(), x_op, ctx.out_dtype, backend=backend)
+                grad_w = _stored_weight_grad(grad_w, ctx.weight_grad_format, ctx.weight_dtype)
+            if ctx.needs_input_grad[4]:
                 grad_b = g2.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None
-
-
-# Inside a torch.compile-d model the layer runs as compiled-out eager code: traced, its autograd
-# Function would be compiled once per layer (guards on the layer object), and a model has more
-# FP8 layers than torch.compile's recompile limit (measured: the limit hit at 17 layers, then eager
-# anyway). Its casts are fused kernels of their own (the C kernels on CPU, compiled ones on CUDA).
-_fp8_linear = torch.compiler.disable(_FP8LinearFunction.apply, recursive=True)
+        return grad_x, grad_w, None, None, grad_b, None, None, None, None, None, None
 
 
 class FP8Linear(nn.Module):
@@ -258,13 +291,6 @@ class FP8Linear(nn.Module):
             return nn.Parameter(value.clone() if self.weight_format == FP32 else value)
         return nn.Parameter(quantize(value, self.weight_format))
 
-    def _store_weight_grad(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.weight_grad_format == FP32:
-            return grad.to(dtype)
-        fmt = self.weight_grad_format
-        scale = compute_scale(amax(grad), fmt)  # quantize's steps, presenting the weight's dtype
-        return ScalingTensor(saturating_cast(grad, scale, fmt), scale, dtype)
-
     @classmethod
     def from_linear(cls, linear: nn.Module, **options) -> FP8Linear:
         """An FP8Linear with ``linear``'s weight and bias values (an ``nn.Linear``, or a GPT-2
@@ -292,7 +318,27 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled or self.high_precision or x.numel() == 0:  # an empty batch has no amax to scale by
             return F.linear(x, self.weight, self.bias)
-        return _fp8_linear(x, self.weight, self.bias, self)
+        weight = self.weight
+        if isinstance(weight, ScalingTensor):
+            payload, stored_scale = weight.payload, weight.scale
+        else:
+            payload, stored_scale = weight.detach(), None
+        for meta in (self.input_meta, self.grad_output_meta):
+            if meta.scale.device != x.device:
+                meta.to(x.device)
+        return _FP8LinearFunction.apply(
+            x,
+            weight,
+            payload,
+            stored_scale,
+            self.bias,
+            self.input_meta.state,
+            self.grad_output_meta.state,
+            self.recipe,
+            self.input_meta.spec,
+            self.grad_output_meta.spec,
+            self.weight_grad_format,
+        )
 
     # -- checkpoints: plain tensors in the original layout ----------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

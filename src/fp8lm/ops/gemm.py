@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..recipe import BACKENDS
 from .cast import FP8_DTYPES, upcast
+from .library import traceable_upcast
 
 __all__ = [
     "FP8Operand",
@@ -132,7 +133,7 @@ class FP8Operand:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The exact values as ``dtype`` (cached)."""
         if dtype not in self._cache:
-            self._cache[dtype] = upcast(self._base, self.scale_inv, dtype, self.finite)
+            self._cache[dtype] = traceable_upcast(self._base, self.scale_inv, dtype, self.finite)
         base = self._cache[dtype]
         return base.t() if self._transposed else base
 

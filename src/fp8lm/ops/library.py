@@ -15,6 +15,14 @@ compiled CPU graphs too.
 | ``cast_dequantized(x, scale, scale_inv, dtype, out_dtype)`` | the cast, its values read back as ``payload * scale_inv`` in ``out_dtype``, and ``amax(x)`` |
 | ``upcast(data, scale_inv, dtype)`` | ``data * scale_inv`` as ``dtype``, exactly |
 | ``amax(x)`` | largest absolute value (float32, 0-d; NaN where one is NaN) |
+| ``adam_step(w, g, m, v, scales, new_scales, hyperparams)`` | the FP8 optimizer's fused step over lists of tensors: new w, m, v stored in place with ``new_scales`` (n, 3); returns the amaxes of the stored payloads (n, 3) |
+| ``adam_amaxes(w, g, m, v, scales, hyperparams)`` | the amaxes of the new w, m, v (n, 3), nothing stored |
+
+The two Adam ops take, per tensor, the payloads of its weight ``w``, gradient ``g`` and moments
+``m``, ``v``, their scales ``scales`` (n, 4, in that order) and the step's coefficients
+``hyperparams`` (n, 8; `fp8lm.optim.functional.adam_update`'s). Their CPU kernel is fp8lm's C
+kernel (all tensors in one call); their CUDA kernel, in torch ops, is registered by
+`fp8lm.optim.fused`, where the Adam arithmetic lives.
 
 Scales are float32 tensors of one element. Non-finite semantics are those of `fp8lm.ops.cast`:
 NaN stays NaN, inf becomes NaN, finite values beyond the format's max saturate.
@@ -25,11 +33,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..formats import format_of
+from ..formats import Format, format_of
 from . import cast as cast_ops
 from . import native
 
-__all__ = ["OPS", "cast", "cast_with_amax", "cast_dequantized", "upcast", "amax"]
+__all__ = [
+    "OPS",
+    "cast",
+    "cast_with_amax",
+    "cast_dequantized",
+    "upcast",
+    "amax",
+    "adam_step",
+    "adam_amaxes",
+    "traceable_amax",
+    "traceable_cast",
+    "traceable_cast_dequantized",
+    "traceable_upcast",
+]
 
 
 def _fmt(dtype: torch.dtype):
@@ -105,6 +126,53 @@ def _(x: Tensor) -> Tensor:
     return _scalar_like(x)
 
 
+def _interleaved(w: list[Tensor], g: list[Tensor], m: list[Tensor], v: list[Tensor]) -> list[Tensor]:
+    """The C kernel's order: each tensor's weight, gradient, first and second moment in turn."""
+    if not len(w) == len(g) == len(m) == len(v):
+        raise ValueError(
+            f"adam_step: w, g, m, v must list the same tensors, got {len(w)}, {len(g)}, {len(m)}, {len(v)}"
+        )
+    tensors = [t for group in zip(w, g, m, v) for t in group]
+    if not (all(map(native.supports, tensors)) and native.available()):
+        raise ValueError(
+            "fp8lm.adam_step on CPU needs contiguous tensors of float32/16, bfloat16 or float8 and fp8lm's "
+            "C kernels (FP8LM_NATIVE unset and a C compiler); use FP8AdamW(kernel='compile') otherwise"
+        )
+    return tensors
+
+
+@torch.library.custom_op("fp8lm::adam_step", mutates_args=("w", "m", "v"), device_types="cpu")
+def adam_step(
+    w: list[Tensor],
+    g: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    scales: Tensor,
+    new_scales: Tensor,
+    hyperparams: Tensor,
+) -> Tensor:
+    return native.adam_step(_interleaved(w, g, m, v), scales, new_scales, hyperparams, write=True)
+
+
+@adam_step.register_fake
+def _(w, g, m, v, scales, new_scales, hyperparams) -> Tensor:
+    return scales.new_empty((len(w), 3), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8lm::adam_amaxes", mutates_args=(), device_types="cpu")
+def adam_amaxes(
+    w: list[Tensor], g: list[Tensor], m: list[Tensor], v: list[Tensor], scales: Tensor, hyperparams: Tensor
+) -> Tensor:
+    tensors = _interleaved(w, g, m, v)
+    unused = torch.ones(len(w), 3, dtype=torch.float32)  # the new scales: nothing is stored
+    return native.adam_step(tensors, scales, unused, hyperparams, write=False)
+
+
+@adam_amaxes.register_fake
+def _(w, g, m, v, scales, hyperparams) -> Tensor:
+    return scales.new_empty((len(w), 3), dtype=torch.float32)
+
+
 # Every op, by its name in torch.ops.fp8lm: the opcheck test walks this table.
 OPS = {
     "cast": cast,
@@ -112,4 +180,42 @@ OPS = {
     "cast_dequantized": cast_dequantized,
     "upcast": upcast,
     "amax": amax,
+    "adam_step": adam_step,
+    "adam_amaxes": adam_amaxes,
 }
+
+
+# -- the kernels to call from code that torch.compile may trace -----------------------------------
+def _in_cpu_graph(x: Tensor) -> bool:
+    """Whether ``torch.compile`` is tracing CPU code: there the ops above keep fp8lm's C kernels
+    as one opaque node each (inductor's own float8 conversions are scalar on CPU). On CUDA the
+    plain expressions of `fp8lm.ops.cast` are traced instead, so inductor fuses them."""
+    return x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
+def traceable_amax(x: Tensor) -> Tensor:
+    """`fp8lm.ops.cast.amax`, as the ``amax`` op while tracing CPU code."""
+    return amax(x) if _in_cpu_graph(x) else cast_ops.amax(x)
+
+
+def traceable_cast(x: Tensor, scale: Tensor, fmt: Format) -> Tensor:
+    """`fp8lm.ops.cast.saturating_cast`, as the ``cast`` op while tracing CPU code."""
+    return cast(x, scale, fmt.dtype) if _in_cpu_graph(x) else cast_ops.saturating_cast(x, scale, fmt)
+
+
+def traceable_cast_dequantized(
+    x: Tensor, scale: Tensor, scale_inv: Tensor, fmt: Format, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The payload of `traceable_cast` and its values read back as ``payload * scale_inv`` in
+    ``out_dtype`` (`fp8lm.ops.cast.saturating_cast_dequantized`), as the ``cast_dequantized`` op
+    while tracing CPU code."""
+    if _in_cpu_graph(x):
+        payload, deq, _ = cast_dequantized(x, scale, scale_inv, fmt.dtype, out_dtype)
+        return payload, deq
+    payload, deq, _ = cast_ops.saturating_cast_dequantized(x, scale, fmt, out_dtype, scale_inv=scale_inv)
+    return payload, deq
+
+
+def traceable_upcast(data: Tensor, scale_inv: Tensor, dtype: torch.dtype, finite: bool | None = None) -> Tensor:
+    """`fp8lm.ops.cast.upcast`, as the ``upcast`` op while tracing CPU code."""
+    return upcast(data, scale_inv, dtype) if _in_cpu_graph(data) else cast_ops.upcast(data, scale_inv, dtype, finite)

@@ -41,6 +41,7 @@ __all__ = [
     "amaxes",
     "amax",
     "upcast",
+    "adam_step",
     "DTYPE_CODES",
 ]
 
@@ -222,3 +223,40 @@ def upcast(data: torch.Tensor, scale_inv: float, dtype: torch.dtype) -> torch.Te
         torch.get_num_threads(),
     )
     return out
+
+
+def adam_step(
+    tensors: list[torch.Tensor],
+    scales: torch.Tensor,
+    new_scales: torch.Tensor,
+    hyperparams: torch.Tensor,
+    write: bool,
+) -> torch.Tensor:
+    """The FP8 optimizer's multi-tensor pass (``csrc/adam.c``) over ``tensors``: per tensor its
+    weight, gradient, first and second moment payloads (see `supports`), in that order.
+    ``scales`` (n, 4): their current scales; ``new_scales`` (n, 3): those the new w, m, v are
+    stored with; ``hyperparams`` (n, 8): `fp8lm.optim.functional.adam_update`'s coefficients.
+    ``write``: store the new w, m, v in place and return the amaxes of the stored payloads (n, 3);
+    otherwise store nothing and return the amaxes of the new values (n, 3), NaN where one is NaN."""
+    n = len(tensors) // 4
+    ptrs, dtypes = pointers(tensors)
+    numels = torch.tensor([tensors[4 * i].numel() for i in range(n)], dtype=torch.int64)
+    scales, new_scales, hyperparams = (
+        x.detach().to(torch.float32).contiguous() for x in (scales, new_scales, hyperparams)
+    )
+    amax = torch.empty(n, 3, dtype=torch.float32)
+    check(
+        loaded_library().adam_step(
+            n,
+            ptrs,
+            dtypes.data_ptr(),
+            numels.data_ptr(),
+            scales.data_ptr(),
+            new_scales.data_ptr(),
+            hyperparams.data_ptr(),
+            int(write),
+            amax.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )
+    return amax

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ..formats import Format
+from ..formats import Format, format_of
+from ..ops import library
 from ..ops.cast import saturating_cast
 from ..ops.fastpath import FastPath
 from ..scaling import pow2_scale
@@ -54,7 +55,7 @@ _INDUCTOR_OPTIONS: dict[str, Any] = {
     "realize_reads_threshold": 1 << 20,
     "realize_acc_reads_threshold": 1 << 20,
 }
-_NATIVE_ORDER = [0, 3, 1, 2]  # the C kernel takes the scales of w, g, m, v; slots list w, m, v, g
+_OP_ORDER = [0, 3, 1, 2]  # the adam ops take the scales of w, g, m, v; slots list w, m, v, g
 
 
 def _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams):
@@ -100,12 +101,17 @@ def _compiled(fn: Callable) -> Callable:
     return _compiled_passes[fn]
 
 
+def _compiled_or_eager(fn: Callable, *args):
+    """``fn(*args)`` compiled while `COMPILED_STEP` works, else eagerly."""
+    return COMPILED_STEP.run(lambda: _compiled(fn)(*args), lambda: fn(*args))
+
+
 def run_pass(fn: Callable, slot: AdamSlot, kernel: str, *extra):
     """Run a pass (`amaxes_pass` or `write_pass`) on a whole slot, compiled (``kernel`` other than
     ``"eager"``, while `COMPILED_STEP` works), or eagerly on bounded chunks of it."""
     args = (*slot.pass_args(), *extra)
     if kernel != "eager" and COMPILED_STEP.enabled:
-        return COMPILED_STEP.run(lambda: _compiled(fn)(*args), lambda: fn(*args))
+        return _compiled_or_eager(fn, *args)
     w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams = slot.pass_args()
     n = w.numel()
     if n <= _EAGER_CHUNK:
@@ -115,6 +121,30 @@ def run_pass(fn: Callable, slot: AdamSlot, kernel: str, *extra):
         b = a + _EAGER_CHUNK
         outs.append(fn(w[a:b], w_scale, g[a:b], g_scale, m[a:b], m_scale, v[a:b], v_scale, hyperparams, *extra))
     return None if outs[0] is None else torch.stack(outs).amax(dim=0)
+
+
+def _op_rows(w, g, m, v, scales, hyperparams):
+    """Per tensor of the adam ops' lists: `write_pass`'s and `amaxes_pass`'s arguments."""
+    for i, (wi, gi, mi, vi) in enumerate(zip(w, g, m, v)):
+        w_scale, g_scale, m_scale, v_scale = scales[i].unbind()
+        yield i, (wi, w_scale, gi, g_scale, mi, m_scale, vi, v_scale, hyperparams[i])
+
+
+@library.adam_step.register_kernel("cuda")
+def _adam_step_in_torch_ops(w, g, m, v, scales, new_scales, hyperparams) -> torch.Tensor:
+    """``torch.ops.fp8lm.adam_step`` off the CPU: the compiled `write_pass` per tensor, then the
+    amaxes of what it stored."""
+    for i, args in _op_rows(w, g, m, v, scales, hyperparams):
+        fmts = (format_of(w[i].dtype), format_of(m[i].dtype), format_of(v[i].dtype))
+        _compiled_or_eager(write_pass, *args, new_scales[i], fmts)
+    return stored_amaxes([t for group in zip(w, m, v) for t in group]).view(len(w), 3)
+
+
+@library.adam_amaxes.register_kernel("cuda")
+def _adam_amaxes_in_torch_ops(w, g, m, v, scales, hyperparams) -> torch.Tensor:
+    """``torch.ops.fp8lm.adam_amaxes`` off the CPU: the compiled `amaxes_pass` per tensor."""
+    rows = [_compiled_or_eager(amaxes_pass, *args) for _, args in _op_rows(w, g, m, v, scales, hyperparams)]
+    return torch.stack(rows) if rows else scales.new_empty((0, 3))
 
 
 def stored_amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -153,16 +183,11 @@ def _state_amaxes(slots: list[AdamSlot], use_native: bool) -> torch.Tensor:
     return stored.view(len(slots), 4)
 
 
-def _exact_amaxes(slots, rows, current, hyperparams, use_native: bool, kernel: str) -> torch.Tensor:
+def _exact_amaxes(slots, rows, current, hyperparams, use_op: bool, kernel: str) -> torch.Tensor:
     """The exact amaxes of the new w, m, v of the slots at ``rows`` (n, 3), from a pass that writes nothing."""
-    if use_native:
-        return native.adam_pass(
-            [(slots[i].w, slots[i].g, slots[i].m, slots[i].v) for i in rows],
-            current[rows][:, _NATIVE_ORDER],
-            current[rows, :3],
-            hyperparams[rows],
-            write=False,
-        )
+    if use_op:
+        w, g, m, v = zip(*((slots[i].w, slots[i].g, slots[i].m, slots[i].v) for i in rows))
+        return torch.ops.fp8lm.adam_amaxes(w, g, m, v, current[rows][:, _OP_ORDER], hyperparams[rows])
     return torch.stack([run_pass(amaxes_pass, slots[i], kernel) for i in rows])
 
 
@@ -175,17 +200,20 @@ def _new_scales(slots: list[AdamSlot], bounds: torch.Tensor, previous: torch.Ten
     return pow2_scale(bounds, fmax, previous=previous)
 
 
-def _write(slots, current, scales, hyperparams, fmts, use_native: bool, kernel: str) -> None:
+def _write(slots, current, scales, hyperparams, fmts, use_op: bool, kernel: str) -> None:
     """Store every slot's new state with the new ``scales``; remember the stored amaxes where known."""
-    if use_native:
-        tensors = [(s.w, s.g, s.m, s.v) for s in slots]
-        written = native.adam_pass(tensors, current[:, _NATIVE_ORDER], scales, hyperparams, write=True)
-        for s, (a_w, a_m, a_v) in zip(slots, written.tolist()):
-            s.stored = (a_w, a_m, a_v)
+    if use_op:
+        w, g, m, v = zip(*((s.w, s.g, s.m, s.v) for s in slots))
+        written = torch.ops.fp8lm.adam_step(w, g, m, v, current[:, _OP_ORDER], scales, hyperparams)
+        if written.device.type == "cpu":  # elsewhere reading them back would be a host sync
+            for s, (a_w, a_m, a_v) in zip(slots, written.tolist()):
+                s.stored = (a_w, a_m, a_v)
+            return
     else:
         for s, row, f in zip(slots, scales, fmts):
             run_pass(write_pass, s, kernel, row, f)
-            s.stored = (None, None, None)
+    for s in slots:
+        s.stored = (None, None, None)
 
 
 def fused_adam_step_(slots: list[AdamSlot], kernel: str = "auto") -> bool:
@@ -202,6 +230,7 @@ def fused_adam_step_(slots: list[AdamSlot], kernel: str = "auto") -> bool:
         return True
     payloads = [t for s in slots for t in s.step_payloads()]
     use_native = kernel == "auto" and all(map(native.supports, payloads)) and native.available()
+    use_op = use_native or (kernel == "auto" and all(t.device.type == "cuda" for t in payloads))
     stored = _state_amaxes(slots, use_native)
     current = torch.stack([t for s in slots for t in s.step_scales()]).view(-1, 4)
     hyperparams = torch.stack([s.step_hyperparams() for s in slots])
@@ -212,7 +241,7 @@ def fused_adam_step_(slots: list[AdamSlot], kernel: str = "auto") -> bool:
     exact = [i for i, s in enumerate(slots) if s.v.element_size() == 1]
     checked = [stored.view(-1), bounds[:, 1], bounds[:, 2]]
     if exact:
-        exact_amaxes = _exact_amaxes(slots, exact, current, hyperparams, use_native, kernel)
+        exact_amaxes = _exact_amaxes(slots, exact, current, hyperparams, use_op, kernel)
         checked.append(exact_amaxes.view(-1))
     if not bool(torch.isfinite(torch.cat(checked)).all()):
         return False
@@ -220,7 +249,7 @@ def fused_adam_step_(slots: list[AdamSlot], kernel: str = "auto") -> bool:
         bounds[exact] = exact_amaxes
     fmts: list[tuple[Format, Format, Format]] = [s.formats() for s in slots]
     scales = _new_scales(slots, bounds, current[:, :3], fmts)
-    _write(slots, current, scales, hyperparams, fmts, use_native, kernel)
+    _write(slots, current, scales, hyperparams, fmts, use_op, kernel)
     # The pass reads the old scales; all of them change only now, in one multi-tensor copy.
     old = [t for s in slots for t in s.step_scales()[:3]]
     torch._foreach_copy_(old, list(scales.reshape(-1).unbind()))
