@@ -60,6 +60,7 @@ def clip_grad_norm_(
     ``clip_grad_norm_`` method of its own (every fp8lm optimizer: `fp8lm.optim.SkipsNonFiniteSteps`)
     does the clipping, so that `fp8lm.distributed.FP8ZeroOptimizer` clips by the global norm over its
     shards. ScalingTensor gradients are clipped by dividing their scale (exact, no requantization).
+    When the total norm is not finite the gradients become NaN, so that the step is skipped.
     """
     own_clip = getattr(parameters, "clip_grad_norm_", None) if isinstance(parameters, torch.optim.Optimizer) else None
     if own_clip is not None:
@@ -80,7 +81,11 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
             "set error_if_nonfinite=False to clip anyway, or skip this step (fp8lm.grads_are_finite)"
         )
+    # A non-finite norm (a non-finite gradient, or finite ones so large that float32 sums of squares
+    # overflow) makes every gradient NaN rather than zero, as torch's 0 would: the step is then
+    # skipped and counted by fp8lm's optimizers, as by a loop that checks the norm. No sync.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = torch.where(torch.isfinite(total), coef, torch.full_like(coef, float("nan")))
     divided: set[int] = set()  # views of one gradient buffer share their scale: divide it once
     with torch.no_grad():
         for g in grads:
