@@ -75,3 +75,15 @@ def test_nonfinite_activation_arrives_as_nan():
 def test_wrong_shape_is_one_clear_error():
     with pytest.raises(ValueError, match="declare the same activation shape"):
         unpack_fp8(pack_fp8(torch.ones(8), E4M3), (4, 4), E4M3, torch.float32)
+
+
+@pytest.mark.slow
+def test_gpt_stages_loss_and_grad_norm_within_bound():
+    """The "tiny" GPT cut into 2 `PipelineStageModule`s (GPipe), against one process."""
+    first, last = run_workers("dist_tp_gpt.py", 2, "pp", timeout=TIMEOUT)
+    assert first["loss"] is None  # only the last stage computes the loss
+    assert abs(last["loss"] - last["exact_loss"]) <= ERROR_GROWTH * abs(last["ref_loss"] - last["exact_loss"])
+    for r in (first, last):
+        assert r["norm"] == first["norm"]  # one norm over both stages
+        assert abs(r["norm"] - r["exact_norm"]) <= ERROR_GROWTH * r["ref_grad_error"] * r["exact_norm"]
+        assert r["stats"]["send_calls"] == 2  # one carrier per micro-batch, each way

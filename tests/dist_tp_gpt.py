@@ -1,0 +1,110 @@
+"""Worker for tests/test_gpt_parallel.py: the "tiny" GPT under its FP8 tensor-parallel plan or cut
+into FP8 pipeline stages (gloo ranks), one forward and backward, next to the same FP8 model in one
+process and a float64 copy."""
+
+import copy
+import sys
+
+import torch
+
+from dist_launch import worker_main
+
+BATCH, MICRO = 4, 2
+
+
+def models():
+    import fp8lm
+    from fp8lm.train.model import GPT, preset
+
+    torch.manual_seed(0)
+    cfg = preset("tiny")
+    plain = GPT(cfg)
+    exact = copy.deepcopy(plain).double()
+    model, _ = fp8lm.initialize(plain, opt_level="O1")
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    return cfg, model, copy.deepcopy(model), exact
+
+
+def batch(cfg):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=g)
+    return x, torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=g)
+
+
+def reference(res: dict, ref, exact, x, y) -> dict:
+    flat = {}
+    for name, model in (("ref", ref), ("exact", exact)):
+        loss = sum(model(a, b)[1] for a, b in zip(x.chunk(MICRO), y.chunk(MICRO))) / MICRO
+        loss.backward()
+        res[f"{name}_loss"] = float(loss)
+        flat[name] = torch.cat([p.grad.double().reshape(-1) for p in model.parameters()])
+        res[f"{name}_norm"] = float(flat[name].norm())
+    res["ref_grad_error"] = float((flat["ref"] - flat["exact"]).norm() / flat["exact"].norm())
+    return res
+
+
+def tp_checks(rank, world) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    from fp8lm.distributed import comm_stats, reset_comm_stats
+    from fp8lm.train.gpt_parallel import clip_grads_over_, finish_tensor_parallel_grads, tensor_parallel_plan
+
+    cfg, model, ref, exact = models()
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model, mesh, tensor_parallel_plan(cfg))
+    x, y = batch(cfg)
+    reset_comm_stats()
+    with loss_parallel():
+        loss = sum(model(a, b)[1] for a, b in zip(x.chunk(MICRO), y.chunk(MICRO))) / MICRO
+        loss.backward()
+    finish_tensor_parallel_grads(model, mesh.get_group())
+    norm = clip_grads_over_(list(model.parameters()), float("inf"), mesh.get_group(), plain_replicated=True)
+    res = {"loss": float(loss.detach()), "norm": float(norm), "stats": comm_stats()}
+    return reference(res, ref, exact, x, y)
+
+
+def pp_checks(rank, world) -> dict:
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from fp8lm.distributed import comm_stats, reset_comm_stats
+    from fp8lm.distributed.pipeline import FP8PipelineStage, carrier_numel
+    from fp8lm.train.gpt_parallel import PipelineStageModule, clip_grads_over_
+
+    cfg, model, ref, exact = models()
+    stage = PipelineStageModule(model, rank, world, BATCH // MICRO)
+    shape = (BATCH // MICRO, cfg.block_size)
+    carrier = torch.empty(carrier_numel(shape[0] * shape[1] * cfg.n_embd))
+    inputs = torch.zeros(shape, dtype=torch.long) if stage.first else carrier.clone().requires_grad_()
+    outputs = torch.zeros(*shape, cfg.vocab_size) if stage.last else carrier.clone()
+    pipe = FP8PipelineStage(
+        stage, rank, world, torch.device("cpu"), input_args=inputs, output_args=outputs.requires_grad_()
+    )
+
+    def lm_loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    schedule = ScheduleGPipe(pipe, n_microbatches=MICRO, loss_fn=lm_loss)
+    x, y = batch(cfg)
+    reset_comm_stats()
+    losses: list = []
+    if stage.first:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    norm = clip_grads_over_(list(stage.parameters()), float("inf"))
+    res = {
+        "loss": sum(float(v) for v in losses) / MICRO if losses else None,
+        "norm": float(norm),
+        "stats": comm_stats(),
+    }
+    return reference(res, ref, exact, x, y)
+
+
+def checks(rank, world, mode):
+    return {"tp": tp_checks, "pp": pp_checks}[mode](rank, world)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    worker_main(checks)
