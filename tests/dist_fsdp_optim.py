@@ -16,15 +16,24 @@ STEPS_BEFORE_SAVE, STEPS_AFTER_SAVE = 3, 2
 LR = 1e-2
 
 
-def tiny_gpt():
-    """A 2-block GPT under O2 (FP16 weights, FP8 GEMMs); a vocabulary of 250 makes uneven shards."""
+def tiny_gpt(opt_level: str = "O2"):
+    """A 2-block GPT (FP16 weights, FP8 GEMMs); a vocabulary of 250 makes uneven shards."""
     import fp8lm
     from fp8lm.train.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=250, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    model, _ = fp8lm.initialize(model, opt_level="O2")
+    model, _ = fp8lm.initialize(model, opt_level=opt_level)
     return model
+
+
+def o1_weights(model) -> dict:
+    """This rank's weight values (local shards) of an O1 model: torch's AdamW requantizes each
+    FP16 shard with its own scale."""
+    return {
+        name: stored(p)[0].float() / stored(p)[1] if isinstance(stored(p), tuple) else stored(p)
+        for name, p in model.named_parameters()
+    }
 
 
 def shard(model):
@@ -206,6 +215,11 @@ def save_checks(rank, world, folder) -> dict:
     steps = range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE)
     res["losses"] = train_steps(model, opt, steps, rank)
     res["final"] = snapshot(model, opt)
+    o1 = shard(tiny_gpt("O1"))
+    o1_opt = torch.optim.AdamW(o1.parameters(), lr=LR)
+    train_steps(o1, o1_opt, range(STEPS_BEFORE_SAVE), rank)
+    save_fsdp_checkpoint(Path(folder) / "dcp_o1", o1, o1_opt)
+    res["o1_saved"] = o1_weights(o1)
     return res
 
 
@@ -215,7 +229,9 @@ def load_checks(rank, world, folder) -> dict:
     model = shard(tiny_gpt())
     opt = optimizer(model)
     load_fsdp_checkpoint(Path(folder) / "dcp", model, opt)
-    return {"loaded": snapshot(model, opt)}
+    o1 = shard(tiny_gpt("O1"))
+    load_fsdp_checkpoint(Path(folder) / "dcp_o1", o1, torch.optim.AdamW(o1.parameters(), lr=LR))
+    return {"loaded": snapshot(model, opt), "o1_loaded": o1_weights(o1)}
 
 
 def resume_checks(rank, world, folder) -> dict:

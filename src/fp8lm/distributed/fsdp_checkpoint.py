@@ -6,7 +6,9 @@ What is saved: the model's sharded parameters as stored (a ScalingTensor shard k
 and scale: an O2 FP16 weight is written as FP16 bytes) and the optimizer's state (the FP8 and FP16
 moment shards as DTensors, their scales, one per tensor, once), its param groups, step counts and
 skipped-step counter. Each rank writes its own shards; a checkpoint saved at N ranks loads at M
-(DCP re-shards by offsets), also into an unsharded model in one process.
+(DCP re-shards by offsets), also into an unsharded model in one process. That needs one scale per
+ScalingTensor weight on all ranks: FP8AdamW keeps it so, and saving requantizes the shards that
+torch's optimizers (O1) left with their own scale to the smallest (one rounding).
 
 Reading trusts nothing in the folder: the metadata goes through `CheckpointReader` (it builds
 only DCP's metadata classes and reads data files inside the folder only); the non-tensor entries
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections import defaultdict
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,7 +37,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..optim import FP8Adam, FP8AdamW, SkipsNonFiniteSteps
+from ..optim.sharded import agree_shard_scales
 from ..optim.state import init_state
+from ..tensor import ScalingTensor
 from .checkpoint import CheckpointError, CheckpointReader, check_finite
 
 __all__ = ["save_fsdp_checkpoint", "load_fsdp_checkpoint", "PlainDataLoadPlanner"]
@@ -66,7 +71,8 @@ def save_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: t
     """Write ``model`` and ``optimizer`` (sharded by FSDP2, or not) to the folder ``path``; every
     rank calls it."""
     _fill_state(optimizer)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer)  # the live tensors, not copies
+    _agree_weight_scales(model)  # after get_state_dict, whose zero step (torch's optimizers) requantizes
     optim_state[_SKIPPED] = getattr(optimizer, _SKIPPED, 0)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.fspath(path))
 
@@ -106,6 +112,20 @@ def _fill_state(optimizer: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             if not optimizer.state[p]:
                 init_state(optimizer.state[p], p, group)
+
+
+@torch.no_grad()
+def _agree_weight_scales(model: nn.Module) -> None:
+    """One scale per sharded ScalingTensor weight, so that the checkpoint re-shards at any world
+    size: FP8AdamW keeps them agreed; torch's optimizers (O1) leave each shard its own, and the
+    shards with a finer one are requantized to the smallest (one rounding)."""
+    by_mesh: dict = defaultdict(list)
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else None
+        if isinstance(local, ScalingTensor):
+            by_mesh[p.device_mesh].append((local.payload, local.scale))
+    for mesh, shards in by_mesh.items():
+        agree_shard_scales(shards, mesh)
 
 
 def _local_tensors(tree, prefix: str = "") -> dict:

@@ -32,7 +32,7 @@ from .functional import amax_bounds
 from .fused import stored_amaxes
 from .slots import AdamSlot, ParamSlot
 
-__all__ = ["ShardedParam", "agree_amaxes", "agree_scales"]
+__all__ = ["ShardedParam", "agree_amaxes", "agree_scales", "agree_shard_scales", "requantize_to"]
 
 
 @dataclass
@@ -119,11 +119,19 @@ def agree_scales(params: list[ShardedParam], applied: bool) -> None:
             for pair, scale in zip(e.scaled_state(), row[:3]):
                 if pair is not None:
                     payload, own = pair
-                    _requantize(payload, own, scale)
+                    requantize_to(payload, own, scale)
+
+
+def agree_shard_scales(shards: list[tuple[torch.Tensor, torch.Tensor]], mesh) -> None:
+    """Give this rank's ``(payload, scale)`` shards of tensors sharded over ``mesh`` the smallest
+    scale of each tensor's shards (an empty shard has none), requantizing those that differ."""
+    local = torch.tensor([float(scale) if payload.numel() else math.inf for payload, scale in shards])
+    for (payload, scale), agreed in zip(shards, mesh_reduce(local, mesh, "min")):
+        requantize_to(payload, scale, agreed)
 
 
 @torch.no_grad()
-def _requantize(payload: torch.Tensor, scale: torch.Tensor, agreed: torch.Tensor) -> None:
+def requantize_to(payload: torch.Tensor, scale: torch.Tensor, agreed: torch.Tensor) -> None:
     """Store ``payload / scale`` with scale ``agreed`` (a power of two no larger than ``scale``)."""
     agreed = agreed.to(scale.device, torch.float32)
     if bool(scale == agreed):
