@@ -9,6 +9,12 @@ are kept in ``--out/results.jsonl`` and not rerun, so an interrupted ablation co
 
     python benchmarks/fidelity.py --seeds 0,1,2 --variants bf16,fp32,O2,O2-head-grad-bf16
     python benchmarks/fidelity.py --list
+    python benchmarks/fidelity.py --init-from CKPT --lr 1e-3 --steps 300 --seeds 0 --variants bf16,O2,O2-m-fp16
+
+The last is a continuation probe: every variant trains from the same checkpoint's weights (a
+fresh optimizer, constant lr), which measures a choice's cost at that point of a long run for a
+fraction of the run's time; with ``--lr 1e-12 --steps 1`` it measures the validation loss of the
+checkpoint's weights as each variant evaluates them (the FP8 forward's own cost).
 
 Prints one JSON object: per variant, the gap at each seed, their mean and standard deviation,
 and the mean gap minus fp32's (the FP8 cost above the noise floor).
@@ -97,6 +103,7 @@ def _run(job: dict) -> dict:
         device="cpu",
         save_every=save_every,
         resume=save_every > 0 and (Path(job["out"]) / "checkpoints").is_dir(),
+        **job.get("train", {}),
     )
     start = time.perf_counter()
     summary = train(cfg)
@@ -107,6 +114,19 @@ def _run(job: dict) -> dict:
         "bytes_per_param": summary["bytes_per_param"],
         "skipped_steps": summary["skipped_steps"],
         "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def _continuation(args) -> dict:
+    """TrainConfig fields of a continuation probe (``--init-from``), else none."""
+    if not args.init_from:
+        return {}
+    return {
+        "init_from": args.init_from,
+        "lr": args.lr,
+        "warmup_steps": min(30, args.steps // 10),
+        "min_lr_ratio": 1.0,
+        "eval_batches": 16,
     }
 
 
@@ -207,6 +227,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (default: %(default)s)")
     p.add_argument("--out", default="runs/fidelity")
+    p.add_argument(
+        "--init-from",
+        metavar="CKPT",
+        help="continuation probe: every run starts from this checkpoint's weights (fresh optimizer state) "
+        "at the constant --lr (warmup: a tenth of the steps, at most 30) with 16 validation batches",
+    )
+    p.add_argument(
+        "--lr", type=float, default=1e-3, help="--init-from: the constant learning rate (default: %(default)s)"
+    )
     p.add_argument("--list", action="store_true", help="print the variants and exit")
     p.add_argument("--time", metavar="V,V,...", help="instead of training: time these variants' steps (see time_steps)")
     p.add_argument("--rounds", type=int, default=5, help="--time: interleaved rounds (default: %(default)s)")
@@ -237,6 +266,7 @@ def main(argv=None) -> int:
             "steps": args.steps,
             "out": str(out / f"{v}-s{s}-n{args.steps}"),
             "cache_dir": str(out / "cache"),
+            "train": _continuation(args),
         }
         for s in seeds
         for v in variants
