@@ -54,6 +54,17 @@ SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal"}
 # Python functions whose ops belong to a category, found on the stack (fp8lm's and torchao's names).
 STACK_CATEGORIES = {
     "_propagate_nonfinite": "nonfinite",
+    "_carry_nonfinite": "nonfinite",
+    "scale_and_record_": "amax_scale",
+    "scale_for_amax_": "amax_scale",
+    "record_": "amax_scale",
+    "traceable_amax": "amax_scale",
+    "_stream_scales": "amax_scale",
+    "_weight_scales": "amax_scale",
+    "_grad_scale": "amax_scale",
+    "traceable_cast": "cast",
+    "traceable_cast_dequantized": "cast",
+    "traceable_upcast": "cast",
     "compute_scale": "amax_scale",
     "pow2_scale": "amax_scale",
     "record": "amax_scale",
@@ -284,7 +295,9 @@ class OpLog(TorchDispatchMode):
             read = sum(nbytes(t) for t in {id(t): t for ins, _ in ops for t in ins if id(t) not in produced}.values())
             written = sum(nbytes(t) for t in tensors_in(out))
             reduces = any(t.numel() == 1 for t in tensors_in(out))
-            self.records.append(self.record("compiled_cast", "cast", 1 + reduces, read, written))
+            category = STACK_CATEGORIES.get(getattr(fn, "__name__", ""), "cast")  # a cast, or scale arithmetic
+            name = "compiled_cast" if category == "cast" else "compiled_scale"
+            self.records.append(self.record(name, category, 1 + reduces, read, written))
             return out
 
         return run
@@ -551,10 +564,12 @@ def run_variant(variant: str, args, log: OpLog) -> dict:
         if variant == "torchao":
             import torchao.float8  # noqa: F401
         if variant.startswith("fp8lm"):
+            from fp8lm.nn.linear import SCALE_MATH
             from fp8lm.ops.cast import FUSED_CAST
 
-            # The switch FP8LM_FUSED_CAST=0 sets (an eager-only run) or leaves on.
-            FUSED_CAST.enabled = variant == "fp8lm_compiled" and os.environ.get("FP8LM_FUSED_CAST") != "0"
+            # The switch FP8LM_FUSED_CAST=0 sets (an eager-only run) or leaves on: compiled casts and scale arithmetic.
+            fused = variant == "fp8lm_compiled" and os.environ.get("FP8LM_FUSED_CAST") != "0"
+            FUSED_CAST.enabled = SCALE_MATH.enabled = fused
         out = {"linear": [linear_case(variant, m, k, n, log) for m, k, n in args.shapes]}
         width, tokens, seq = args.block
         out["block"] = block_case(variant, width, tokens, seq, log)

@@ -2,7 +2,7 @@
 # Every GPU figure in one run, sized for <= 8 minutes on one H200, using only what a CUDA image
 # with torch and triton has (no installs): FP8 vs BF16 GEMM TFLOP/s, quantize throughput, and the
 # training step of a ~1B-parameter GPT (24 layers x 2048 wide, 8 x 1024 tokens) under
-# torch.compile for BF16 autocast and fp8lm O1 / O2, with state and activation bytes.
+# torch.compile for BF16 autocast, torchao float8 and fp8lm O1 / O2, with state and activation bytes.
 #
 #   bash benchmarks/gpu.sh [OUT_DIR]          # JSON files in OUT_DIR (default benchmarks/results/gpu)
 #   FP8LM_GPU_SMOKE=1 bash benchmarks/gpu.sh  # the same scripts at toy sizes on CPU, to check them
@@ -22,7 +22,8 @@ if [ "${FP8LM_GPU_SMOKE:-0}" = 1 ]; then
 else
   gemm=()
   quant=(--mb 1024)
-  train=(--sizes 24x2048 --levels bf16,O1,O2 --batch 8 --seq 1024 --compile --rounds 3 --steps 3 --warmup 2)
+  # torchao float8 (compiled, tensorwise) is the peer where it is installed; skipped, and said so, where not.
+  train=(--sizes 24x2048 --levels bf16,torchao,O1,O2 --batch 8 --seq 1024 --compile --rounds 3 --steps 3 --warmup 2)
   opt=(--layers 24 --width 2048 --steps 10 --skip-eager)
 fi
 

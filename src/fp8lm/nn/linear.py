@@ -21,6 +21,8 @@ delayed-scaled tensor streams.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ from torch import nn
 
 from ..formats import E4M3, FP16, FP32, Format, format_of
 from ..ops.cast import saturating_cast_dequantized, saturating_cast_with_amax
+from ..ops.fastpath import FastPath
 from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm
 from ..ops.library import traceable_amax, traceable_cast, traceable_cast_dequantized, traceable_upcast
 from ..recipe import SCALING_MODES, Recipe, recipe_from
@@ -38,12 +41,29 @@ from .state import dequantize_entries
 __all__ = ["FP8Linear", "SCALING_MODES"]
 
 State = tuple[torch.Tensor, ...]  # a ScalingMeta's buffers (ScalingMeta.state)
+T = TypeVar("T")
+
+
+# Off the CPU, the amax and scale arithmetic of one cast (an amax reduction and a dozen ops on a
+# few scalars) runs as one compiled function, a reduction and one small kernel instead of a dozen
+# launches. While torch.compile traces the layer it is inlined; FP8LM_FUSED_CAST=0 turns it off.
+SCALE_MATH = FastPath("compiled scale arithmetic", fallback="eager ops", env_switch="FP8LM_FUSED_CAST")
+_compiled_scale_math: dict[Callable, Callable] = {}
 
 
 def _on_cpu_eagerly(t: torch.Tensor) -> bool:
     """Whether reading a value of ``t`` costs nothing: a CPU tensor, outside torch.compile tracing
     (where a Python number would specialize the graph on its value)."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _scale_math(fn: Callable[..., T], x: torch.Tensor, *args) -> T:
+    """``fn(*args)``, compiled (see `SCALE_MATH`) when ``x`` is off the CPU and nothing traces."""
+    if x.device.type == "cpu" or torch.compiler.is_compiling() or not SCALE_MATH.enabled:
+        return fn(*args)
+    if fn not in _compiled_scale_math:
+        _compiled_scale_math[fn] = torch.compile(fn, dynamic=True)  # one graph for every layer shape
+    return SCALE_MATH.run(lambda: _compiled_scale_math[fn](*args), lambda: fn(*args))
 
 
 def _finite_hint(amax_value: torch.Tensor) -> bool | None:
@@ -59,17 +79,6 @@ def _carry_nonfinite(scale_inv: torch.Tensor, amax_value: torch.Tensor) -> torch
     return scale_inv + (amax_value - amax_value)  # + 0, or NaN for an inf/NaN amax
 
 
-def _operand(
-    data: torch.Tensor, scale_inv: torch.Tensor, amax_value: torch.Tensor, deq: torch.Tensor | None
-) -> FP8Operand:
-    """The GEMM operand of a cast tensor, with non-finite values carried in its scale."""
-    finite = _finite_hint(amax_value)
-    if finite is not True:
-        scale_inv = _carry_nonfinite(scale_inv, amax_value)
-        deq = None if finite is False else deq  # read back with the finite scale: read again
-    return FP8Operand(data, scale_inv, finite, dequantized=deq)
-
-
 def _cast(
     x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Format, emulated_as: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,26 +89,30 @@ def _cast(
     return traceable_cast_dequantized(x, scale, scale_inv, fmt, emulated_as)
 
 
-def _stream_operand(
-    x: torch.Tensor, spec: ScalingSpec, state: State, emulated_as: torch.dtype | None
-) -> tuple[FP8Operand, torch.Tensor]:
-    """A delayed- or current-scaled tensor stream as a GEMM operand, and its amax; ``state`` is
-    updated in place. On CPU, a delayed scale known in advance casts and takes the amax in one
-    read of ``x`` (recasting an outlier). Elsewhere, and while torch.compile traces, the amax
-    comes first and the scale from it in tensor ops (`fp8lm.scaling.scale_and_record_`): no host
-    sync, no data-dependent branch, the same numbers."""
-    if _on_cpu_eagerly(x) and spec.delayed and int(state[2]) > 0:
-        return _delayed_operand_one_pass(x, spec, state, emulated_as)
+def _stream_scales(spec: ScalingSpec, state: State, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``x``'s amax, the scale to cast it with (recorded in ``state``) and its inverse, which
+    carries non-finite values."""
     x_amax = traceable_amax(x)
     scale = scale_for_amax_(spec, state, x_amax)
-    scale_inv = _carry_nonfinite(scale.reciprocal(), x_amax)
+    return x_amax, scale, _carry_nonfinite(scale.reciprocal(), x_amax)
+
+
+def _stream_operand(x: torch.Tensor, spec: ScalingSpec, state: State, emulated_as: torch.dtype | None) -> FP8Operand:
+    """A delayed- or current-scaled tensor stream as a GEMM operand; ``state`` is updated in place.
+    On CPU, a delayed scale known in advance casts and takes the amax in one read of ``x``
+    (recasting an outlier). Elsewhere, and while torch.compile traces, the amax comes first and
+    the scale from it in tensor ops (`fp8lm.scaling.scale_and_record_`): no host sync, no
+    data-dependent branch, the same numbers."""
+    if _on_cpu_eagerly(x) and spec.delayed and int(state[2]) > 0:
+        return _delayed_operand_one_pass(x, spec, state, emulated_as)
+    x_amax, scale, scale_inv = _scale_math(_stream_scales, x, spec, state, x)
     data, deq = _cast(x, scale, scale_inv, spec.fmt, emulated_as)
-    return _operand(data, scale.reciprocal(), x_amax, deq), x_amax
+    return FP8Operand(data, scale_inv, _finite_hint(x_amax), dequantized=deq)
 
 
 def _delayed_operand_one_pass(
     x: torch.Tensor, spec: ScalingSpec, state: State, emulated_as: torch.dtype | None
-) -> tuple[FP8Operand, torch.Tensor]:
+) -> FP8Operand:
     """`_stream_operand` on CPU with the scale from the amax history: cast and amax in one pass."""
     scale = state[0].clone()  # the state's scale changes when the amax is recorded
     if emulated_as is None:
@@ -111,7 +124,25 @@ def _delayed_operand_one_pass(
     if record_(spec, state, x_amax):  # an outlier for the delayed scale: cast again with its own scale
         scale = state[0].clone()
         data, deq = _cast(x, scale, scale.reciprocal(), spec.fmt, emulated_as)
-    return _operand(data, scale.reciprocal(), x_amax, deq), x_amax
+    finite = _finite_hint(x_amax)
+    if not finite:  # read back with a finite scale: the NaN-carrying one reads it again
+        return FP8Operand(data, _carry_nonfinite(scale.reciprocal(), x_amax), finite)
+    return FP8Operand(data, scale.reciprocal(), finite, dequantized=deq)
+
+
+def _weight_scales(
+    payload: torch.Tensor, stored_scale: torch.Tensor | None, fmt: Format
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The weight's amax, the scale to cast its ``payload`` to ``fmt`` with (None: it is already
+    ``fmt``) and the inverse of the combined scale (the weight's values, not its payload's),
+    which carries non-finite values."""
+    payload_amax = traceable_amax(payload)
+    value_amax = payload_amax if stored_scale is None else payload_amax / stored_scale
+    if stored_scale is not None and payload.dtype == fmt.dtype:
+        return value_amax, None, _carry_nonfinite(stored_scale.reciprocal(), value_amax)
+    scale = compute_scale(payload_amax, fmt)
+    combined = scale if stored_scale is None else scale * stored_scale
+    return value_amax, scale, _carry_nonfinite(combined.reciprocal(), value_amax)
 
 
 def _weight_operand(
@@ -119,23 +150,19 @@ def _weight_operand(
 ) -> FP8Operand:
     """FP8 (``fmt``) operand of the weight, scaled just in time. ``payload``: the weight's stored
     values (a ScalingTensor's payload, with its ``stored_scale``; or the plain weight, with None),
-    read directly with one combined power-of-two scale (no float32 copy of the weight).
+    read directly with one combined power-of-two scale (no float32 copy of the weight). A payload
+    already in ``fmt`` (an E4M3 weight, FSDP2's FP8 all-gather) is the operand as it is.
     ``emulated_as``: as in `_cast`."""
-    if stored_scale is not None and payload.dtype == fmt.dtype:
-        # Already an operand of this format (an E4M3 weight, FSDP2's FP8 all-gather): no second cast.
-        value_amax = traceable_amax(payload) / stored_scale
-        scale_inv = stored_scale.reciprocal()
+    value_amax, scale, scale_inv = _scale_math(_weight_scales, payload, payload, stored_scale, fmt)
+    if scale is None:
         deq = None if emulated_as is None else traceable_upcast(payload, scale_inv, emulated_as)
-        return _operand(payload, scale_inv, value_amax, deq)
-    payload_amax = traceable_amax(payload)
-    scale = compute_scale(payload_amax, fmt)
-    if stored_scale is None:
-        value_amax, scale_inv = payload_amax, scale.reciprocal()
-    else:
-        value_amax, scale_inv = payload_amax / stored_scale, (scale * stored_scale).reciprocal()
-    # Read back with the combined scale: the weight's values, not its payload's.
-    data, deq = _cast(payload, scale, _carry_nonfinite(scale_inv, value_amax), fmt, emulated_as)
-    return _operand(data, scale_inv, value_amax, deq)
+        return FP8Operand(payload, scale_inv, _finite_hint(value_amax), dequantized=deq)
+    data, deq = _cast(payload, scale, scale_inv, fmt, emulated_as)
+    return FP8Operand(data, scale_inv, _finite_hint(value_amax), dequantized=deq)
+
+
+def _grad_scale(grad: torch.Tensor, fmt: Format) -> torch.Tensor:
+    return compute_scale(traceable_amax(grad), fmt)
 
 
 def _stored_weight_grad(grad: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch.Tensor:
@@ -143,7 +170,7 @@ def _stored_weight_grad(grad: torch.Tensor, fmt: Format, dtype: torch.dtype) -> 
     steps), or for FP32 a plain tensor of ``dtype``."""
     if fmt == FP32:
         return grad.to(dtype)
-    scale = compute_scale(traceable_amax(grad), fmt)
+    scale = _scale_math(_grad_scale, grad, grad, fmt)
     return ScalingTensor(traceable_cast(grad, scale, fmt), scale, dtype)
 
 
@@ -172,7 +199,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         emulated = choose_backend(x.device, recipe.backend) == "emulated"
         emulated_as = emulation_dtype(out_dtype, x.device) if emulated else None
-        x_op, _ = _stream_operand(x2, input_spec, input_state, emulated_as)
+        x_op = _stream_operand(x2, input_spec, input_state, emulated_as)
         w_op = _weight_operand(w_payload, w_scale, recipe.weight_format, emulated_as)
         b = None if bias is None else bias.detach()
         with torch.autocast(device_type, enabled=False):
@@ -201,7 +228,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         x8, x_scale_inv, w8, w_scale_inv = ctx.saved_tensors
         backend = ctx.recipe.backend
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_op, _ = _stream_operand(g2, ctx.grad_output_spec, ctx.grad_output_state, ctx.emulated_as)
+        g_op = _stream_operand(g2, ctx.grad_output_spec, ctx.grad_output_state, ctx.emulated_as)
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:

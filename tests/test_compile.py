@@ -1,0 +1,47 @@
+"""torch.compile(model, fullgraph=True) of an fp8lm GPT at O1 and O2: one graph, no graph break, no
+recompile across training steps, and the loss of every step equal to eager within float32
+rounding. Runs benchmarks/compile_gpt.py (its JSON is what docs/performance.md reports).
+
+The backend is ``aot_eager``: dynamo and AOTAutograd trace exactly what inductor gets (graph
+breaks and recompiles are decided there), without generating code, which takes minutes per model
+on a 2-core CPU; the inductor figures of the gpt2 preset are in docs/performance.md."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_gpt.py"
+
+
+def compile_gpt(preset: str, steps: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--preset", preset, "--levels", "O1,O2", "--steps", str(steps), "--backend", "aot_eager"]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def check_one_graph_and_eager_losses(result: dict, steps: int) -> None:
+    assert [level["level"] for level in result["levels"]] == ["O1", "O2"]
+    for level in result["levels"]:
+        assert "error" not in level, level
+        assert level["graph_breaks"] == 0 and level["graphs"] == 1 and level["recompiles"] == 0, level
+        assert len(level["loss_compiled"]) == steps
+        assert level["max_diff_ulps"] <= 1.0, level  # within the loss's last float32 bit
+        assert level["loss_eager"][-1] < level["loss_eager"][0]  # and it trains
+
+
+@pytest.mark.slow
+def test_fullgraph_compile_of_the_tiny_preset():
+    check_one_graph_and_eager_losses(compile_gpt("tiny", steps=3), steps=3)
+
+
+@pytest.mark.slow
+def test_fullgraph_compile_of_the_gpt2_preset():
+    result = compile_gpt("gpt2", steps=3)
+    assert result["num_layers"] == 12
+    check_one_graph_and_eager_losses(result, steps=3)
