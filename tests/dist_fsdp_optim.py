@@ -30,10 +30,11 @@ def tiny_gpt(opt_level: str = "O2"):
 def o1_weights(model) -> dict:
     """This rank's weight values (local shards) of an O1 model: torch's AdamW requantizes each
     FP16 shard with its own scale."""
-    return {
-        name: stored(p)[0].float() / stored(p)[1] if isinstance(stored(p), tuple) else stored(p)
-        for name, p in model.named_parameters()
-    }
+    values = {}
+    for name, p in model.named_parameters():
+        value = stored(p)
+        values[name] = value[0].float() / value[1] if isinstance(value, tuple) else value
+    return values
 
 
 def shard(model):

@@ -79,6 +79,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=d.seed, help="seed of the weights and the batch order (default: %(default)s)"
     )
     o.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    _add_data_and_output_options(p)
+    _add_parallel_options(p)
+    _add_numerics_options(p)
+
+
+def _add_data_and_output_options(p: argparse.ArgumentParser) -> None:
+    """What a run reads and writes."""
+    d = TrainConfig()
     g = p.add_argument_group("data")
     g.add_argument(
         "--data", help="a text file or a folder of text files (default: the Python standard library's .py sources)"
@@ -115,8 +123,6 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="start from a checkpoint's weights (fine-tuning): a step_*.pt file or a run folder",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_parallel_options(p)
-    _add_numerics_options(p)
 
 
 def _add_parallel_options(p: argparse.ArgumentParser) -> None:
@@ -131,6 +137,7 @@ def _add_parallel_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_numerics_options(p: argparse.ArgumentParser) -> None:
+    """How the FP8 layers scale, and what watches them."""
     d = TrainConfig()
     n = p.add_argument_group("FP8 numerics")
     n.add_argument(

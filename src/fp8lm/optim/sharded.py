@@ -2,7 +2,7 @@
 
 Each rank steps its own shards with the fused step; what has to be equal everywhere is agreed by
 two small reductions over each parameter mesh (`mesh_reduce`: DTensor's collectives, 4 floats per
-tensor before the step and 3 after):
+tensor before the step and 4 after: 3 scales and whether the step was applied):
 
 - before the step, the amaxes of the stored weight, moments and gradient, MAX over the mesh: every
   rank sees an inf or NaN of any shard (all then skip the step, as one process would), and the
