@@ -129,7 +129,7 @@ class PipelineRun:
         else:
             self.schedule.step(target=y, losses=losses)
         finish_tensor_parallel_grads(self.model, dp_group=self.dp_group if self.dp_size > 1 else None)
-        mean = torch.tensor([sum(float(v) for v in losses) / MICRO_BATCHES if losses else 0.0])
+        mean = torch.tensor([sum(float(v.detach()) for v in losses) / MICRO_BATCHES if losses else 0.0])
         return float(comm.all_reduce(mean, group=self.pp_group))  # the last stage's loss, everywhere
 
     def clip(self) -> float:
