@@ -65,8 +65,25 @@ def model_checks(rank, world) -> dict:
     return res
 
 
+def torch_fully_shard_checks(rank, world) -> dict:
+    """torch's own fully_shard on an fp8lm model: the FP8 GEMM's weight is still gathered in E4M3."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = small_model()
+    reference = copy.deepcopy(model)
+    fully_shard(model[0])
+    fully_shard(model)
+    model[0].unshard()
+    res = {"gathered_dtype": model[0].weight.payload.dtype}
+    model[0].reshard()
+    x = rank_batch(rank)
+    res["out"], res["ref_out"] = model(x).detach(), reference(x).detach()
+    return res
+
+
 def checks(rank, world, mode):
-    return {"reduce_scatter": reduce_scatter_checks, "model": model_checks}[mode](rank, world)
+    modes = {"reduce_scatter": reduce_scatter_checks, "model": model_checks, "torch": torch_fully_shard_checks}
+    return modes[mode](rank, world)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,13 @@ def test_weight_gathered_as_e4m3_with_one_agreed_scale(model_ranks):
 
 
 @pytest.mark.slow
+def test_torch_fully_shard_on_an_fp8lm_model_gathers_e4m3():
+    for r in run_workers("dist_fsdp.py", 2, "torch", timeout=TIMEOUT):
+        assert r["gathered_dtype"] == torch.float8_e4m3fn
+        assert torch.equal(r["out"], r["ref_out"])
+
+
+@pytest.mark.slow
 def test_gradients_within_fp8_bound_of_fp32_reduce_scatter(model_ranks):
     largest_err = 0.0
     for name in model_ranks[0]["grads"]:

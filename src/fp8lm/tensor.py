@@ -144,13 +144,13 @@ class ScalingTensor(torch.Tensor):
     # -- FSDP2 all-gather extension (torch.distributed.fsdp.fully_shard) ---------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's shard as sent by FSDP2's all-gather: a payload of the shard's gather format
-        (E4M3 for the weight of an FP8 GEMM, marked by `fp8lm.distributed`; else its own format),
+        (E4M3 for the weight of an FP8 GEMM, with fp8lm's or torch's `fully_shard`; else its own format),
         padded to FSDP's padded shard size, all ranks with one agreed scale. The scale is the
         precomputed one (`fp8lm.distributed.precompute_fp8_scales`, one batched all-reduce for a
         whole model) or else a MAX all-reduce of this parameter's amax over ``mesh``."""
         # The choices live on the sharded parameter: FSDP2 replaces a padded shard's local tensor.
         holder = next((p for p in module.parameters() if getattr(p, "_local_tensor", None) is self), self)
-        fmt = fsdp_gather_format(holder, self)
+        fmt = fsdp_gather_format(holder, self, _fp8_gemm_weight_format(module, holder))
         scale = getattr(holder, "fsdp_gather_scale", None)
         if scale is None:
             value_amax = fsdp_shard_amax(self).reshape(1)
@@ -302,6 +302,16 @@ def fsdp_shard_amax(shard: ScalingTensor) -> torch.Tensor:
     if shard.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=shard.device)
     return _amax(shard.payload).float() / shard.scale
+
+
+def _fp8_gemm_weight_format(module: torch.nn.Module, holder: torch.Tensor) -> Format | None:
+    """E4M3 when ``holder`` is the weight of a layer under ``module`` whose GEMMs run in FP8 (it
+    says ``fp8_enabled``), so that torch's own ``fully_shard`` gathers it in FP8 too; looked up
+    only until the format is fixed (`fsdp_gather_format`)."""
+    if getattr(holder, "fsdp_gather_fmt", None) is not None:
+        return None
+    fp8_layer = any(getattr(m, "weight", None) is holder and getattr(m, "fp8_enabled", False) for m in module.modules())
+    return E4M3 if fp8_layer else None
 
 
 def fsdp_gather_format(holder: torch.Tensor, shard: ScalingTensor, prefer: Format | None = None) -> Format:
