@@ -99,6 +99,19 @@ def checks(rank, world, save_dir, load_dir=None):
     opt.step()
     out["nan_skipped"] = opt.last_step_skipped and all(torch.equal(before[k], v) for k, v in weights(model).items())
 
+    # A finite 1e30 on one rank: the global norm overflows float32; clipping must not zero the
+    # gradients into a momentum-only step, the step is skipped and counted on every rank.
+    opt.zero_grad()
+    _, loss = model(*batch(rank, 10, world))
+    loss.backward()
+    if rank == 0:
+        next(model.parameters()).grad.view(-1)[0] = 1e30
+    skipped, before = opt.skipped_steps, weights(model)
+    out["overflow_norm"] = float(fp8lm.clip_grad_norm_(opt, 1.0))
+    opt.step()
+    unchanged = all(torch.equal(before[k], v) for k, v in weights(model).items())
+    out["overflow_skipped"] = opt.last_step_skipped and opt.skipped_steps == skipped + 1 and unchanged
+
     # Memory of the default ("small") preset after a step, all state counted by memory_report.
     small = GPT(preset("small"))
     small, small_opt = wrap(

@@ -94,6 +94,7 @@ def test_global_grad_clipping(ranks):
 @pytest.mark.slow
 def test_non_finite_gradient_on_one_rank_skips_step_everywhere(ranks):
     assert all(r["nan_skipped"] for r in ranks)
+    assert all(r["overflow_norm"] == float("inf") and r["overflow_skipped"] for r in ranks)
 
 
 @pytest.mark.slow

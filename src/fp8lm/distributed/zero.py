@@ -137,11 +137,16 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
             if p.grad is not None:
                 sq += p.grad.float().square().sum()
         total = comm.all_reduce(sq, dist.ReduceOp.SUM, self.process_group).sqrt()[0]
-        if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same answer on every rank
-            raise RuntimeError(
-                f"the global norm of the gradients is non-finite ({total.item()}); "
-                "set error_if_nonfinite=False to let the step be skipped"
-            )
+        if not bool(torch.isfinite(total)):  # the same answer on every rank
+            if error_if_nonfinite:
+                raise RuntimeError(
+                    f"the global norm of the gradients is non-finite ({total.item()}); "
+                    "set error_if_nonfinite=False to let the step be skipped"
+                )
+            # Finite gradients whose squares overflow float32 too: clipping by 0 would apply a
+            # momentum-only step; like fp8lm.clip_grad_norm_, the step is skipped and counted.
+            self._finite = False
+            return total
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1:
             for p in self.owned:
