@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import native as _kernels
-from ..ops.native import DTYPE_CODES, check, pointers, supports
+from ..ops.native import DTYPE_CODES, supports
 from ..ops.native import amaxes as stored_amaxes
 
 __all__ = ["available", "supports", "adam_pass", "stored_amaxes", "DTYPE_CODES"]
@@ -37,25 +37,4 @@ def adam_pass(
     coefficients). ``write``: store the new w, m, v in place and return the amaxes of the stored
     payloads (n, 3); otherwise store nothing and return the amaxes of the new values (n, 3), NaN
     where one is NaN. The caller checks `available` first."""
-    n = len(tensors)
-    ptrs, dtypes = pointers([t for group in tensors for t in group])
-    numels = torch.tensor([group[0].numel() for group in tensors], dtype=torch.int64)
-    scales, new_scales, hyperparams = (
-        x.detach().to(torch.float32).contiguous() for x in (scales, new_scales, hyperparams)
-    )
-    amax = torch.empty(n, 3, dtype=torch.float32)
-    check(
-        _kernels.loaded_library().adam_step(
-            n,
-            ptrs,
-            dtypes.data_ptr(),
-            numels.data_ptr(),
-            scales.data_ptr(),
-            new_scales.data_ptr(),
-            hyperparams.data_ptr(),
-            int(write),
-            amax.data_ptr(),
-            torch.get_num_threads(),
-        )
-    )
-    return amax
+    return _kernels.adam_step([t for group in tensors for t in group], scales, new_scales, hyperparams, write)
