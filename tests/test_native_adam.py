@@ -10,7 +10,7 @@ import fp8lm
 from fp8lm.formats import format_of
 from fp8lm.ops.cast import saturating_cast
 from fp8lm.optim import FP8AdamW, native
-from fp8lm.optim.fused import amaxes_pass, stored_amaxes
+from fp8lm.optim.fused import amaxes_pass, no_stall, stored_amaxes
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernel")
 
@@ -41,6 +41,7 @@ def _reference(w, g, m, v, scales, new_scales, hp):
     lr, b1, b2, eps, decay, l2, bc1, bc2 = (f(x) for x in hp.tolist())
     wf, gf, mf, vf = (x.float().numpy() for x in (w, g, m, v))
     wf, gf, mf, vf = wf * (f(1) / sw), gf * (f(1) / sg), mf * (f(1) / sm), vf * (f(1) / sv)
+    m_old = mf
     gf = gf + l2 * wf
     wf = wf * decay
     mf = mf + (f(1) - b1) * (gf - mf)
@@ -50,10 +51,13 @@ def _reference(w, g, m, v, scales, new_scales, hp):
     ns = new_scales.tolist()
     v_fmt = format_of(v.dtype)
     mf = np.where(vf * f(ns[2]) <= f(v_fmt.min_subnormal / 2), f(0), mf)
-    return [
+    stored = [
         saturating_cast(torch.from_numpy(x), torch.tensor(s), format_of(t.dtype))
         for x, s, t in zip((wf, mf, vf), ns, (w, m, v))
     ]
+    if m.dtype != F32:
+        stored[1] = no_stall(stored[1], torch.from_numpy(mf), torch.from_numpy(m_old), torch.tensor(ns[1]))
+    return stored
 
 
 def _bits(t):

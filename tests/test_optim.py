@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 import fp8lm
+from fp8lm.ops.cast import saturating_cast
 from fp8lm.optim import FP8Adam, FP8AdamW
 from fp8lm.optim.functional import adam_ratio_bound, adam_update
-from fp8lm.optim.fused import fused_adam_step_, run_pass, stored_amaxes, write_pass
+from fp8lm.optim.fused import fused_adam_step_, no_stall, run_pass, stored_amaxes, write_pass
 from fp8lm.optim.slots import AdamSlot
 
 
@@ -338,6 +339,60 @@ def test_first_moment_is_dropped_where_second_moment_underflows():
     slot = AdamSlot(w, one(), True, torch.zeros(2), one(), m, one(), v, one(), hp)
     assert fused_adam_step_([slot], kernel="eager")
     assert slot.m[0].float() != 0 and slot.m[1].float() == 0 and slot.v[1].float() == 0
+
+
+@pytest.mark.parametrize("fmt", [fp8lm.E4M3, fp8lm.E5M2, fp8lm.FP16, fp8lm.BF16])
+@pytest.mark.parametrize("beta1", [0.9, 0.95, 0.99])
+def test_no_stall_makes_every_decay_progress_and_is_nearest_rounding_otherwise(fmt, beta1):
+    """Against float64: every non-zero representable value decayed by beta1 stores a strictly smaller
+    magnitude; where nearest rounding already does, the result is nearest rounding."""
+    codes = torch.arange(1 << (8 * fmt.bytes), dtype=torch.int32)
+    code_dtype = torch.uint8 if fmt.bytes == 1 else torch.int16
+    old = codes.to(code_dtype).view(fmt.dtype).double()
+    old = old[torch.isfinite(old) & (old != 0) & (old.abs() <= fmt.max)]
+    new = old * beta1
+    one = torch.ones(())
+    nearest = saturating_cast(new.float(), one, fmt)
+    stored = no_stall(nearest, new.float(), old.float(), one).double()
+    assert (stored.abs() < old.abs()).all()
+    moved = nearest.double().abs() < old.abs()
+    assert torch.equal(stored[moved], nearest.double()[moved])
+    # elsewhere it is the next value toward zero: between the two neighbours of new
+    assert (stored[~moved].abs() <= new[~moved].abs()).all()
+
+
+@pytest.mark.parametrize("kernel", ["auto", "eager", pytest.param("compile", marks=pytest.mark.slow)])
+def test_first_moment_decays_to_zero_once_the_gradient_stops(kernel):
+    """Element 0 keeps a steady gradient, which holds the tensor's scales; the others' gradients
+    have stopped with m at 2 E4M3 subnormal units, where 0.9 * 2 rounds back to 2 and v (FP16
+    subnormal) is stuck too: rounding to nearest stepped them the same way every step, forever. Now
+    their m reaches 0 and they move no further than FP32 Adam moves them from the same state."""
+    n, steps, lr = 64, 40, 1e-3
+    m_scale, v_scale = 256.0, 2.0**14
+    m_small = 2 * fp8lm.E4M3.min_subnormal / m_scale
+    v_small = (m_small / 1.5) ** 2
+    signs = torch.ones(n)
+    signs[::2] = -1
+    m = (signs * m_small * m_scale).to(torch.float8_e4m3fn)
+    v = torch.full((n,), v_small * v_scale).to(torch.float16)
+    m[0], v[0] = m_scale, v_scale  # element 0: m = v = 1
+    g = torch.zeros(n)
+    g[0] = 1.0
+    hp = torch.tensor([lr, 0.9, 0.999, 1e-8, 1.0, 0.0, 1.0, 1.0])
+    scale = lambda x: torch.tensor(x)  # noqa: E731
+    slot = AdamSlot(torch.zeros(n), scale(1.0), False, g, scale(1.0), m, scale(m_scale), v, scale(v_scale), hp)
+    for _ in range(steps):
+        assert fused_adam_step_([slot], kernel=kernel)
+    assert (slot.m[1:].float() == 0).all()
+    w64, m64, v64 = (
+        torch.zeros(()),
+        torch.tensor(m_small, dtype=torch.float64),
+        torch.tensor(v_small, dtype=torch.float64),
+    )
+    for _ in range(steps):
+        w64, m64, v64 = adam_update(w64, 0.0, m64, v64, lr, 0.9, 0.999, 1e-8, 1.0, 0.0, 1.0, 1.0)
+    moved = slot.w[1:].abs()
+    assert (moved > 0).all() and (moved <= w64.abs()).all()
 
 
 # -- groups, schedulers ---------------------------------------------------------------------------

@@ -41,6 +41,7 @@ __all__ = [
     "amaxes_pass",
     "write_pass",
     "run_pass",
+    "no_stall",
 ]
 
 KERNELS = ("auto", "compile", "eager")
@@ -79,7 +80,7 @@ def amaxes_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams):
 
 def write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams, scales, fmts):
     """Compute the new values and store them in place, requantized with the new ``scales`` (weight,
-    m, v)."""
+    m, v); a low-precision first moment is rounded so that its decay cannot stall (`no_stall`)."""
     w_new, m_new, v_new = _updated(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams)
     w_fmt, m_fmt, v_fmt = fmts
     # An element whose second moment underflows to 0 loses its first moment too: otherwise the next
@@ -87,9 +88,31 @@ def write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams, scal
     # to 0 exactly when v * scale <= half the smallest subnormal (a tie rounds to the even 0); the
     # comparison needs no round trip through the storage format.
     m_new = torch.where(v_new * scales[2] <= v_fmt.min_subnormal / 2, 0.0, m_new)
+    m_stored = saturating_cast(m_new, scales[1], m_fmt)
+    if m_fmt.bytes < 4:  # FP32's resolution makes the stall negligible
+        m_stored = no_stall(m_stored, m_new, m.float() * (1 / m_scale), scales[1])
     w.copy_(saturating_cast(w_new, scales[0], w_fmt))
-    m.copy_(saturating_cast(m_new, scales[1], m_fmt))
+    m.copy_(m_stored)
     v.copy_(saturating_cast(v_new, scales[2], v_fmt))
+
+
+_CODE_DTYPES = {1: torch.uint8, 2: torch.int16}
+
+
+def no_stall(stored: torch.Tensor, new: torch.Tensor, old: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``stored`` (the payload of ``new * scale`` rounded to nearest), moved one code toward zero
+    where ``|new| < |old|`` but the rounding kept it at least ``|old|``.
+
+    Rounding to nearest has fixed points for a decaying value: in E4M3's subnormals ``0.9 * 2`` units
+    round back to 2, so a first moment whose gradient has gone to zero never reaches zero, and Adam
+    keeps stepping that element by ``m / sqrt(v)`` (both stuck) every step, the same way, forever
+    (measured in docs/training.md, "Loss fidelity"). Payloads are sign-magnitude, so one code toward zero is the integer payload minus one.
+    """
+    rounded = stored.float()
+    old_scaled = old.abs() * scale
+    stalled = (new.abs() < old.abs()) & (rounded.abs() >= old_scaled) & (rounded != 0)
+    codes = stored.view(_CODE_DTYPES[stored.element_size()])
+    return (codes - stalled.to(codes.dtype)).view(stored.dtype)
 
 
 _compiled_passes: dict[Callable, Callable] = {}

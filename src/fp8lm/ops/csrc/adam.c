@@ -22,6 +22,25 @@ static float underflow_threshold(int dtype) {
     }
 }
 
+/* A decaying first moment must not stall (see fused.py's `write_pass`): where the new value (scaled,
+   about to be rounded) is smaller in magnitude than the old one but rounds to a magnitude at least
+   as large, it takes the next representable value toward zero instead. */
+static void no_stall(int dtype, float *m, const float *m_old, float scale, int64_t len) {
+    uint16_t codes[BLOCK];
+    float rounded[BLOCK];
+    encode(dtype, m, codes, len);
+    decode(dtype, codes, rounded, len);
+    for (int64_t i = 0; i < len; i++) {
+        float old = fabsf(m_old[i] * scale);
+        if (fabsf(m[i]) < old && fabsf(rounded[i]) >= old && rounded[i] != 0.0f) {
+            uint16_t code = 0;
+            encode(dtype, &m[i], &code, 1);
+            code -= 1; /* sign-magnitude: one code toward zero */
+            m[i] = decode_one(dtype, &code);
+        }
+    }
+}
+
 typedef struct {
     void *const *ptrs;      /* [n][4]: w, g, m, v payloads (contiguous) */
     const int32_t *dtypes;  /* [n][4] */
@@ -34,7 +53,7 @@ typedef struct {
 } Step;
 
 static void update_block(const Step *st, int64_t t, int64_t start, int64_t len) {
-    float w[BLOCK], g[BLOCK], m[BLOCK], v[BLOCK];
+    float w[BLOCK], g[BLOCK], m[BLOCK], v[BLOCK], m_old[BLOCK];
     const int32_t *dt = st->dtypes + 4 * t;
     void *const *p = st->ptrs + 4 * t;
     const float *sc = st->scales + 4 * t, *hp = st->hp + 8 * t, *new_sc = st->new_scales + 3 * t;
@@ -48,6 +67,7 @@ static void update_block(const Step *st, int64_t t, int64_t start, int64_t len) 
     for (int64_t i = 0; i < len; i++) {
         /* Same operations, in the same order, as adam.py's `_updated` and `adam_update`. */
         float wi = w[i] * inv_w, gi = g[i] * inv_g, mi = m[i] * inv_m, vi = v[i] * inv_v;
+        m_old[i] = mi;
         gi = gi + l2 * wi;
         wi = wi * decay;
         mi = mi + one_minus_beta1 * (gi - mi);
@@ -63,6 +83,7 @@ static void update_block(const Step *st, int64_t t, int64_t start, int64_t len) 
         const float sv = new_sc[2], v_zero = underflow_threshold(dt[3]);
         for (int64_t i = 0; i < len; i++) m[i] = v[i] * sv <= v_zero ? 0.0f : m[i];
         for (int k = 0; k < 3; k++) scale_clamp(blocks[out[k]], len, new_sc[k], format_max(dt[out[k]]));
+        if (dt[2] != F32) no_stall(dt[2], m, m_old, new_sc[1], len);
     }
     /* Maxima of the magnitude bits (they order like the values, NaN above inf): integer reductions
        vectorize. With write, of the values about to be rounded: `stored_amax_of` rounds the max. */
@@ -76,75 +97,6 @@ static void update_block(const Step *st, int64_t t, int64_t start, int64_t len) 
         st->amax[3 * t + k] = mx;
         if (st->write) encode(dt[out[k]], blocks[out[k]], (char *)p[out[k]] + start * itemsize(dt[out[k]]), len);
     }
-}
-
-/* -- the O2 layouts in one fused loop (AVX-512) ------------------------------------------------
-   The block path above makes about a dozen passes over L1 per block; for the two layouts O2 gives
-   every parameter (an FP16 master with an E4M3 gradient; an FP32 vector with an FP32 gradient, both
-   with an E4M3 first and an FP16 second moment) one loop does it all in registers, 16 elements at
-   a time, with the same operations in the same order. (An AVX2 version of it, 8 wide, measured
-   slower than the block path's auto-vectorized loops.) */
-#if defined(__AVX512F__) && defined(__AVX2__)
-#define FUSED_STEP(NAME, LOAD_W, LOAD_G, STORE_W)                                                     \
-    static int64_t NAME(const Step *st, int64_t t, int64_t start, int64_t len) {                      \
-        void *const *p = st->ptrs + 4 * t;                                                            \
-        void *const pw = p[0], *const pg = p[1], *const pm = p[2], *const pv = p[3];                  \
-        const float *sc = st->scales + 4 * t, *hp = st->hp + 8 * t, *new_sc = st->new_scales + 3 * t; \
-        const __m512 inv_w = _mm512_set1_ps(1.0f / sc[0]), inv_g = _mm512_set1_ps(1.0f / sc[1]);      \
-        const __m512 inv_m = _mm512_set1_ps(1.0f / sc[2]), inv_v = _mm512_set1_ps(1.0f / sc[3]);      \
-        const __m512 beta2 = _mm512_set1_ps(hp[2]), eps = _mm512_set1_ps(hp[3]);                      \
-        const __m512 decay = _mm512_set1_ps(hp[4]), l2 = _mm512_set1_ps(hp[5]);                       \
-        const __m512 one_minus_beta1 = _mm512_set1_ps(1.0f - hp[1]);                                  \
-        const __m512 one_minus_beta2 = _mm512_set1_ps(1.0f - hp[2]);                                  \
-        const __m512 inv_bc2 = _mm512_set1_ps(1.0f / hp[7]), step_size = _mm512_set1_ps(hp[0] / hp[6]); \
-        const __m512 sw = _mm512_set1_ps(new_sc[0]), sm = _mm512_set1_ps(new_sc[1]);                  \
-        const __m512 sv = _mm512_set1_ps(new_sc[2]), v_zero = _mm512_set1_ps(underflow_threshold(F16)); \
-        const __m512 max_w = _mm512_set1_ps(format_max(st->dtypes[4 * t]));                           \
-        const __m512 max_m = _mm512_set1_ps(format_max(E4M3)), max_v = _mm512_set1_ps(format_max(F16));  \
-        __m512i aw = _mm512_setzero_si512(), am = aw, av = aw;                                        \
-        int64_t end = start + len / 16 * 16;                                                          \
-        for (int64_t i = start; i < end; i += 16) {                                                   \
-            __m512 w = _mm512_mul_ps(LOAD_W(pw, i), inv_w);                                           \
-            __m512 g = _mm512_mul_ps(LOAD_G(pg, i), inv_g);                                           \
-            __m512 m = _mm512_mul_ps(load_e4m3(pm, i), inv_m);                                        \
-            __m512 v = _mm512_mul_ps(load_f16(pv, i), inv_v);                                         \
-            g = _mm512_add_ps(g, _mm512_mul_ps(l2, w));                                               \
-            w = _mm512_mul_ps(w, decay);                                                              \
-            m = _mm512_add_ps(m, _mm512_mul_ps(one_minus_beta1, _mm512_sub_ps(g, m)));                \
-            v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g)); \
-            __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), inv_bc2), eps);             \
-            w = _mm512_sub_ps(w, _mm512_mul_ps(step_size, _mm512_div_ps(m, denom)));                  \
-            __m512 vs = _mm512_mul_ps(v, sv);                                                         \
-            m = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(vs, v_zero, _CMP_NLE_UQ), m);                  \
-            w = clamp16(_mm512_mul_ps(w, sw), max_w);                                                 \
-            m = clamp16(_mm512_mul_ps(m, sm), max_m);                                                 \
-            v = clamp16(vs, max_v);                                                                   \
-            aw = magnitude_max16(aw, w), am = magnitude_max16(am, m), av = magnitude_max16(av, v);    \
-            STORE_W(pw, i, w);                                                                        \
-            store_e4m3(pm, i, m);                                                                     \
-            store_f16(pv, i, v);                                                                      \
-        }                                                                                             \
-        uint32_t *amax = st->amax + 3 * t;                                                            \
-        uint32_t mx[3] = {_mm512_reduce_max_epu32(aw), _mm512_reduce_max_epu32(am), _mm512_reduce_max_epu32(av)}; \
-        for (int k = 0; k < 3; k++) amax[k] = mx[k] > amax[k] ? mx[k] : amax[k];                      \
-        return end - start;                                                                           \
-    }
-
-FUSED_STEP(fused_f16_master, load_f16, load_e4m3, store_f16)
-FUSED_STEP(fused_f32_vector, load_f32, load_f32, store_f32)
-#endif
-
-/* Elements of the block done by a fused loop (a multiple of 16; the rest goes through the block path). */
-static int64_t fused_part(const Step *st, int64_t t, int64_t start, int64_t len) {
-#if defined(__AVX512F__) && defined(__AVX2__)
-    const int32_t *dt = st->dtypes + 4 * t;
-    if (st->write && dt[2] == E4M3 && dt[3] == F16) {
-        if (dt[0] == F16 && dt[1] == E4M3) return fused_f16_master(st, t, start, len);
-        if (dt[0] == F32 && dt[1] == F32) return fused_f32_vector(st, t, start, len);
-    }
-#endif
-    (void)st, (void)t, (void)start, (void)len;
-    return 0;
 }
 
 /* The calling thread's share of the concatenated elements of all tensors, cut at multiples of
@@ -161,10 +113,7 @@ static void for_each_block(int64_t n_tensors, const int64_t *numels, int64_t tot
     }
 }
 
-static void update_fn(const void *ctx, int64_t t, int64_t start, int64_t len) {
-    int64_t done = fused_part(ctx, t, start, len);
-    if (done < len) update_block(ctx, t, start + done, len - done);
-}
+static void update_fn(const void *ctx, int64_t t, int64_t start, int64_t len) { update_block(ctx, t, start, len); }
 
 /* write == 0: amax_out[n][3] = amaxes of the new w, m, v (NaN where one is NaN), nothing stored.
    write == 1: the new w, m, v stored; amax_out[n][3] = the amaxes of the stored payloads (what

@@ -184,27 +184,8 @@ static inline float stored_amax_of(int dtype, float y) {
 }
 
 
-/* -- 16 lanes at a time (AVX-512): the fused loops of cast.c and adam.c ------------------------- */
+/* -- 16 lanes at a time (AVX-512): the fused loops of cast.c ------------------------- */
 #if defined(__AVX512F__) && defined(__AVX2__)
-static inline __m512 load_f32(const void *p, int64_t i) { return _mm512_loadu_ps((const float *)p + i); }
-
-static inline __m512 load_f16(const void *p, int64_t i) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-}
-
-static inline __m512 load_e4m3(const void *p, int64_t i) {
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)p + i)));
-    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-}
-
-static inline void store_f32(void *p, int64_t i, __m512 x) { _mm512_storeu_ps((float *)p + i, x); }
-
-static inline void store_f16(void *p, int64_t i, __m512 x) {
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-}
-
 /* `fp8_code` for 16 lanes (FP8 with `mbits` mantissa bits and exponent bias `bias`), as int32 lanes. */
 static inline __m512i fp8_codes16(__m512 y, int mbits, int bias) {
     const int cut = 23 - mbits;
@@ -221,10 +202,6 @@ static inline __m512i fp8_codes16(__m512 y, int mbits, int bias) {
                                            normal, subnormal);
     code = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)), code, _mm512_set1_epi32(0x7F));
     return _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80)));
-}
-
-static inline void store_e4m3(void *p, int64_t i, __m512 y) {
-    _mm_storeu_si128((__m128i *)((uint8_t *)p + i), _mm512_cvtepi32_epi8(fp8_codes16(y, 3, 7)));
 }
 
 static inline __m512 clamp16(__m512 y, __m512 fmax) {
