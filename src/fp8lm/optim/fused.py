@@ -90,7 +90,7 @@ def write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams, scal
     m_new = torch.where(v_new * scales[2] <= v_fmt.min_subnormal / 2, 0.0, m_new)
     m_stored = saturating_cast(m_new, scales[1], m_fmt)
     if m_fmt.bytes < 4:  # FP32's resolution makes the stall negligible
-        m_stored = no_stall(m_stored, m_new, m.float() * (1 / m_scale), scales[1])
+        m_stored = no_stall(m_stored, m_new, m.float() * (1 / m_scale), scales[1], m_fmt)
     w.copy_(saturating_cast(w_new, scales[0], w_fmt))
     m.copy_(m_stored)
     v.copy_(saturating_cast(v_new, scales[2], v_fmt))
@@ -99,18 +99,25 @@ def write_pass(w, w_scale, g, g_scale, m, m_scale, v, v_scale, hyperparams, scal
 _CODE_DTYPES = {1: torch.uint8, 2: torch.int16}
 
 
-def no_stall(stored: torch.Tensor, new: torch.Tensor, old: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def no_stall(
+    stored: torch.Tensor, new: torch.Tensor, old: torch.Tensor, scale: torch.Tensor, fmt: Format
+) -> torch.Tensor:
     """``stored`` (the payload of ``new * scale`` rounded to nearest), moved one code toward zero
-    where ``|new| < |old|`` but the rounding kept it at least ``|old|``.
+    where the old value was subnormal in ``fmt`` and ``|new| < |old|`` but the rounding kept it at
+    least ``|old|``.
 
     Rounding to nearest has fixed points for a decaying value: in E4M3's subnormals ``0.9 * 2`` units
     round back to 2, so a first moment whose gradient has gone to zero never reaches zero, and Adam
     keeps stepping that element by ``m / sqrt(v)`` (both stuck) every step, the same way, forever
-    (measured in docs/training.md, "Loss fidelity"). Payloads are sign-magnitude, so one code toward zero is the integer payload minus one.
+    (measured in docs/training.md, "Loss fidelity"). Above the subnormals a decay by ``1 - beta1`` more
+    than half a relative code (``2**-(mantissa bits + 1)``: ``beta1 < 15/16`` for E4M3) always moves
+    a value, and rounding there is left alone: forcing it down wherever a slowly shrinking value
+    rounds back biases every first moment low. Payloads are
+    sign-magnitude, so one code toward zero is the integer payload minus one.
     """
     rounded = stored.float()
     old_scaled = old.abs() * scale
-    stalled = (new.abs() < old.abs()) & (rounded.abs() >= old_scaled) & (rounded != 0)
+    stalled = (old_scaled < fmt.min_normal) & (new.abs() < old.abs()) & (rounded.abs() >= old_scaled) & (rounded != 0)
     codes = stored.view(_CODE_DTYPES[stored.element_size()])
     return (codes - stalled.to(codes.dtype)).view(stored.dtype)
 

@@ -22,17 +22,18 @@ static float underflow_threshold(int dtype) {
     }
 }
 
-/* A decaying first moment must not stall (see fused.py's `write_pass`): where the new value (scaled,
-   about to be rounded) is smaller in magnitude than the old one but rounds to a magnitude at least
-   as large, it takes the next representable value toward zero instead. */
+/* A decaying first moment must not stall (see fused.py's `no_stall`): where the old value was
+   subnormal and the new one (scaled, about to be rounded) is smaller in magnitude but rounds to a
+   magnitude at least as large, it takes the next representable value toward zero instead. */
 static void no_stall(int dtype, float *m, const float *m_old, float scale, int64_t len) {
+    const float min_normal = format_min_normal(dtype);
     uint16_t codes[BLOCK];
     float rounded[BLOCK];
     encode(dtype, m, codes, len);
     decode(dtype, codes, rounded, len);
     for (int64_t i = 0; i < len; i++) {
         float old = fabsf(m_old[i] * scale);
-        if (fabsf(m[i]) < old && fabsf(rounded[i]) >= old && rounded[i] != 0.0f) {
+        if (old < min_normal && fabsf(m[i]) < old && fabsf(rounded[i]) >= old && rounded[i] != 0.0f) {
             uint16_t code = 0;
             encode(dtype, &m[i], &code, 1);
             code -= 1; /* sign-magnitude: one code toward zero */

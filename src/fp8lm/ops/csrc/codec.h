@@ -33,6 +33,17 @@ static inline float format_max(int dtype) {
     }
 }
 
+/* The smallest normal magnitude (float32's for F32). */
+static inline float format_min_normal(int dtype) {
+    switch (dtype) {
+        case F16: return 0x1p-14f;
+        case BF16: return 0x1p-126f;
+        case E4M3: return 0x1p-6f;
+        case E5M2: return 0x1p-14f;
+        default: return 0x1p-126f;
+    }
+}
+
 /* -- decoding: payload -> float, exact ------------------------------------------------------- */
 
 /* FP16 <-> float32 through the F16C instructions (the compiler does not vectorize _Float16 casts). */
