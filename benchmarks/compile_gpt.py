@@ -10,11 +10,13 @@ difference in float32 ulps of the eager loss (0 or 1 is "equal within float32 ro
 time of the first (compiling) step and the mean compiled and eager times of the others.
 
     python benchmarks/compile_gpt.py [--preset gpt2] [--levels O1,O2] [--steps 4] [--batch 2] [--seq 64] [--backend inductor]
+        [--layers N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -91,8 +93,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: no code generation)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only this many of the preset's blocks")
     args = parser.parse_args()
     cfg = preset(args.preset)
+    if args.layers is not None:
+        if not 1 <= args.layers <= cfg.n_layer:
+            raise SystemExit(f"--layers must be in [1, {cfg.n_layer}] for the {args.preset} preset")
+        cfg = dataclasses.replace(cfg, n_layer=args.layers)
     if not 1 <= args.seq <= cfg.block_size or args.steps < 2:
         raise SystemExit(f"--seq must be in [1, {cfg.block_size}] and --steps >= 2")
     levels = [measure_level(cfg, level, args) for level in args.levels.split(",")]
