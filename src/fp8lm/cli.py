@@ -132,7 +132,28 @@ def _add_parallel_options(p: argparse.ArgumentParser) -> None:
         "--fsdp",
         action="store_true",
         help="shard weights, gradients and optimizer state with FSDP2: O1/O2 gather weights and reduce-scatter "
-        "gradients in FP8, bf16 in BF16 (torch's MixedPrecisionPolicy), fp32 in FP32; not with O3 (FP8 ZeRO)",
+        "gradients in FP8, bf16 in BF16 (torch's MixedPrecisionPolicy), fp32 in FP32; not with O3 (FP8 ZeRO); "
+        "with --tp: FSDP2 over the data-parallel ranks (2-D)",
+    )
+    d.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor + sequence parallel ranks per model replica: FP8 activations and gradients on the wire at "
+        "O1/O2, BF16 at bf16 (world size = dp x tp x pp) (default: %(default)s)",
+    )
+    d.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages per model replica (GPipe): FP8 activations and gradients between stages at O1/O2, "
+        "BF16 at bf16 (default: %(default)s)",
+    )
+    d.add_argument(
+        "--pp-microbatches",
+        type=int,
+        default=TrainConfig().pp_microbatches,
+        help="with --pp: micro-batches each step's batch is split into (default: %(default)s)",
     )
 
 
@@ -206,6 +227,9 @@ def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
         fallback=args.fallback,
         grad_sync_scaling=args.grad_sync_scaling,
         fsdp=args.fsdp,
+        tp=args.tp,
+        pp=args.pp,
+        pp_microbatches=args.pp_microbatches,
         recipe=args.recipe,
     )
 

@@ -7,16 +7,34 @@ Tensors of a float8 dtype travel as their ``uint8`` bits (no backend carries flo
 them is refused, since no backend can add float8 values (use the FP8 collectives instead).
 Anything in fp8lm that communicates (data parallelism, ZeRO, and sharded, tensor- or
 pipeline-parallel code) goes through these, so the counts cover all of it.
+
+What torch issues itself through its functional collectives (DTensor's redistributions, such as
+torch's own tensor-parallel styles and FSDP2's reduction of a partial gradient over the TP mesh,
+and ``loss_parallel``'s reductions) is counted the same way while `CountedFunctionalCollectives`
+is active.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import accounting
 
-__all__ = ["check_group", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv"]
+__all__ = [
+    "check_group",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "send",
+    "recv",
+    "CountedFunctionalCollectives",
+]
 
 # torch 2.13 renamed the tensor forms to *_single (the old names warn); older releases have only
 # the old names.
@@ -115,3 +133,49 @@ def _point_to_point(kind: str, tensor: torch.Tensor, peer: int, group, async_op:
         return non_blocking(_wire(tensor), peer, group=group)
     blocking(_wire(tensor), peer, group=group)
     return tensor
+
+
+# torch's functional collectives (namespace _c10d_functional) -> the kind they are counted as
+_FUNCTIONAL_KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+
+
+def _record_functional(name: str, args: tuple) -> None:
+    """Record one functional collective ``name`` called with ``args`` (its schema's order: the
+    input tensor(s) first, the group's name last among the positional arguments)."""
+    kind = _FUNCTIONAL_KINDS[name]
+    inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    group_name = args[3] if kind in ("all_to_all", "reduce_scatter") else args[2]
+    group = _resolve_process_group(group_name)
+    world = group.size()
+    for t in inputs:
+        handed = _nbytes(t)
+        if kind == "broadcast" and group.rank() != args[1]:
+            handed = 0
+        accounting.record(kind, handed * world if kind == "all_gather" else _nbytes(t), world, handed)
+
+
+class CountedFunctionalCollectives(TorchDispatchMode):
+    """While active, every collective torch issues through its functional API
+    (``torch.ops._c10d_functional``: DTensor's redistributions, ``loss_parallel``) is recorded in
+    `comm_stats` like fp8lm's own: what this rank hands to the process group, by kind. Tensor
+    DTensor runs first, so its collectives are seen on plain tensors."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented  # DTensor lowers the op into plain ones (its collectives), seen here next
+        if func.namespace == "_c10d_functional" and func._opname in _FUNCTIONAL_KINDS:
+            _record_functional(func._opname, args)
+        return func(*args, **(kwargs or {}))

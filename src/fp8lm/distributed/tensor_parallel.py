@@ -43,7 +43,7 @@ from .activation_comm import (
     scatter_to_shards,
 )
 
-__all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput"]
+__all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput", "ChunkedColwiseParallel"]
 
 
 def _shard_dim(placement: Placement, ndim: int) -> int | None:
@@ -231,3 +231,37 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
 
     def __repr__(self) -> str:
         return "PrepareFP8ModuleInput" + super().__repr__().removeprefix("PrepareModuleInput")
+
+
+class ChunkedColwiseParallel(ColwiseParallel):
+    """torch's `ColwiseParallel` (torch's collectives, in the tensors' own dtypes) for a plain
+    ``nn.Linear``, with `FP8ColwiseParallel`'s ``chunks`` (each rank keeps its slice of each fused
+    block) and, with ``input_dtype``, the input cast to that dtype before its all-gather: the
+    higher-precision baseline of the FP8 styles (BF16 activations on the wire)."""
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+        chunks: int = 1,
+        input_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        self.chunks, self.input_dtype = chunks, input_dtype
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for param_name in ("weight", "bias"):
+            _distribute(module, param_name, Shard(0), self.chunks, device_mesh)
+
+    def _prepare_input_fn(self, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if self.input_dtype is not None:
+            x = x.to(self.input_dtype)
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, (x,), device_mesh)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", chunks={self.chunks}, input_dtype={self.input_dtype})"

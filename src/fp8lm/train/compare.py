@@ -106,8 +106,9 @@ def compare(cfg: TrainConfig, levels: list[str], seeds: list[int] | None = None)
     top-level files aggregate them: each level's gap to bf16 per seed, its mean and spread (see
     `aggregate_seeds`). With ``cfg.resume``, an interrupted comparison continues: finished levels
     are kept, interrupted ones resume from their checkpoints, the others start. Under ``torchrun``
-    every level trains data-parallel; rank 0 writes and returns the comparison, the others None."""
-    ranks = join()
+    every level trains distributed as ``cfg`` says (data-parallel, ``--fsdp``, ``--tp``, ``--pp``),
+    one level after another; rank 0 writes and returns the comparison, the others None."""
+    ranks = join(cfg.tp, cfg.pp)
     out = Path(cfg.out)
     if seeds is None:
         runs, summaries = _train_levels(cfg, levels, out, ranks)

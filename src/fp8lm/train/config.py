@@ -103,6 +103,9 @@ class TrainConfig:
     # O1/O2 under torchrun: scaling of the FP8 gradient all-reduce (fp8lm.distributed.FP8DataParallel)
     grad_sync_scaling: str = "local"
     fsdp: bool = False  # under torchrun: shard with FSDP2 (fp8lm.distributed.fully_shard) instead
+    tp: int = 1  # under torchrun: tensor + sequence parallel ranks per model replica
+    pp: int = 1  # under torchrun: pipeline stages per model replica
+    pp_microbatches: int = 4  # with pp > 1: micro-batches per step (the schedule's)
     recipe: str = DEFAULT_RECIPE  # FP8 levels: the named fp8lm.Recipe of every FP8Linear
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
@@ -156,15 +159,17 @@ class TrainConfig:
                 f"(this run is {self.opt_level})"
             )
         self._check_fsdp()
+        self._check_model_parallel()
         if self.fallback and (self.opt_level not in FP8_LEVELS or self.telemetry_every == 0):
             raise RunError(
                 f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
                 f"{self.opt_level}) and --telemetry-every >= 1 (got {self.telemetry_every})"
             )
         try:
-            self.model_config()
+            model = self.model_config()
         except ValueError as e:  # a bad preset or sizes
             raise RunError(str(e)) from None
+        self._check_split(model)
 
     def _check_numbers(self) -> None:
         """Each optimization number finite and in its range (nan compares false: refused too)."""
@@ -184,6 +189,48 @@ class TrainConfig:
             )
         if self.fsdp and self.grad_sync_scaling != "local":
             raise RunError("--grad-sync-scaling sets FP8DataParallel's all-reduce, which --fsdp replaces: drop one")
+
+    def _check_model_parallel(self) -> None:
+        """What --tp and --pp combine with (each refusal says what to drop)."""
+        for name in ("tp", "pp", "pp_microbatches"):
+            if getattr(self, name) < 1:
+                raise RunError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.tp == 1 and self.pp == 1:
+            return
+        flag = f"--tp {self.tp}" if self.pp == 1 else f"--pp {self.pp}"
+        refusals = [
+            (self.tp > 1 and self.pp > 1, "--tp with --pp (3-D) is not supported: use one of them"),
+            (
+                self.pp > 1 and self.fsdp,
+                "--pp with --fsdp is not supported: drop --fsdp (--pp is data-parallel over the other ranks)",
+            ),
+            (
+                self.opt_level == "O3",
+                f"{flag} with O3 (FP8 ZeRO over whole tensors) is not supported: use --opt-level O1 or O2",
+            ),
+            (
+                self.grad_sync_scaling != "local",
+                f"--grad-sync-scaling sets FP8DataParallel's all-reduce, which {flag} replaces: drop it",
+            ),
+            (self.resume or self.save_every > 0, f"{flag} runs write no checkpoints: drop --resume and --save-every"),
+            (self.fallback, f"--fallback with {flag} is not supported: drop --fallback"),
+            (
+                self.pp > 1 and self.grad_accum > 1,
+                "--pp splits each step into --pp-microbatches itself: drop --grad-accum",
+            ),
+        ]
+        for refused, message in refusals:
+            if refused:
+                raise RunError(message)
+
+    def _check_split(self, model: GPTConfig) -> None:
+        """The model's sizes divide into --tp shards and --pp stages."""
+        if model.n_layer % self.pp:
+            raise RunError(f"--pp {self.pp} needs a layer count divisible by it, got {model.n_layer}: pick a divisor")
+        sizes = {"--n-head": model.n_head, "--seq-len": model.block_size, "the vocabulary": model.vocab_size}
+        for name, size in sizes.items():
+            if size % self.tp:
+                raise RunError(f"--tp {self.tp} shards {name} ({size}), which it does not divide: pick a divisor")
 
     def _check_recipe(self) -> None:
         if self.recipe not in RECIPES:

@@ -33,19 +33,33 @@ logits). Every boundary is an FP8 carrier (`fp8lm.distributed.pipeline`).
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from ..distributed import comm
 from ..distributed.collectives import fp8_all_reduce
-from ..distributed.pipeline import FP8StageInput, FP8StageOutput
-from ..distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
+from ..distributed.pipeline import FP8StageInput, FP8StageOutput, carrier_numel
+from ..distributed.tensor_parallel import (
+    ChunkedColwiseParallel,
+    FP8ColwiseParallel,
+    FP8RowwiseParallel,
+    PrepareFP8ModuleInput,
+)
 from .model import GPT, GPTConfig
 
 __all__ = [
     "tensor_parallel_plan",
+    "torch_tensor_parallel_plan",
     "finish_tensor_parallel_grads",
     "clip_grads_over_",
     "PipelineStageModule",
@@ -73,10 +87,36 @@ def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
     }
 
 
-def finish_tensor_parallel_grads(model: nn.Module, tp_group=None, dp_group=None) -> None:
+def torch_tensor_parallel_plan(
+    config: GPTConfig, activation_dtype: torch.dtype | None = None
+) -> dict[str, ParallelStyle]:
+    """The same plan with torch's own styles and collectives, for a plain (not FP8) GPT: the
+    higher-precision baseline. Each column-wise layer gathers its sequence-sharded input itself,
+    cast to ``activation_dtype`` first (bf16: what BF16 tensor parallelism sends; the norms'
+    outputs are FP32 under CPU autocast); the row-wise layers reduce-scatter their outputs in their
+    own dtype (BF16 under autocast)."""
+    return {
+        "blocks.0": PrepareModuleInput(
+            input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True
+        ),
+        "blocks.*.ln_1": SequenceParallel(),
+        "blocks.*.ln_2": SequenceParallel(),
+        "blocks.*.attn.c_attn": ChunkedColwiseParallel(input_layouts=Shard(1), chunks=3, input_dtype=activation_dtype),
+        "blocks.*.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "blocks.*.mlp.c_fc": ChunkedColwiseParallel(
+            input_layouts=Shard(1), chunks=2 if config.mlp == "swiglu" else 1, input_dtype=activation_dtype
+        ),
+        "blocks.*.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": SequenceParallel(),
+        "lm_head": ChunkedColwiseParallel(input_layouts=Shard(1), use_local_output=False, input_dtype=activation_dtype),
+    }
+
+
+def finish_tensor_parallel_grads(model: nn.Module, tp_group=None, dp_group=None, fp8: bool = True) -> None:
     """After backward: partial gradients (the sequence-parallel norms') summed over ``tp_group``
     (a plain FP32 all-reduce: they are small), then, with a ``dp_group``, every gradient's local
-    tensor averaged over it with the FP8 all-reduce."""
+    tensor averaged over it: with the FP8 all-reduce, or with ``fp8=False`` a plain all-reduce in
+    the gradient's dtype (what DDP sends)."""
     for p in model.parameters():
         grad = p.grad
         if grad is None:
@@ -86,7 +126,7 @@ def finish_tensor_parallel_grads(model: nn.Module, tp_group=None, dp_group=None)
             grad = DTensor.from_local(local, grad.device_mesh, (Replicate(),), run_check=False)
         if dp_group is not None:
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            averaged = fp8_all_reduce(local, dp_group, average=True).to(local.dtype)
+            averaged = _average(local, dp_group, fp8)
             grad = (
                 DTensor.from_local(averaged, grad.device_mesh, grad.placements, run_check=False)
                 if isinstance(grad, DTensor)
@@ -95,27 +135,39 @@ def finish_tensor_parallel_grads(model: nn.Module, tp_group=None, dp_group=None)
         p.grad = grad
 
 
+def _average(local: torch.Tensor, group, fp8: bool) -> torch.Tensor:
+    if fp8:
+        return fp8_all_reduce(local, group, average=True).to(local.dtype)
+    return comm.all_reduce(local.contiguous(), group=group) / dist.get_world_size(group)
+
+
 def clip_grads_over_(parameters, max_norm: float, group=None, plain_replicated: bool = False) -> torch.Tensor:
-    """``clip_grad_norm_`` for parameters spread over ``group`` (tensor- or pipeline-parallel
-    ranks): sharded DTensor gradients count their squares on every rank and sum over the group;
-    replicated ones, the same on every rank, count once. Plain gradients are this rank's own (a
-    pipeline stage's) or, with ``plain_replicated`` (the embeddings under tensor parallelism), the
-    same on every rank. Scales the gradients in place; returns the norm before clipping."""
-    summed, replicated = torch.zeros(1), torch.zeros(1)
+    """``clip_grad_norm_`` for parameters spread over ``group`` (tensor-, pipeline-parallel or
+    2-D ranks): each rank sums the squares of its local gradients, each divided by the number of
+    ranks of ``group`` that hold the same values (a DTensor's: the group's size over its number of
+    shards; a plain gradient's: 1, this rank's own (a pipeline stage's), or with
+    ``plain_replicated`` the group's size), and the sums are added over ``group``. Scales the
+    gradients in place; returns the norm before clipping."""
+    world = dist.get_world_size(group)
+    summed = torch.zeros(1)
     grads = [p.grad for p in parameters if p.grad is not None]
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
-        square = local.float().square().sum().reshape(1)
-        if all(isinstance(pl, Replicate) for pl in g.placements) if isinstance(g, DTensor) else plain_replicated:
-            replicated += square
-        else:
-            summed += square
-    norm = (comm.all_reduce(summed, group=group) + replicated).sqrt()[0]
+        summed += local.float().square().sum().reshape(1) / _copies(g, world, plain_replicated)
+    norm = comm.all_reduce(summed, group=group).sqrt()[0]
     factor = max_norm / (float(norm) + 1e-6)
     if factor < 1.0:
         for g in grads:
             g.mul_(factor)
     return norm
+
+
+def _copies(grad: torch.Tensor, world: int, plain_replicated: bool) -> int:
+    """Ranks of a group of ``world`` that hold ``grad``'s local values."""
+    if not isinstance(grad, DTensor):
+        return world if plain_replicated else 1
+    shards = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if isinstance(pl, Shard))
+    return world // shards
 
 
 def stage_blocks(n_layer: int, stage: int, n_stages: int) -> range:
@@ -126,19 +178,44 @@ def stage_blocks(n_layer: int, stage: int, n_stages: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+class _Cast(nn.Module):
+    """A plain stage boundary: the activation (and so its gradient) crosses in ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
 class PipelineStageModule(nn.Module):
     """Stage ``stage`` of ``n_stages`` of ``model`` (module docstring); ``micro_batch`` x
-    ``block_size`` tokens per micro-batch fix the boundary's shape."""
+    ``block_size`` tokens per micro-batch fix the boundary's shape. ``wire_dtype``: None for FP8
+    carriers, else a plain boundary in that dtype (the higher-precision baseline; the receiving
+    stage computes in float32 again)."""
 
-    def __init__(self, model: GPT, stage: int, n_stages: int, micro_batch: int) -> None:
+    def __init__(
+        self, model: GPT, stage: int, n_stages: int, micro_batch: int, wire_dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         cfg = model.config
         self.first, self.last = stage == 0, stage == n_stages - 1
+        self.boundary = (micro_batch, cfg.block_size, cfg.n_embd)
+        self.wire_dtype = wire_dtype
         self.wte, self.wpe = (model.wte, model.wpe) if self.first else (None, None)
-        self.entry = None if self.first else FP8StageInput((micro_batch, cfg.block_size, cfg.n_embd))
+        entry = FP8StageInput(self.boundary) if wire_dtype is None else _Cast(torch.float32)
+        self.entry = None if self.first else entry
         self.blocks = nn.ModuleList(model.blocks[i] for i in stage_blocks(cfg.n_layer, stage, n_stages))
         self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if self.last else (None, None)
-        self.exit = None if self.last else FP8StageOutput()
+        self.exit = None if self.last else (FP8StageOutput() if wire_dtype is None else _Cast(wire_dtype))
+
+    def boundary_example(self) -> torch.Tensor:
+        """What crosses a boundary of this model, for ``PipelineStage``'s ``input_args`` /
+        ``output_args``: an FP8 carrier, or the activation in ``wire_dtype``."""
+        if self.wire_dtype is None:
+            return torch.empty(carrier_numel(math.prod(self.boundary)), dtype=torch.float32)
+        return torch.empty(self.boundary, dtype=self.wire_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry is None:

@@ -4,7 +4,8 @@ what is done with it: `~TrainingRun.step`, `~TrainingRun.evaluate`, `~TrainingRu
 
 Other objectives subclass it and override the pieces that differ: `build_model`,
 `build_optimizer`, `load_data`, `next_batch`, `loss` (and `evaluate`, `summary`). How the state
-is spread over ranks (replicated, FP8 ZeRO) is the `state_layout` of `parallel`, not a branch here.
+is spread over ranks (replicated, FP8 ZeRO, FSDP2, tensor or pipeline parallel) is the layout that
+`parallel.wrap_for_level` returns, not a branch here.
 """
 
 from __future__ import annotations
@@ -34,14 +35,13 @@ from .logs import RunLogs, strict_json
 from .measure import saved_tensor_bytes
 from .model import GPT
 from .parallel import (
-    accumulating,
+    PipelineShape,
     barrier,
     broadcast_from_main,
     comm_bytes,
     gather_to_main,
     join,
     mean_over_ranks,
-    state_layout,
     unwrap,
     wrap_for_level,
 )
@@ -90,11 +90,12 @@ class TrainingRun:
     def __init__(self, cfg: TrainConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.ranks = join()
-        if cfg.batch_size % self.ranks.world:
+        self.ranks = join(cfg.tp, cfg.pp)
+        if cfg.batch_size % (self.ranks.dp * (cfg.pp_microbatches if cfg.pp > 1 else 1)):
             raise RunError(
                 f"--batch-size {cfg.batch_size} (sequences per step, all ranks together) must divide by the "
-                f"{self.ranks.world} ranks"
+                f"{self.ranks.dp} data-parallel replicas (world / (tp x pp))"
+                + (f" x {cfg.pp_microbatches} pipeline micro-batches" if cfg.pp > 1 else "")
             )
         self.out = Path(cfg.out)
         resuming = check_output(cfg)
@@ -106,7 +107,10 @@ class TrainingRun:
         if resume is not None:
             check_resume(cfg, resume, model, self.ranks)
         model.to(self.device)
-        self.model, self.optimizer = wrap_for_level(
+        self.num_params = sum(p.numel() for p in model.parameters())  # the whole model's, before any split
+        self.autocast = contextlib.nullcontext() if cfg.opt_level == "fp32" else BF16Autocast(self.device.type)
+        pipeline = PipelineShape(cfg.batch_size // self.ranks.dp, cfg.pp_microbatches, self.autocast)
+        self.model, self.optimizer, self.layout = wrap_for_level(
             model,
             self.build_optimizer(model),
             cfg.opt_level,
@@ -115,9 +119,9 @@ class TrainingRun:
             cfg.initialize_options(),
             grad_sync_scaling=cfg.grad_sync_scaling,
             fsdp=cfg.fsdp,
+            pipeline=pipeline,
         )
-        self.core = unwrap(self.model)  # the model itself: state dicts, evaluation, memory, telemetry
-        self.layout = state_layout(self.optimizer)
+        self.core = unwrap(self.model)  # the model itself (this rank's stage): evaluation, memory, telemetry
         self.load_data()
         self.telemetry = self._telemetry()
         self.fallback = PrecisionFallback(self.telemetry.layers) if cfg.fallback else None
@@ -127,9 +131,7 @@ class TrainingRun:
         self.resumed = resume is not None
         if resume is not None:
             self.restore(resume)
-        self.autocast = contextlib.nullcontext() if cfg.opt_level == "fp32" else BF16Autocast(self.device.type)
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.model_config.block_size
-        self.num_params = sum(p.numel() for p in self.core.parameters())
         self.logs: RunLogs | None = None
         self.act_bytes_per_token: float | None = None  # measured after the last step
         self.lock: IO[str] | None = None  # rank 0's hold on OUT/.lock while fit runs
@@ -165,7 +167,8 @@ class TrainingRun:
         if ranks.main:
             barrier(ranks)
         seq_len = self.model_config.block_size
-        self.sampler = BatchSampler(splits.train, cfg.batch_size // ranks.world, seq_len, cfg.seed + ranks.rank)
+        # the ranks of one model replica (tensor- or pipeline-parallel) draw the same batches
+        self.sampler = BatchSampler(splits.train, cfg.batch_size // ranks.dp, seq_len, cfg.seed + ranks.dp_rank)
         self.val_batches = eval_batches(splits.val, cfg.eval_batches, cfg.batch_size, seq_len)
         self.data_info = splits.info
 
@@ -226,14 +229,8 @@ class TrainingRun:
     def forward_backward(self) -> torch.Tensor:
         """The step's micro-batches, forward and backward (gradients sync on the last one);
         returns the sum of their losses."""
-        accum = self.cfg.grad_accum
-        loss_sum = torch.zeros((), device=self.device)
-        for micro in range(accum):
-            loss = self.loss(self.model, self.next_batch())
-            with accumulating(self.model, micro == accum - 1):
-                (loss / accum).backward()
-            loss_sum += loss.detach()
-        return loss_sum
+        batches = [self.next_batch() for _ in range(self.cfg.grad_accum)]
+        return self.layout.forward_backward(self.model, batches, self.loss)
 
     def optimizer_step(self) -> float:
         """Clip, then step unless the gradients are not finite; returns the norm before clipping."""
@@ -288,7 +285,7 @@ class TrainingRun:
         self.core.eval()
         total = 0.0
         for batch in self.val_batches:
-            total += self.loss(self.core, batch).item()
+            total += self.layout.eval_loss(self.core, batch, self.loss).item()
         self.core.train()
         return {"val_loss": total / len(self.val_batches)}
 
@@ -338,7 +335,7 @@ class TrainingRun:
                         tok_s=f"{self.timed_steps * self.tokens_per_step / self.train_time:,.0f}",
                     )
                 bar.update(1)
-                if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+                if ((cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps) and self.layout.checkpoints:
                     self.save(done)
         finally:
             bar.close()
@@ -440,7 +437,9 @@ class TrainingRun:
         """Bytes autograd saves per token, measured after the final checkpoint on the first
         validation batch (this forward pass changes FP8 scaling histories, which no longer matters)."""
         batch = self.val_batches[0]
-        saved = saved_tensor_bytes(lambda: self.loss(self.core, batch), exclude=self.core.parameters())
+        saved = saved_tensor_bytes(
+            lambda: self.layout.eval_loss(self.core, batch, self.loss), exclude=self.core.parameters()
+        )
         return saved / self.batch_tokens(batch)
 
     # -- helpers ------------------------------------------------------------------------------
