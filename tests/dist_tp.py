@@ -113,8 +113,42 @@ def handed_checks(rank, world) -> dict:
     return {"stats": comm_stats(), "nbytes": nbytes}
 
 
+def functional_checks(rank, world) -> dict:
+    """DTensor's own collectives (a gather, a reduction, a reduce-scatter) and one fp8lm
+    collective under `CountedFunctionalCollectives`; then a DTensor gather outside it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from fp8lm.distributed import comm, comm_stats, reset_comm_stats
+    from fp8lm.distributed.comm import CountedFunctionalCollectives
+
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = DTensor.from_local(torch.ones(3, 5), mesh, (Shard(0),))  # 60 bytes per rank
+    partial = DTensor.from_local(torch.ones(4, 5, dtype=torch.bfloat16), mesh, (Partial(),))  # 40 bytes
+    to_scatter = DTensor.from_local(torch.ones(2 * world, 3), mesh, (Partial(),))  # 24 * world bytes
+    reset_comm_stats()
+    with CountedFunctionalCollectives():
+        gathered = sharded.redistribute(mesh, (Replicate(),)).to_local()
+        reduced = partial.redistribute(mesh, (Replicate(),)).to_local()
+        scattered = to_scatter.redistribute(mesh, (Shard(0),)).to_local()
+        comm.all_reduce(torch.ones(6))  # 24 bytes, counted once
+    inside = comm_stats()
+    sharded.redistribute(mesh, (Replicate(),)).to_local()
+    outside = comm_stats()
+    return {
+        "inside": inside,
+        "outside": outside,
+        "values": (float(gathered.sum()), float(reduced.float().sum()), float(scattered.sum())),
+    }
+
+
 def checks(rank, world, mode):
-    modes = {"block": block_checks, "indivisible": indivisible_checks, "handed": handed_checks}
+    modes = {
+        "block": block_checks,
+        "indivisible": indivisible_checks,
+        "handed": handed_checks,
+        "functional": functional_checks,
+    }
     return modes[mode](rank, world)
 
 

@@ -96,6 +96,21 @@ def test_comm_stats_handed_bytes_equal_tensor_nbytes(world):
 
 
 @pytest.mark.slow
+def test_torch_functional_collectives_are_counted_by_what_is_handed_over():
+    world = 2
+    for r in run_workers("dist_tp.py", world, "functional", timeout=TIMEOUT):
+        s = r["inside"]
+        assert r["values"] == (3 * 5 * world, 4 * 5 * world, 2 * 3 * world)  # the collectives ran
+        assert (s["all_gather_calls"], s["all_gather_handed_bytes"]) == (1, 3 * 5 * 4)
+        assert s["all_gather_bytes"] == (world - 1) * 3 * 5 * 4  # (N-1)/N of the gathered tensor
+        # DTensor's BF16 reduction and fp8lm's own FP32 all-reduce, each once
+        assert (s["all_reduce_calls"], s["all_reduce_handed_bytes"]) == (2, 4 * 5 * 2 + 6 * 4)
+        assert (s["reduce_scatter_calls"], s["reduce_scatter_handed_bytes"]) == (1, 2 * world * 3 * 4)
+        assert s["handed_bytes"] == 60 + 40 + 24 + 24 * world
+        assert r["outside"] == s  # not counted once the mode is left
+
+
+@pytest.mark.slow
 def test_indivisible_shard_is_one_clear_error():
     for r in run_workers("dist_tp.py", 2, "indivisible", timeout=TIMEOUT):
         assert "divisible by chunks x tensor-parallel size" in r["error"]

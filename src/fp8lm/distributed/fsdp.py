@@ -107,15 +107,21 @@ def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs)
     return sharded
 
 
+def _fsdp_group(mesh):
+    """The ranks FSDP2 gathers a parameter over: its whole mesh, or the first dimension of a
+    2-D ``(dp, tp)`` mesh (a tensor-parallel shard is gathered over ``dp`` alone)."""
+    return mesh.get_group(0) if mesh.ndim > 1 else mesh.get_group()
+
+
 @torch.no_grad()
 def precompute_fp8_scales(model: nn.Module) -> None:
     """Agree the all-gather scale of every sharded ScalingTensor weight of ``model`` with one MAX
-    all-reduce of their amaxes per mesh (instead of one per weight in each all-gather). Call it
+    all-reduce of their amaxes per FSDP group (instead of one per weight in each all-gather). Call it
     before the first forward and after every optimizer step; the scales hold until the next call."""
     _choose_gather_formats(model)
     by_group: dict = defaultdict(list)
     for _, param, shard in _sharded_scaling_tensors(model):
-        by_group[param.device_mesh.get_group()].append((param, shard))
+        by_group[_fsdp_group(param.device_mesh)].append((param, shard))
     for group, members in by_group.items():
         amaxes = torch.stack([fsdp_shard_amax(shard) for _, shard in members])
         comm.all_reduce(amaxes, dist.ReduceOp.MAX, group)

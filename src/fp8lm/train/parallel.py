@@ -58,6 +58,7 @@ from ..distributed import (
 )
 from ..distributed import load_checkpoint as load_sharded
 from ..distributed import save_checkpoint as save_sharded
+from ..distributed.accounting import KINDS
 from ..distributed.comm import CountedFunctionalCollectives
 from ..distributed.pipeline import FP8PipelineStage
 from ..grad import clip_grad_norm_
@@ -92,6 +93,7 @@ __all__ = [
     "broadcast_from_main",
     "barrier",
     "comm_bytes",
+    "counted_comm",
     "restarts_allowed",
 ]
 
@@ -613,3 +615,14 @@ def comm_bytes(model: nn.Module, num_params: int, ranks: Ranks) -> float:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return ddp_bytes(num_params, 4, ranks.world)
     return comm_stats()["total_bytes"]
+
+
+def counted_comm(model: nn.Module) -> dict | None:
+    """The step's counted bytes (`comm_stats`) beyond their total: ``comm_handed_bytes`` (what
+    this rank handed to the process group) and ``comm_bytes_by_kind`` (the kinds it used); None
+    under torch's DDP, whose all-reduce is not counted but computed (`comm_bytes`)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return None
+    stats = comm_stats()
+    by_kind = {kind: stats[f"{kind}_bytes"] for kind in KINDS if stats[f"{kind}_calls"]}
+    return {"comm_handed_bytes": stats["handed_bytes"], "comm_bytes_by_kind": by_kind}

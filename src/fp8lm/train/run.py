@@ -39,6 +39,7 @@ from .parallel import (
     barrier,
     broadcast_from_main,
     comm_bytes,
+    counted_comm,
     gather_to_main,
     join,
     mean_over_ranks,
@@ -203,6 +204,7 @@ class TrainingRun:
         if self.telemetry:
             records += self.telemetry.after_optimizer_step()
         step_bytes = comm_bytes(self.model, self.num_params, self.ranks)
+        counted = counted_comm(self.model)
         done = step + 1
         if done == cfg.steps:  # training state at its fullest: weights, gradients, moments
             self.memory = memory_report(self.core, self.layout.local_optimizer(self.optimizer))
@@ -220,6 +222,7 @@ class TrainingRun:
         }
         if self.ranks.distributed:
             record["comm_bytes"] = step_bytes
+            record.update(counted or {})
             if cfg.grad_sync_scaling == "shared":  # the all-reduce's automatic scaling factor, per bucket
                 record["grad_sync_mu"] = [b["mu"] for b in self.model.autoscale_stats()]
         if self.telemetry is not None and self.telemetry.sampled(step):
@@ -424,6 +427,7 @@ class TrainingRun:
             "num_params": self.num_params,
             "world_size": ranks.world,
             "comm_bytes_per_step": sum(r.get("comm_bytes", 0.0) for r in records) / len(records),
+            **_counted_comm_per_step(records),
             "ddp_fp32_bytes_per_step": ddp_bytes(self.num_params, 4, ranks.world),
             "ddp_bf16_bytes_per_step": ddp_bytes(self.num_params, 2, ranks.world),
             "fallback_events": self.fallback.events if self.fallback else [],
@@ -470,6 +474,20 @@ class TrainingRun:
         (self.out / "summary.json").unlink(missing_ok=True)
         keep = self.start_step if self.resumed else None
         self.logs = RunLogs.open(self.out, keep, telemetry=self.telemetry is not None)
+
+
+def _counted_comm_per_step(records: list[dict]) -> dict:
+    """The mean per step of the counted bytes (`parallel.counted_comm`), when the records have them."""
+    counted = [r for r in records if "comm_handed_bytes" in r]
+    if not counted:
+        return {}
+    kinds = sorted({kind for r in counted for kind in r["comm_bytes_by_kind"]})
+    return {
+        "comm_handed_bytes_per_step": sum(r["comm_handed_bytes"] for r in counted) / len(counted),
+        "comm_bytes_by_kind_per_step": {
+            kind: sum(r["comm_bytes_by_kind"].get(kind, 0.0) for r in counted) / len(counted) for kind in kinds
+        },
+    }
 
 
 def _documents(cfg: TrainConfig):
