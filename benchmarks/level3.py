@@ -14,7 +14,7 @@ the O1 / bf16 byte ratio::
     python benchmarks/level3.py --layout single --steps 200
     python benchmarks/level3.py --layout tp --steps 200        # torchrun, 4 ranks: dp 2 x tp 2
     python benchmarks/level3.py --layout pp --steps 200        # dp 2 x pp 2
-    python benchmarks/level3.py --layout tp-fsdp --steps 200   # FSDP2 on dp 2 x FP8 TP on tp 2
+    python benchmarks/level3.py --layout tp-fsdp --steps 200 --levels bf16  # FSDP2 on dp 2 x TP on tp 2
 
 A layout's result is kept in ``OUT/<layout>/``; with ``--results FILE`` the layouts found in
 ``OUT`` are gathered into one JSON file (the single-process one is the reference of the gaps).
@@ -44,7 +44,7 @@ def command(layout: str, args: argparse.Namespace) -> list[str]:
         "fp8lm.cli",
         "compare",
         "--levels",
-        ",".join(LEVELS),
+        args.levels,
         "--model",
         args.preset,
         "--steps",
@@ -81,9 +81,10 @@ def gather(out: Path) -> dict:
     layouts = {}
     for layout in LAYOUTS:
         folder = out / layout
-        if not all((folder / level / "summary.json").exists() for level in LEVELS):
+        done = [level for level in LEVELS if (folder / level / "summary.json").exists()]
+        if not done:
             continue
-        levels = {level: level_result(json.loads((folder / level / "summary.json").read_text())) for level in LEVELS}
+        levels = {level: level_result(json.loads((folder / level / "summary.json").read_text())) for level in done}
         layouts[layout] = {
             "command": "python " + " ".join(json.loads((folder / "command.json").read_text())),
             "levels": levels,
@@ -94,7 +95,7 @@ def gather(out: Path) -> dict:
         if single is not None and layout != "single":
             for level, r in levels.items():
                 r["val_loss_vs_one_process"] = r["val_loss"] / single["levels"][level]["val_loss"] - 1
-        if levels["bf16"]["comm_bytes_per_step"]:
+        if len(levels) == len(LEVELS) and levels["bf16"]["comm_bytes_per_step"]:
             result["o1_over_bf16_bytes"] = levels["O1"]["comm_bytes_per_step"] / levels["bf16"]["comm_bytes_per_step"]
     return layouts
 
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--levels", default=",".join(LEVELS), help="the levels to train (of %(default)s)")
     ap.add_argument("--out", default="runs/level3")
     ap.add_argument("--results", help="write the gathered layouts to this JSON file too")
     args = ap.parse_args()
