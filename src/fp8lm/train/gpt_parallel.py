@@ -166,7 +166,8 @@ def _copies(grad: torch.Tensor, world: int, plain_replicated: bool) -> int:
     """Ranks of a group of ``world`` that hold ``grad``'s local values."""
     if not isinstance(grad, DTensor):
         return world if plain_replicated else 1
-    shards = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if isinstance(pl, Shard))
+    # any placement but Replicate shards (FSDP2 over a TP-sharded dimension is a _StridedShard)
+    shards = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())
     return world // shards
 
 
