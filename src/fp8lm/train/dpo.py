@@ -13,7 +13,9 @@ synchronized as in ``fp8lm train`` (`FP8DataParallel` at O1/O2, FP8 ZeRO at O3, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -23,13 +25,13 @@ from ..nn import freeze_fp8
 from .checkpoint import CheckpointError, atomic_torch_save, load_checkpoint
 from .config import FP8_LEVELS, RunError, TrainConfig
 from .data import pack, stdlib_documents
-from .dpo_loss import dpo_loss, sequence_logprobs, token_kl
+from .dpo_loss import DPOTerms, dpo_loss, sequence_logprobs, token_kl
 from .model import GPT, GPTConfig
 from .parallel import barrier, mean_over_ranks
 from .preference import PairBatch, PairSampler, builtin_pairs, encode_pairs, read_pairs, split_pairs
 from .run import TrainingRun
 
-__all__ = ["DPOConfig", "DPORun", "dpo", "SUMMARY_KEYS"]
+__all__ = ["DPOConfig", "DPORun", "dpo", "finished_run", "SUMMARY_KEYS"]
 
 # 1,024 held-out pairs: the reward accuracy's standard error is then about 0.01 (0.02 with 256)
 BUILTIN_TRAIN_PAIRS, BUILTIN_HELD_OUT_PAIRS = 8192, 1024
@@ -182,20 +184,39 @@ class DPORun(TrainingRun):
         record["reward_margin"] = float(mean_over_ranks(self.last_terms.margins.mean(), self.ranks))
         return record
 
+    def _held_out_terms(self) -> Iterator[tuple[int, DPOTerms, torch.Tensor]]:
+        """(pairs, DPO terms, KL per answer token) of each ``--batch-size`` chunk of the held-out
+        pairs, in their order, the policy in eval mode meanwhile."""
+        self.core.eval()
+        try:
+            for start in range(0, len(self.held_out), self.cfg.batch_size):
+                chunk = self.held_out[start : start + self.cfg.batch_size]
+                batch = encode_pairs(chunk, self.model_config.block_size).to(self.device)
+                yield (len(chunk), *self._dpo_terms(self.core, batch))
+        finally:
+            self.core.train()
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out pairs: DPO loss (as ``val_loss``), reward accuracy and margin, KL per answer token."""
-        self.core.eval()
         sums = dict.fromkeys(("val_loss", "val_reward_accuracy", "val_reward_margin", "val_kl_to_reference"), 0.0)
-        for start in range(0, len(self.held_out), self.cfg.batch_size):
-            chunk = self.held_out[start : start + self.cfg.batch_size]
-            terms, kl = self._dpo_terms(self.core, encode_pairs(chunk, self.model_config.block_size).to(self.device))
-            sums["val_loss"] += float(terms.loss) * len(chunk)
-            sums["val_reward_accuracy"] += float(terms.accuracy) * len(chunk)
+        for pairs, terms, kl in self._held_out_terms():
+            sums["val_loss"] += float(terms.loss) * pairs
+            sums["val_reward_accuracy"] += float(terms.accuracy) * pairs
             sums["val_reward_margin"] += float(terms.margins.sum())
-            sums["val_kl_to_reference"] += float(kl) * len(chunk)
-        self.core.train()
+            sums["val_kl_to_reference"] += float(kl) * pairs
         return {k: v / len(self.held_out) for k, v in sums.items()}
+
+    @torch.no_grad()
+    def held_out_rewards(self) -> DPOTerms:
+        """Every held-out pair's implicit rewards under the policy as it is now, in the order of
+        ``held_out``, computed as `evaluate` computes them; ``loss`` is the mean over the pairs.
+        Per-pair outcomes, for comparing two runs pair by pair."""
+        parts = list(self._held_out_terms())
+        loss = sum(terms.loss * pairs for pairs, terms, _ in parts) / len(self.held_out)
+        chosen = torch.cat([terms.chosen_rewards for _, terms, _ in parts])
+        rejected = torch.cat([terms.rejected_rewards for _, terms, _ in parts])
+        return DPOTerms(torch.as_tensor(loss), chosen, rejected)
 
     def save(self, step: int) -> None:
         if self.ranks.main and not self.reference_saved:  # before the first checkpoint, which then implies it
@@ -232,3 +253,22 @@ def dpo(cfg: DPOConfig) -> dict | None:
     """Run DPO as ``cfg`` says; returns the summary (also written to ``<out>/summary.json``, last).
     Everything that can be wrong with the inputs is checked before anything is written."""
     return DPORun(cfg).fit()
+
+
+def finished_run(out: str | Path) -> DPORun:
+    """The finished ``fp8lm dpo`` run in folder ``out``, reopened as it ended: the policy of its last
+    checkpoint (weights and FP8 scaling state), its frozen reference and its held-out pairs, built
+    as the run built them, with the configuration its ``summary.json`` records, in a process of as
+    many ranks as the run had. Nothing is trained or written (but the corpus cache of the built-in
+    pairs, if it is gone)."""
+    summary_path = Path(out) / "summary.json"
+    if not summary_path.is_file():
+        raise RunError(f"{str(out)!r} holds no finished fp8lm dpo run (no summary.json); pass the --out of one")
+    saved = json.loads(summary_path.read_text()).get("config", {})
+    if "beta" not in saved:
+        raise RunError(f"{str(summary_path)!r} is not the summary of an fp8lm dpo run; pass the --out of one")
+    known = {f.name for f in fields(DPOConfig)}
+    options = {key: value for key, value in saved.items() if key in known}
+    # one step more than were taken: the resume check then accepts the finished run; none is taken
+    options.update(out=str(out), resume=True, init_from=None, progress=False, steps=saved["steps"] + 1)
+    return DPORun(DPOConfig(**options))
