@@ -70,6 +70,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O1-head-grad-bf16": ("O1", {"policy": {"lm_head": {"grad": "BF16"}}}),
     "O1-grad-e5m2": ("O1", {"policy": {"*": {"grad": "E5M2"}}}),
     "O1-gemm-bf16": ("O1", {"policy": {"*": {"fp8_gemm": False}}}),
+    "O1-head-gemm-bf16": ("O1", {"policy": {"lm_head": {"fp8_gemm": False}}}),
+    "O1-master-fp32": ("O1", {"policy": {"*": {"weight": "FP32"}}}),
+    "O1-grad-bf16": ("O1", {"policy": {"*": {"grad": "BF16"}}}),
 }
 
 

@@ -289,7 +289,7 @@ def test_replacing_the_model_together_with_its_submodules_is_refused():
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_the_output_head_stores_its_weight_gradient_in_bf16(level):
+def test_the_output_head_runs_bf16_gemms_and_stores_its_weight_gradient_in_bf16(level):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
     assert fp8lm.nn.output_head(model) == "lm_head"
@@ -297,7 +297,7 @@ def test_the_output_head_stores_its_weight_gradient_in_bf16(level):
     idx = torch.randint(0, 256, (2, 16))
     model(idx, idx)[1].backward()
     head_grad = model.lm_head.weight.grad
-    assert model.lm_head.fp8_enabled and model.lm_head.weight_grad_format == fp8lm.BF16
+    assert not model.lm_head.fp8_enabled and model.lm_head.weight_grad_format == fp8lm.BF16
     assert isinstance(head_grad, ScalingTensor) and head_grad.payload.dtype == torch.bfloat16
     other = model.blocks[0].mlp.c_fc
     assert other.weight_grad_format == fp8lm.E4M3 and other.weight.grad.payload.dtype == torch.float8_e4m3fn
@@ -308,7 +308,7 @@ def test_the_output_head_stores_its_weight_gradient_in_bf16(level):
         level,
         policy=fp8lm.policy.preset(level, output_head=False),
     )
-    assert plain.lm_head.weight_grad_format == fp8lm.E4M3
+    assert plain.lm_head.weight_grad_format == fp8lm.E4M3 and plain.lm_head.fp8_enabled
 
 
 def test_output_head_is_the_last_linear_layer():

@@ -64,16 +64,19 @@ def test_policy_is_a_value():
 
 
 @pytest.mark.parametrize("level", FP8_LEVELS)
-def test_output_head_keeps_fp8_gemms_and_a_bf16_weight_gradient(level):
+def test_output_head_has_bf16_gemms_and_a_bf16_weight_gradient(level):
     policy = preset(level)
     head = policy.precision("lm_head.weight", W, in_linear=True, output_head=True)
     assert head == ParamPrecision(
         policy.linear.weight, fp8lm.BF16, policy.linear.master, policy.linear.exp_avg, policy.linear.exp_avg_sq
     )
-    assert policy.gemm_in_fp8("lm_head", output_head=True)
-    assert policy.precision("lm_head.weight", W, in_linear=True) == policy.linear  # not the head: unchanged
+    assert not policy.gemm_in_fp8("lm_head", output_head=True)
+    assert policy.gemm_in_fp8("lm_head")  # not the head: unchanged
+    assert policy.precision("lm_head.weight", W, in_linear=True) == policy.linear
     for plain in (preset(level, output_head=False), policy.without_output_head()):
         assert plain.precision("lm_head.weight", W, in_linear=True, output_head=True) == plain.linear
+        assert plain.gemm_in_fp8("lm_head", output_head=True)
     # overrides by name win over the head rule
     e4m3 = policy.override("lm_head", grad="E4M3").precision("lm_head.weight", W, True, output_head=True)
     assert e4m3.grad == fp8lm.E4M3
+    assert policy.override("lm_head", fp8_gemm=True).gemm_in_fp8("lm_head", output_head=True)

@@ -15,17 +15,19 @@ O3     FP8                 E4M3 / E4M3, FP16 master  E4M3 / E4M3, FP16 master   
 every level; under O2/O3 their Adam moments follow the optimizer's formats. A scaled FP16 weight
 is its own master copy (the optimizer updates its payload and scale in place).
 
-The output head (the model's last linear layer, which `fp8lm.initialize` finds) keeps its FP8
-GEMMs but stores its weight gradient in BF16 at every level (``Policy.output_head``): per-tensor
-E4M3 zeroes the gradient rows of rare tokens, and Adam then stops moving them (measured in
-docs/training.md). ``preset(level, output_head=False)`` or ``policy.without_output_head()`` drops
-the rule.
+The output head (the model's last linear layer, which `fp8lm.initialize` finds) runs its GEMMs in
+BF16 and stores its weight gradient in BF16 at every level (``Policy.output_head``); its weight
+and optimizer states keep the level's formats. Its FP8 GEMMs bias the gradient of the final norm
+so that its gain and bias grow over training, and per-tensor E4M3 zeroes the gradient rows of rare
+tokens (both measured in docs/training.md). ``preset(level, output_head=False)`` or
+``policy.without_output_head()`` drops the rule.
 
 Overrides by module-name pattern (``fnmatch``; matched against module and parameter names, later
-overrides win, also over the output-head rule) change any of it, e.g. keep the output head in
-high precision::
+overrides win, also over the output-head rule) change any of it, e.g. put the output head's GEMMs
+back in FP8, or keep it entirely in high precision::
 
-    policy = fp8lm.policy.preset("O2").override("lm_head", fp8_gemm=False, weight=fp8lm.FP32, grad=fp8lm.FP32)
+    policy = fp8lm.policy.preset("O2").override("lm_head", fp8_gemm=True)
+    policy = fp8lm.policy.preset("O2").override("lm_head", weight=fp8lm.FP32, grad=fp8lm.FP32)
     model, opt = fp8lm.initialize(model, opt, "O2", policy=policy)
 """
 
@@ -145,8 +147,9 @@ class Policy:
         return base
 
 
-# The output head's weight gradient in BF16 (1 byte more per head parameter): see the module docstring.
-_OUTPUT_HEAD = Override("<output head>", formats=(("grad", BF16),))
+# The output head's GEMMs and weight gradient in BF16 (1 byte more per head parameter): see the
+# module docstring.
+_OUTPUT_HEAD = Override("<output head>", fp8_gemm=False, formats=(("grad", BF16),))
 
 
 def preset(opt_level: str, output_head: bool = True) -> Policy:
