@@ -44,7 +44,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O2-emb-hp": ("O2", {"policy": {"wte": _HI, "wpe": _HI}}),
     "O2-attn-hp": ("O2", {"policy": {"*.attn.*": _HI}}),
     "O2-mlp-hp": ("O2", {"policy": {"*.mlp.*": _HI}}),
-    # one FP8 choice of the output head at a time
+    # one FP8 choice of the output head at a time (the defaults: BF16 GEMMs, BF16 weight gradient)
+    "O2-head-gemm-fp8": ("O2", {"policy": {"lm_head": {"fp8_gemm": True}}}),
     "O2-head-gemm-bf16": ("O2", {"policy": {"lm_head": {"fp8_gemm": False}}}),
     "O2-head-grad-bf16": ("O2", {"policy": {"lm_head": {"grad": "BF16"}}}),
     "O2-head-grad-e5m2": ("O2", {"policy": {"lm_head": {"grad": "E5M2"}}}),
@@ -71,6 +72,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O1-grad-e5m2": ("O1", {"policy": {"*": {"grad": "E5M2"}}}),
     "O1-gemm-bf16": ("O1", {"policy": {"*": {"fp8_gemm": False}}}),
     "O1-head-gemm-bf16": ("O1", {"policy": {"lm_head": {"fp8_gemm": False}}}),
+    "O1-head-gemm-fp8": ("O1", {"policy": {"lm_head": {"fp8_gemm": True}}}),
     "O1-master-fp32": ("O1", {"policy": {"*": {"weight": "FP32"}}}),
     "O1-grad-bf16": ("O1", {"policy": {"*": {"grad": "BF16"}}}),
 }
@@ -89,9 +91,7 @@ def _run(job: dict) -> dict:
     from fp8lm.train.config import TrainConfig
     from fp8lm.train.loop import train
 
-    level, options = VARIANTS[job["variant"]]
-    if "recipe" in options:
-        options = {**options, "recipe": _recipe(options["recipe"])}
+    level, options = variant_options(job["variant"])
     # long runs checkpoint every 500 steps and continue from there (bit for bit) when restarted
     save_every = 500 if job["steps"] > 1000 else 0
     cfg = TrainConfig(
@@ -133,12 +133,17 @@ def _continuation(args) -> dict:
     }
 
 
-def _recipe(fields: dict):
-    """The default fp8lm.Recipe with ``fields`` changed (formats by name)."""
+def variant_options(variant: str) -> tuple[str, dict]:
+    """``(level, fp8lm.initialize options)`` of a `VARIANTS` entry: its recipe fields become the
+    default fp8lm.Recipe with those fields changed (formats by name)."""
     from fp8lm.formats import format_of
     from fp8lm.recipe import Recipe
 
-    return Recipe(**{k: format_of(v) if k.endswith("_format") else v for k, v in fields.items()})
+    level, options = VARIANTS[variant]
+    if "recipe" in options:
+        fields = {k: format_of(v) if k.endswith("_format") else v for k, v in options["recipe"].items()}
+        options = {**options, "recipe": Recipe(**fields)}
+    return level, options
 
 
 def time_steps(variants: list[str], rounds: int, steps: int) -> dict:
@@ -156,11 +161,9 @@ def time_steps(variants: list[str], rounds: int, steps: int) -> dict:
     x = torch.randint(0, 256, (16, 128))
     runs = {}
     for name in variants:
-        level, options = VARIANTS[name]
+        level, options = variant_options(name)
         model = GPT(preset("small"))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if "recipe" in options:
-            options = {**options, "recipe": _recipe(options["recipe"])}
         if level not in ("fp32", "bf16"):
             model, opt = fp8lm.initialize(model, opt, level, **options)
         runs[name] = (model, opt, level != "fp32")
