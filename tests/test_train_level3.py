@@ -113,12 +113,14 @@ def test_pp2_sends_one_carrier_per_micro_batch(work, single):
     activation = BATCH // MICRO_BATCHES * SEQ * 32  # elements of one micro-batch's boundary (n_embd 32)
     for level, s in runs.items():
         check_counted_bytes(s, work / "pp" / level)
-    # rank 0 (stage 0) sends the activations: BF16, or E4M3 with a 4-byte scale; besides, its half
-    # of the loss broadcast and of the global norm's all-reduce (4 bytes each)
+    # rank 0 (stage 0) sends the activations: BF16, or E4M3 with a 4-byte scale, and receives their
+    # gradients (counted as calls, 0 bytes); besides, its half of the loss broadcast and of the
+    # global norm's all-reduce (4 bytes each)
     wire = {"bf16": 2 * activation, "O1": activation + 4}
     for level, s in runs.items():
         assert s["comm_bytes_by_kind_per_step"] == {
             "send": MICRO_BATCHES * wire[level],
+            "recv": 0.0,
             "broadcast": 2.0,
             "all_reduce": 4.0,
         }

@@ -521,7 +521,7 @@ class PipelineState(ReplicatedState):
                 self.schedule.step()
         if self.dp_group is not None:
             finish_tensor_parallel_grads(model, dp_group=self.dp_group, fp8=self.fp8)
-        mean = torch.tensor([sum(float(v) for v in losses) / len(losses) if losses else 0.0])
+        mean = torch.tensor([sum(float(v.detach()) for v in losses) / len(losses) if losses else 0.0])
         return comm.broadcast(mean, src=self.n_stages - 1, group=self.pp_group)[0]
 
     def eval_loss(self, model: nn.Module, batch, loss: Callable) -> torch.Tensor:
