@@ -37,11 +37,6 @@ def check_one_graph_and_eager_losses(result: dict, steps: int) -> None:
 
 
 @pytest.mark.slow
-def test_fullgraph_compile_of_the_tiny_preset():
-    check_one_graph_and_eager_losses(compile_gpt("tiny", steps=3), steps=3)
-
-
-@pytest.mark.slow
 def test_fullgraph_compile_of_gpt2_sized_blocks():
     """gpt2's widths (768, vocabulary 50,257) with 2 of its 12 identical blocks: the whole preset
     takes minutes here; its figures are in benchmarks/results/compile_gpt2_cpu.json."""

@@ -364,7 +364,8 @@ def test_no_stall_makes_subnormal_decay_progress_and_is_nearest_rounding_otherwi
         assert (nearest[~subnormal].abs() < old[~subnormal].abs()).all()
 
 
-@pytest.mark.parametrize("kernel", ["auto", "eager", pytest.param("compile", marks=pytest.mark.slow)])
+# the compiled pass runs write_pass's code as the eager one does (test_compiled_and_eager_steps_agree)
+@pytest.mark.parametrize("kernel", ["auto", "eager"])
 def test_first_moment_decays_to_zero_once_the_gradient_stops(kernel):
     """Element 0 keeps a steady gradient, which holds the tensor's scales; the others' gradients
     have stopped with m at 2 E4M3 subnormal units, where 0.9 * 2 rounds back to 2 and v (FP16
