@@ -6,7 +6,10 @@ over ``FakeTensorMode`` CUDA tensors: nothing is computed or allocated, so this 
 and at the shapes of a ~1B GPT. Compared: fp8lm O1 with eager casts (its fused-cast switch off, as
 ``FP8LM_FUSED_CAST=0`` sets it) and with the ``torch.compile``-d casts, torchao float8 tensorwise
 (eager) and ``nn.Linear`` under BF16 autocast. The traced step is the second (steady state: delayed
-scaling has a history). A modelled H200 step time turns the counts into a ratio against BF16.
+scaling has a history), after the weights changed as an optimizer step changes them; a third step
+without that change (``next_microbatch``: a further micro-batch of gradient accumulation) shows
+what is made once per optimizer step. A modelled H200 step time turns the counts into a ratio
+against BF16.
 
     python benchmarks/cuda_trace.py [--shapes 8192x4096x4096] [--block 2048x8192] [--quick]
 
@@ -62,6 +65,7 @@ STACK_CATEGORIES = {
     "_stream_scales": "amax_scale",
     "_weight_scales": "amax_scale",
     "_grad_scale": "amax_scale",
+    "_recorded_scale_inv": "amax_scale",
     "traceable_cast": "cast",
     "traceable_cast_dequantized": "cast",
     "traceable_upcast": "cast",
@@ -76,6 +80,7 @@ STACK_CATEGORIES = {
     "saturating_cast": "cast",
     "saturating_cast_with_amax": "cast",
     "saturating_cast_dequantized": "cast",
+    "saturating_cast_transposed": "cast",
     "upcast": "cast",
     "to_fp8_saturated": "cast",
     "hp_tensor_and_scale_to_float8": "cast",
@@ -84,6 +89,11 @@ GEMM_OPS = {"mm", "addmm", "_scaled_mm", "bmm", "baddbmm"}
 ATTENTION_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "lift_fresh"}
 TINY = 64  # elements: an op whose tensors are all this small is scale arithmetic on a few scalars
+REDUCTION_OPS = {"amax", "aminmax", "max", "sum"}
+# A compiled reduction of more elements than this to fewer outputs than that counts two launches
+# (see split_reductions; Inductor's rule: no split from 2 x 32 outputs per SM, 132 SMs on an H200).
+SPLIT_REDUCTION_NUMEL = 4096
+SPLIT_REDUCTION_OUTPUTS = 132 * 2 * 32
 
 # Modelled H200 (SXM): per-kernel launch cost, HBM bandwidth, dense GEMM rates.
 MODEL = {"launch_us": 5.0, "hbm_tb_s": 4.8, "bf16_tflop_s": 990.0, "fp8_tflop_s": 1980.0}
@@ -254,14 +264,17 @@ class OpLog(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.recording:
             return out
-        if func.is_view or name in ALLOC_OPS or name in ("detach", "alias", "device"):
+        views = func.is_view or name in ("detach", "alias")
+        if self.fused is not None and views:  # a view of a tensor the region makes is not a read
+            self.fused.append((name, tensors_in((args, kwargs)), tensors_in(out)))
+        if views or name in ALLOC_OPS or name == "device":
             return out
         inputs, outputs = tensors_in((args, kwargs)), tensors_in(out)
         mutated = {id(a) for a, arg in zip(args, func._schema.arguments) if arg.is_write}
         read = sum(nbytes(t) for t in inputs if not (name == "copy_" and id(t) in mutated))
         written = sum(nbytes(t) for t in outputs)
         if self.fused is not None:
-            self.fused.append((inputs, outputs))
+            self.fused.append((name, inputs, outputs))
             return out
         category = categorize(name, inputs, outputs)
         self.records.append(self.record(name, category, 1, read, written, *gemm_flops(name, inputs)))
@@ -291,16 +304,31 @@ class OpLog(TorchDispatchMode):
                 out = fn(*args, **kwargs)
             finally:
                 ops, self.fused = self.fused, None
-            produced = {id(t) for _, outs in ops for t in outs}
-            read = sum(nbytes(t) for t in {id(t): t for ins, _ in ops for t in ins if id(t) not in produced}.values())
+            produced = {id(t) for _, _, outs in ops for t in outs}  # views of them included
+            read = sum(
+                nbytes(t) for t in {id(t): t for _, ins, _ in ops for t in ins if id(t) not in produced}.values()
+            )
             written = sum(nbytes(t) for t in tensors_in(out))
-            reduces = any(t.numel() == 1 for t in tensors_in(out))
             category = STACK_CATEGORIES.get(getattr(fn, "__name__", ""), "cast")  # a cast, or scale arithmetic
             name = "compiled_cast" if category == "cast" else "compiled_scale"
-            self.records.append(self.record(name, category, 1 + reduces, read, written))
+            self.records.append(self.record(name, category, 1 + split_reductions(ops), read, written))
             return out
 
         return run
+
+
+def split_reductions(ops: list) -> int:
+    """Reductions of a compiled region that Inductor splits in two kernels (the first fused with
+    the region's pass over the tensor, the second a launch of its own, which also takes the
+    scalar arithmetic after it): those to fewer values than an H200 has threads to spread them
+    over (`SPLIT_REDUCTION_OUTPUTS`), of more than a few elements each. Reductions of a few values
+    (an amax history) stay inside a kernel."""
+    return sum(
+        name in REDUCTION_OPS
+        and outs[0].numel() < SPLIT_REDUCTION_OUTPUTS
+        and max(t.numel() for t in ins) > SPLIT_REDUCTION_NUMEL
+        for name, ins, outs in ops
+    )
 
 
 def gemm_flops(name: str, inputs: list[torch.Tensor]) -> tuple[float, bool]:
@@ -397,12 +425,18 @@ def label_layers(model: nn.Module, log: OpLog, labels: dict) -> list:
     return handles
 
 
-def trace_step(model: nn.Module, x: torch.Tensor, log: OpLog) -> list[dict]:
-    """One warm-up training step, then one traced: forward under BF16 autocast, backward."""
+def trace_step(model: nn.Module, x: torch.Tensor, log: OpLog) -> tuple[list[dict], list[dict]]:
+    """One warm-up training step, then two traced: forward under BF16 autocast, backward. Before
+    the first traced step the weights change, as an optimizer step changes them (their versions
+    are bumped: what is derived from them is made anew); before the second they do not, as for a
+    further micro-batch of gradient accumulation. Returns the records of both."""
     labels: dict = {}
     handles = label_layers(model, log, labels)
+    traced = []
     try:
-        for recording in (False, True):
+        for recording, new_weights in ((False, False), (True, True), (True, False)):
+            if new_weights:
+                torch.autograd.graph.increment_version(list(model.parameters()))
             labels.clear()
             log.records, log.recording, log.phase = [], recording, "forward"
             with cuda_autocast():
@@ -414,10 +448,11 @@ def trace_step(model: nn.Module, x: torch.Tensor, log: OpLog) -> list[dict]:
             model.zero_grad(set_to_none=True)
             x.grad = None
             log.recording = False
+            traced.append(log.records)
     finally:
         for h in handles:
             h.remove()
-    return log.records
+    return traced[1], traced[2]
 
 
 def fp8lm_model(model: nn.Module) -> nn.Module:
@@ -545,7 +580,8 @@ def linear_case(variant: str, m: int, k: int, n: int, log: OpLog) -> dict:
     with torch.device("cuda"):  # the default device: where FP8Linear creates its scaling state
         model = convert(variant, nn.Sequential(nn.Linear(k, n)))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    return summarize(trace_step(model, x, log))
+    step, microbatch = trace_step(model, x, log)
+    return {**summarize(step), "next_microbatch": totals(microbatch)}
 
 
 def block_case(variant: str, width: int, tokens: int, seq: int, log: OpLog) -> dict:
@@ -555,7 +591,8 @@ def block_case(variant: str, width: int, tokens: int, seq: int, log: OpLog) -> d
     with torch.device("cuda"):
         model = convert(variant, Block(config))
     x = torch.randn(tokens // seq, seq, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    return summarize(trace_step(model, x, log))
+    step, microbatch = trace_step(model, x, log)
+    return {**summarize(step), "next_microbatch": totals(microbatch)}
 
 
 def run_variant(variant: str, args, log: OpLog) -> dict:

@@ -29,6 +29,8 @@ def _samples():
             yield "cast_with_amax", (x, scale, dtype)
             yield "cast_dequantized", (x, scale, torch.tensor(0.25), dtype, torch.float32)
             yield "upcast", (cast_ops.saturating_cast(x, scale, format_of(dtype)), torch.tensor(0.5), torch.bfloat16)
+        for x in (_x().reshape(64, 64), _x(dtype=torch.bfloat16).reshape(32, 128), _x(6).reshape(2, 3)):
+            yield "cast_transposed", (x, scale, dtype)
         yield "amax", (_x(),)
     for state in (_adam_state(torch.float16, torch.float32), _adam_state(torch.float8_e4m3fn, torch.float16)):
         w, g, m, v, scales, new_scales, hyperparams = state
@@ -60,6 +62,7 @@ def test_every_op_is_listed():
         "amax",
         "cast",
         "cast_dequantized",
+        "cast_transposed",
         "cast_with_amax",
         "upcast",
     ]
@@ -85,9 +88,30 @@ def test_numbers_match_the_casts():
         assert torch.equal(payload.view(torch.uint8), expected.view(torch.uint8)) and x_amax.item() == 1e6
         _, deq, _ = torch.ops.fp8lm.cast_dequantized(x, scale, scale.reciprocal(), dtype, torch.float32)
         assert torch.equal(deq, expected.float() / 2.0)
+        payload2d, transposed, x_amax = torch.ops.fp8lm.cast_transposed(x.reshape(64, 64), scale, dtype)
+        assert torch.equal(payload2d.view(torch.uint8), expected.view(torch.uint8).reshape(64, 64))
+        assert transposed.is_contiguous() and torch.equal(transposed.view(torch.uint8), payload2d.view(torch.uint8).t())
+        assert x_amax.item() == 1e6
     assert torch.ops.fp8lm.amax(torch.tensor([1.0, -3.0, float("nan")])).isnan()
     nan_in = torch.tensor([float("inf"), 1.0])
     assert torch.ops.fp8lm.cast(nan_in, torch.tensor(1.0), FP8[0]).float()[0].isnan()  # inf stays visible as NaN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_cast_gives_the_column_sums_of_a_bias_gradient(dtype):
+    """``sums_dtype``: ``x.sum(0)`` rounded to ``x``'s dtype, as ``g.sum(0)`` gives a bias gradient."""
+    g = (torch.randn(300, 40, dtype=torch.float64) * 3).to(dtype)
+    _, _, x_amax, sums = cast_ops.saturating_cast_transposed(
+        g, torch.tensor(1.0), format_of(FP8[1]), True, torch.float32
+    )
+    reference = g.double().sum(0)
+    assert sums is not None and sums.dtype == torch.float32 and x_amax is not None
+    torch.testing.assert_close(
+        sums.double(), reference.to(dtype).double(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=1e-5
+    )
+    assert x_amax.item() == g.abs().max().item()
+    with pytest.raises(ValueError, match="takes a 2-D tensor"):
+        cast_ops.saturating_cast_transposed(g.reshape(-1), torch.tensor(1.0), format_of(FP8[0]))
 
 
 def test_ops_trace_as_single_nodes():

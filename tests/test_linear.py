@@ -262,6 +262,66 @@ def test_scaled_mm_backend_matches_emulation():
     torch.testing.assert_close(a.weight.grad.dequantize(), b.weight.grad.dequantize(), rtol=2**-3, atol=1e-6)
 
 
+def _count_weight_casts(monkeypatch) -> list:
+    """Calls of the function that scales a weight for its FP8 cast, counted."""
+    import fp8lm.nn.linear as linear
+
+    calls = []
+    original = linear._weight_scales
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(linear, "_weight_scales", counted)
+    return calls
+
+
+def test_weight_is_cast_once_per_change_of_the_weight(monkeypatch):
+    """On an FP8 GEMM backend the weight's FP8 copy is made once per change of the weight, not per
+    forward, and every way of changing it (an optimizer step, load_state_dict, an in-place op, a
+    write through .data) makes a new one: the results equal a fresh copy's (which casts anew)."""
+    import copy
+
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 16, recipe=fp8lm.Recipe(backend="scaled_mm"))
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 32)
+    calls = _count_weight_casts(monkeypatch)
+
+    def forward_matches_a_fresh_copy():
+        fresh = copy.deepcopy(layer)  # new payload tensors: nothing cached for them
+        expected = fresh(x)
+        before = len(calls)
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+        return len(calls) - before
+
+    assert forward_matches_a_fresh_copy() == 1
+    assert forward_matches_a_fresh_copy() == 0  # unchanged weight: the cached copy
+    layer(x).sum().backward()
+    opt.step()
+    assert forward_matches_a_fresh_copy() == 1
+    other = nn.Linear(32, 16)
+    layer.load_state_dict(other.state_dict())
+    assert forward_matches_a_fresh_copy() == 1
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)
+    assert forward_matches_a_fresh_copy() == 1
+    layer.weight.data.copy_(torch.randn(16, 32))
+    assert forward_matches_a_fresh_copy() == 1
+    assert forward_matches_a_fresh_copy() == 0
+
+
+def test_emulated_backend_keeps_no_weight_copy(monkeypatch):
+    """The emulated GEMM also reads the weight upcast: that is not kept between steps (its memory
+    would exceed the FP8 copy's), so each forward casts the weight."""
+    layer = FP8Linear(32, 16, recipe=fp8lm.Recipe(backend="emulated"))
+    calls = _count_weight_casts(monkeypatch)
+    x = torch.randn(8, 32)
+    layer(x), layer(x)
+    assert len(calls) == 2
+
+
 def test_empty_batch():
     layer = FP8Linear(32, 16)
     x = torch.zeros(0, 32, requires_grad=True)

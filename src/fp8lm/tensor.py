@@ -15,6 +15,7 @@ strides, device) while storing only ``payload`` (FP8 or FP16) and a float32 ``sc
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .formats import E4M3, Format, format_of
@@ -113,11 +114,15 @@ class ScalingTensor(torch.Tensor):
         scale = compute_scale(_amax(value), self.fmt, previous=self._scale)
         self._data.copy_(saturating_cast(value, scale, self.fmt))
         self._scale.copy_(scale)
+        _count_write(self)
         return self
 
     def __repr__(self) -> str:  # type: ignore[override]  # must not dispatch: keep to the payload and scale
-        value = self._scale.item()  # a symbolic float while torch.compile traces
-        scale = f"{value:g}" if isinstance(value, float) else str(value)
+        if is_fake(self._scale):  # shapes only (compile-time logging prints traced metadata)
+            scale = "?"
+        else:
+            value = self._scale.item()  # a symbolic float while torch.compile traces
+            scale = f"{value:g}" if isinstance(value, float) else str(value)
         return (
             f"ScalingTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}, scale={scale})"
@@ -239,11 +244,20 @@ def _to_copy(x: ScalingTensor, dtype=None, device=None, **kwargs):
     return x.dequantize(dtype).to(device if device is not None else x.device)
 
 
+def _count_write(t: ScalingTensor) -> None:
+    """Count an in-place write of ``t``'s payload and scale in their versions, as an in-place op
+    outside ``__torch_dispatch__`` would (inside it, below autograd, copies do not), so that
+    what is derived from them (`fp8lm.nn.FP8Linear`'s FP8 weight) sees the change."""
+    if not torch.compiler.is_compiling():
+        torch.autograd.graph.increment_version([t._data, t._scale])
+
+
 def _copy_into(dst, src):
     if isinstance(dst, ScalingTensor):
         if isinstance(src, ScalingTensor) and src._data.dtype == dst._data.dtype:
             dst._data.copy_(src._data)
             dst._scale.copy_(src._scale)
+            _count_write(dst)
         else:
             dst.requantize_(_dequantize_leaf(src))
         return dst

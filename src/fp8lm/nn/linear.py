@@ -9,7 +9,11 @@ bias stays in high precision. Under ``torch.autocast`` the output has the autoca
 
 The weight is an ``nn.Parameter`` wrapping a `ScalingTensor` with an FP16 payload by default
 (2 bytes per element, presenting as float32): optimizers, ``clip_grad_norm_`` and checkpoints see
-ordinary float values.
+ordinary float values. On an FP8 GEMM backend (``torch._scaled_mm``) its FP8 copy is made once per
+change of the weight (optimizer step, load, FSDP2 all-gather), not once per forward, and kept
+between steps (1 byte per element, 2 on CUDA with its transpose); under ``torch.compile`` it is
+made in the graph every forward. On CUDA each cast also writes the transposed payload that the
+backward GEMMs read, so no FP8 operand is copied to change its layout.
 
 Hook points: ``fp8_enabled = False`` runs the layer's GEMMs in high precision (BF16 under
 autocast), as a precision policy sets it; ``high_precision = True`` (set and cleared by the
@@ -22,16 +26,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats import E4M3, FP16, FP32, Format, format_of
-from ..ops.cast import saturating_cast_dequantized, saturating_cast_with_amax
+from ..ops.cast import saturating_cast_dequantized, saturating_cast_transposed, saturating_cast_with_amax
 from ..ops.fastpath import FastPath
-from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm
+from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm, wants_laid_out_operands
 from ..ops.library import traceable_amax, traceable_cast, traceable_cast_dequantized, traceable_upcast
 from ..recipe import SCALING_MODES, Recipe, recipe_from
 from ..scaling import ScalingMeta, ScalingSpec, compute_scale, record_, scale_for_amax_
@@ -97,17 +102,51 @@ def _stream_scales(spec: ScalingSpec, state: State, x: torch.Tensor) -> tuple[to
     return x_amax, scale, _carry_nonfinite(scale.reciprocal(), x_amax)
 
 
-def _stream_operand(x: torch.Tensor, spec: ScalingSpec, state: State, emulated_as: torch.dtype | None) -> FP8Operand:
-    """A delayed- or current-scaled tensor stream as a GEMM operand; ``state`` is updated in place.
-    On CPU, a delayed scale known in advance casts and takes the amax in one read of ``x``
-    (recasting an outlier). Elsewhere, and while torch.compile traces, the amax comes first and
-    the scale from it in tensor ops (`fp8lm.scaling.scale_and_record_`): no host sync, no
-    data-dependent branch, the same numbers."""
+def _recorded_scale_inv(spec: ScalingSpec, state: State, x_amax: torch.Tensor) -> torch.Tensor:
+    """The inverse of the state's scale, which a tensor of amax ``x_amax`` was just cast with
+    (carrying non-finite values); then that amax recorded in ``state`` (the next scale)."""
+    scale_inv = _carry_nonfinite(state[0].reciprocal(), x_amax)
+    record_(spec, state, x_amax)
+    return scale_inv
+
+
+class _Stream(NamedTuple):
+    """How a tensor stream is cast: its scaling spec and state, the dtype an emulated GEMM
+    multiplies in (None on FP8 hardware), whether the cast writes the transposed payload too
+    (`saturating_cast_transposed`) and whether its scale is known before its amax (delayed, with
+    history, on a device, eagerly: the cast takes the amax in the same pass)."""
+
+    spec: ScalingSpec
+    state: State
+    emulated_as: torch.dtype | None
+    relaid: bool
+    scale_known: bool
+
+
+def _stream_operand(x: torch.Tensor, stream: _Stream, sums_dtype: torch.dtype | None = None):
+    """A delayed- or current-scaled tensor stream as a GEMM operand; the state is updated in place.
+    Returns the operand and, where the cast could take it in the same pass, ``x.sum(0)`` as
+    ``sums_dtype`` (else None).
+
+    Where the scale is known in advance (delayed scaling with history) the cast takes the amax in
+    the same read of ``x``: on CPU recasting an outlier at once, on a device (no host sync)
+    restarting the history so that the following steps are rescaled. Otherwise, and while
+    torch.compile traces, the amax comes first and the scale from it in tensor ops
+    (`fp8lm.scaling.scale_and_record_`: the numbers of the CPU path, one graph for every step)."""
+    spec, state, emulated_as = stream.spec, stream.state, stream.emulated_as
     if _on_cpu_eagerly(x) and spec.delayed and int(state[2]) > 0:
-        return _delayed_operand_one_pass(x, spec, state, emulated_as)
+        return _delayed_operand_one_pass(x, spec, state, emulated_as), None
+    if stream.scale_known and stream.relaid:
+        data, transposed, x_amax, sums = saturating_cast_transposed(x, state[0], spec.fmt, True, sums_dtype)
+        assert x_amax is not None  # asked for
+        scale_inv = _scale_math(_recorded_scale_inv, x, spec, state, x_amax)
+        return FP8Operand(data, scale_inv, relaid=transposed.t()), sums
     x_amax, scale, scale_inv = _scale_math(_stream_scales, x, spec, state, x)
+    if stream.relaid:
+        data, transposed, _, _ = saturating_cast_transposed(x, scale, spec.fmt)
+        return FP8Operand(data, scale_inv, _finite_hint(x_amax), relaid=transposed.t()), None
     data, deq = _cast(x, scale, scale_inv, spec.fmt, emulated_as)
-    return FP8Operand(data, scale_inv, _finite_hint(x_amax), dequantized=deq)
+    return FP8Operand(data, scale_inv, _finite_hint(x_amax), dequantized=deq), None
 
 
 def _delayed_operand_one_pass(
@@ -146,19 +185,47 @@ def _weight_scales(
 
 
 def _weight_operand(
-    payload: torch.Tensor, stored_scale: torch.Tensor | None, fmt: Format, emulated_as: torch.dtype | None
+    payload: torch.Tensor,
+    stored_scale: torch.Tensor | None,
+    fmt: Format,
+    emulated_as: torch.dtype | None,
+    relaid: bool = False,
 ) -> FP8Operand:
     """FP8 (``fmt``) operand of the weight, scaled just in time. ``payload``: the weight's stored
     values (a ScalingTensor's payload, with its ``stored_scale``; or the plain weight, with None),
     read directly with one combined power-of-two scale (no float32 copy of the weight). A payload
     already in ``fmt`` (an E4M3 weight, FSDP2's FP8 all-gather) is the operand as it is.
-    ``emulated_as``: as in `_cast`."""
+    ``emulated_as``: as in `_cast`; ``relaid``: also write the transposed payload (`_Stream`)."""
     value_amax, scale, scale_inv = _scale_math(_weight_scales, payload, payload, stored_scale, fmt)
+    finite = _finite_hint(value_amax)
     if scale is None:
         deq = None if emulated_as is None else traceable_upcast(payload, scale_inv, emulated_as)
-        return FP8Operand(payload, scale_inv, _finite_hint(value_amax), dequantized=deq)
+        other = payload.t().contiguous().t() if relaid else None
+        return FP8Operand(payload, scale_inv, finite, dequantized=deq, relaid=other)
+    if relaid:
+        data, transposed, _, _ = saturating_cast_transposed(payload, scale, fmt)
+        return FP8Operand(data, scale_inv, finite, relaid=transposed.t())
     data, deq = _cast(payload, scale, scale_inv, fmt, emulated_as)
-    return FP8Operand(data, scale_inv, _finite_hint(value_amax), dequantized=deq)
+    return FP8Operand(data, scale_inv, finite, dequantized=deq)
+
+
+# The FP8 operand of each ScalingTensor weight's payload, made once per change of the weight (an
+# optimizer step, a load, FSDP2's all-gather) rather than once per forward: every in-place change
+# of a payload or its scale bumps its version. Keyed weakly: an entry goes with its payload.
+_WEIGHT_OPERANDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _cached_weight_operand(weight: ScalingTensor, fmt: Format, relaid: bool) -> FP8Operand:
+    """`_weight_operand` of ``weight`` for an FP8 GEMM (no emulation), from `_WEIGHT_OPERANDS`
+    while neither its payload nor its scale changed since it was made."""
+    payload, scale = weight.payload, weight.scale
+    key = (weight._version, payload._version, id(scale), scale._version, fmt, relaid)
+    entry = _WEIGHT_OPERANDS.get(payload)
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    operand = _weight_operand(payload, scale, fmt, None, relaid)
+    _WEIGHT_OPERANDS[payload] = (key, operand, scale)  # the scale kept alive: its id stays its own
+    return operand
 
 
 def _grad_scale(grad: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -174,10 +241,25 @@ def _stored_weight_grad(grad: torch.Tensor, fmt: Format, dtype: torch.dtype) -> 
     return ScalingTensor(traceable_cast(grad, scale, fmt), scale, dtype)
 
 
+class _Eager(NamedTuple):
+    """What eager execution adds to the Function's tensors (None while torch.compile traces, where
+    every step runs one graph): the weight's operand made once per change of the weight (or None),
+    and the scaling states' modules, which know without a host sync whether a delayed stream has
+    history, so its cast can take the amax in the same pass."""
+
+    weight: FP8Operand | None
+    input_meta: ScalingMeta
+    grad_output_meta: ScalingMeta
+
+
+def _scale_known(eager: _Eager | None, meta_name: str) -> bool:
+    return eager is not None and getattr(eager, meta_name).scale_known_in_advance
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with FP8 GEMMs. Takes only tensors and constants (the frozen recipe and
-    scaling specs), and updates the scaling state (tuples of buffers) in place, so that
-    ``torch.compile`` traces it into the model's graph."""
+    scaling specs; in eager mode also `_Eager`), and updates the scaling state (tuples of buffers)
+    in place, so that ``torch.compile`` traces it into the model's graph."""
 
     @staticmethod
     def forward(
@@ -193,14 +275,22 @@ class _FP8LinearFunction(torch.autograd.Function):
         input_spec: ScalingSpec,
         grad_output_spec: ScalingSpec,
         weight_grad_format: Format,
+        eager: _Eager | None,
     ):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         emulated = choose_backend(x.device, recipe.backend) == "emulated"
         emulated_as = emulation_dtype(out_dtype, x.device) if emulated else None
-        x_op = _stream_operand(x2, input_spec, input_state, emulated_as)
-        w_op = _weight_operand(w_payload, w_scale, recipe.weight_format, emulated_as)
+        laid_out = wants_laid_out_operands(x.device, recipe.backend)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        stream = _Stream(input_spec, input_state, emulated_as, laid_out and need_w, _scale_known(eager, "input_meta"))
+        x_op, _ = _stream_operand(x2, stream)
+        if eager is not None:
+            eager.input_meta.mark_recorded()
+        w_op = eager.weight if eager is not None and eager.weight is not None else None
+        if w_op is None:
+            w_op = _weight_operand(w_payload, w_scale, recipe.weight_format, emulated_as, laid_out)
         b = None if bias is None else bias.detach()
         with torch.autocast(device_type, enabled=False):
             y = fp8_mm(x_op, w_op.t(), out_dtype, bias=b, backend=recipe.backend)
@@ -208,17 +298,18 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.recipe, ctx.grad_output_spec, ctx.weight_grad_format = recipe, grad_output_spec, weight_grad_format
         # Not saved tensors: the backward pass updates them in place (version checks would refuse
         # a second backward through a layer after the first updated them).
-        ctx.grad_output_state = grad_output_state
+        ctx.grad_output_state, ctx.eager, ctx.laid_out = grad_output_state, eager, laid_out
         ctx.out_dtype, ctx.emulated_as = out_dtype, emulated_as
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_finite, ctx.w_finite = x_op.finite, w_op.finite
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Each saved in the layout its backward GEMM reads it in (the second operand: column-major).
+        x_saved, w_saved = x_op.stored(row_major=False), w_op.stored(row_major=False)
         ctx.save_for_backward(
-            x_op.data if need_w else None,
+            (x_op.data if x_saved is None else x_saved) if need_w else None,
             x_op.scale_inv if need_w else None,
-            w_op.data if need_x else None,
+            (w_op.data if w_saved is None else w_saved) if need_x else None,
             w_op.scale_inv if need_x else None,
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -228,8 +319,18 @@ class _FP8LinearFunction(torch.autograd.Function):
         x8, x_scale_inv, w8, w_scale_inv = ctx.saved_tensors
         backend = ctx.recipe.backend
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_op = _stream_operand(g2, ctx.grad_output_spec, ctx.grad_output_state, ctx.emulated_as)
-        grad_x = grad_w = grad_b = None
+        need_b = ctx.needs_input_grad[4]
+        stream = _Stream(
+            ctx.grad_output_spec,
+            ctx.grad_output_state,
+            ctx.emulated_as,
+            ctx.laid_out and ctx.needs_input_grad[1],
+            _scale_known(ctx.eager, "grad_output_meta"),
+        )
+        g_op, grad_b = _stream_operand(g2, stream, ctx.bias_dtype if need_b else None)
+        if ctx.eager is not None:
+            ctx.eager.grad_output_meta.mark_recorded()
+        grad_x = grad_w = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 w_op = FP8Operand(w8, w_scale_inv, ctx.w_finite)
@@ -238,9 +339,9 @@ class _FP8LinearFunction(torch.autograd.Function):
                 x_op = FP8Operand(x8, x_scale_inv, ctx.x_finite)
                 grad_w = fp8_mm(g_op.t(), x_op, ctx.out_dtype, backend=backend)
                 grad_w = _stored_weight_grad(grad_w, ctx.weight_grad_format, ctx.weight_dtype)
-            if ctx.needs_input_grad[4]:
+            if need_b and grad_b is None:
                 grad_b = g2.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, None, None, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, grad_b, None, None, None, None, None, None, None
 
 
 class FP8Linear(nn.Module):
@@ -353,6 +454,13 @@ class FP8Linear(nn.Module):
         for meta in (self.input_meta, self.grad_output_meta):
             if meta.scale.device != x.device:
                 meta.to(x.device)
+        eager = None
+        if not torch.compiler.is_compiling():
+            weight_op = None  # an emulated GEMM also reads the weight upcast: not kept between steps
+            if isinstance(weight, ScalingTensor) and choose_backend(x.device, self.recipe.backend) == "scaled_mm":
+                laid_out = wants_laid_out_operands(x.device, self.recipe.backend)
+                weight_op = _cached_weight_operand(weight, self.recipe.weight_format, laid_out)
+            eager = _Eager(weight_op, self.input_meta, self.grad_output_meta)
         return _FP8LinearFunction.apply(
             x,
             weight,
@@ -365,6 +473,7 @@ class FP8Linear(nn.Module):
             self.input_meta.spec,
             self.grad_output_meta.spec,
             self.weight_grad_format,
+            eager,
         )
 
     # -- checkpoints: plain tensors in the original layout ----------------------------------------

@@ -24,6 +24,7 @@ __all__ = [
     "saturating_cast",
     "saturating_cast_with_amax",
     "saturating_cast_dequantized",
+    "saturating_cast_transposed",
     "upcast",
     "FUSED_MIN_NUMEL",
     "FUSED_CAST",
@@ -71,10 +72,12 @@ _compiled: dict = {}
 def _fused(expression, x: torch.Tensor, dtype: torch.dtype):
     """One compiled kernel per expression, device, input and output dtype, and autocast state (a
     global that compiled code is guarded on): separate code caches, so the many combinations never
-    run into torch.compile's recompile limit."""
+    run into torch.compile's recompile limit. ``expression`` may be a tuple of the function and
+    the constant arguments it is called with (each combination gets its own cache too)."""
     device = x.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     key = (expression, device, x.dtype, dtype, autocast)
+    expression = expression[0] if isinstance(expression, tuple) else expression
     if key not in _compiled:
         # torch.compile keeps its cache on the code object: give each key a code object of its own.
         code = expression.__code__.replace(co_name=f"{expression.__name__}_{len(_compiled)}")
@@ -86,12 +89,15 @@ def _use_fused(x: torch.Tensor) -> bool:
     return FUSED_CAST.enabled and x.numel() >= FUSED_MIN_NUMEL and not torch.compiler.is_compiling()
 
 
-def _flat_alias(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a 1-D tensor over the same memory that is not a view (compiled code guards on a
-    view's base, so views of differently shaped bases would each recompile)."""
+def _flat_alias(x: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``x`` as a contiguous tensor of ``shape`` (default 1-D) over the same memory that is not a
+    view (compiled code guards on a view's base, so views of differently shaped bases would each
+    recompile)."""
     x = x.detach().contiguous()
+    shape = (x.numel(),) if shape is None else shape
+    strides = tuple(int(torch.Size(shape[i + 1 :]).numel()) for i in range(len(shape)))
     flat = torch.empty(0, dtype=x.dtype, device=x.device)
-    return flat.set_(x.untyped_storage(), x.storage_offset(), (x.numel(),), (1,))
+    return flat.set_(x.untyped_storage(), x.storage_offset(), shape, strides)
 
 
 def _native_ok(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -176,6 +182,49 @@ def saturating_cast_dequantized(
     else:
         out, x_amax = saturating_cast(x, scale, fmt), None
     return out, upcast(out, scale_inv, dtype), x_amax
+
+
+def _cast_transposed_expression(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fmax: float,
+    dtype: torch.dtype,
+    with_amax: bool,
+    sums_dtype: torch.dtype | None,
+):
+    xf = x.to(torch.float32)
+    out = _saturate(xf, scale, fmax).to(dtype)
+    x_amax = xf.abs().amax() if with_amax else None
+    sums = xf.sum(0).to(x.dtype).to(sums_dtype) if sums_dtype is not None else None
+    return out, out.t().contiguous(), x_amax, sums
+
+
+def saturating_cast_transposed(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: Format,
+    with_amax: bool = False,
+    sums_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`saturating_cast` of a 2-D ``x`` that also writes the payload's transpose, contiguous: the
+    layout ``torch._scaled_mm`` needs where the GEMM reads the operand transposed (so no
+    ``.t().contiguous()`` copy of the FP8 payload is made later). With ``with_amax`` also the amax
+    of ``x``; with ``sums_dtype`` also ``x.sum(0)`` (rounded to ``x``'s dtype, then given as
+    ``sums_dtype``: a linear layer's bias gradient). Fused (CUDA, large tensors), everything comes
+    from one read of ``x``. Returns ``(payload, transposed payload, amax or None, sums or None)``."""
+    if x.dim() != 2:
+        raise ValueError(f"saturating_cast_transposed takes a 2-D tensor, got shape {tuple(x.shape)}")
+    scale = scale.to(device=x.device, dtype=torch.float32)
+    args = (scale, fmt.max, fmt.dtype, with_amax, sums_dtype)
+    if not _use_fused(x) or x.device.type == "cpu":  # CPU GEMMs read any layout: nothing to fuse for
+        return _cast_transposed_expression(x, *args)
+
+    def fused():
+        with torch.no_grad():
+            key = (_cast_transposed_expression, with_amax, sums_dtype)
+            return _fused(key, x, fmt.dtype)(_flat_alias(x, tuple(x.shape)), *args)
+
+    return FUSED_CAST.run(fused, lambda: _cast_transposed_expression(x, *args))
 
 
 # FP8 payload bits -> BF16 bits: the magnitude bits shifted into BF16's exponent/mantissa

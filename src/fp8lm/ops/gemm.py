@@ -42,6 +42,7 @@ from .library import traceable_upcast
 __all__ = [
     "FP8Operand",
     "fp8_mm",
+    "wants_laid_out_operands",
     "upcast",
     "scaled_mm_supported",
     "choose_backend",
@@ -62,6 +63,14 @@ def scaled_mm_supported(device: torch.device | str) -> bool:
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9)
     return False
+
+
+def wants_laid_out_operands(device: torch.device | str, backend: str) -> bool:
+    """Whether ``fp8_mm`` on ``device`` needs its operands in given memory layouts (``_scaled_mm``
+    on CUDA: row-major first, column-major second), so casts should write the transposed payload
+    too (`FP8Operand`'s ``relaid``)."""
+    device = torch.device(device)
+    return device.type == "cuda" and choose_backend(device, backend) == "scaled_mm"
 
 
 def choose_backend(device: torch.device | str, backend: str = "auto") -> str:
@@ -86,10 +95,13 @@ class FP8Operand:
     output gradient in a linear layer's backward) is converted once. ``.t()`` is a transposed
     view that shares the cache. ``finite=True`` (known, e.g., from the quantized tensor's amax)
     lets the upcast skip its inf/NaN check; None means unknown. ``dequantized``: the exact values
-    already at hand (e.g. from `saturating_cast_dequantized`), put in the cache.
+    already at hand (e.g. from `saturating_cast_dequantized`), put in the cache. ``relaid``: the
+    same payload in the other memory layout (``data.t().contiguous().t()`` for a row-major
+    ``data``), as a cast that writes both gives it (`saturating_cast_transposed`), so that
+    ``torch._scaled_mm`` reads whichever layout it needs without a copy.
     """
 
-    __slots__ = ("_base", "scale_inv", "_transposed", "_cache", "finite")
+    __slots__ = ("_base", "_relaid", "scale_inv", "_transposed", "_cache", "finite")
 
     def __init__(
         self,
@@ -97,10 +109,17 @@ class FP8Operand:
         scale_inv: torch.Tensor,
         finite: bool | None = None,
         dequantized: torch.Tensor | None = None,
+        relaid: torch.Tensor | None = None,
     ):
         if data.dtype not in FP8_DTYPES or data.dim() != 2:
             raise TypeError(f"an FP8Operand is a 2-D float8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
+        if relaid is not None and (relaid.shape != data.shape or relaid.dtype != data.dtype):
+            raise ValueError(
+                f"FP8Operand: relaid must hold data's values, got {relaid.dtype} {tuple(relaid.shape)} "
+                f"for {data.dtype} {tuple(data.shape)}"
+            )
         self._base = data
+        self._relaid = relaid
         self.scale_inv = scale_inv
         self._transposed = False
         self._cache: dict[torch.dtype, torch.Tensor] = {}
@@ -126,9 +145,27 @@ class FP8Operand:
 
     def t(self) -> FP8Operand:
         out = object.__new__(FP8Operand)
-        out._base, out.scale_inv, out._cache, out.finite = self._base, self.scale_inv, self._cache, self.finite
+        out._base, out._relaid, out.scale_inv = self._base, self._relaid, self.scale_inv
+        out._cache, out.finite = self._cache, self.finite
         out._transposed = not self._transposed
         return out
+
+    def stored(self, row_major: bool) -> torch.Tensor | None:
+        """``data`` in row-major (contiguous) or column-major (transpose contiguous) layout, where one
+        of the stored payloads has it; else None."""
+        for t in (self._base, self._relaid):
+            if t is not None:
+                view = t.t() if self._transposed else t
+                if (view if row_major else view.t()).is_contiguous():
+                    return view
+        return None
+
+    def laid_out(self, row_major: bool) -> torch.Tensor:
+        """``data`` in the layout asked for (see `stored`), copied only when no stored payload has it."""
+        view = self.stored(row_major)
+        if view is not None:
+            return view
+        return self.data.contiguous() if row_major else self.data.t().contiguous().t()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The exact values as ``dtype`` (cached)."""
@@ -253,9 +290,12 @@ def _scaled_mm(a: FP8Operand, b: FP8Operand, out_dtype: torch.dtype, bias: torch
         a_data = torch.nn.functional.pad(a_data, (0, kp - k, 0, mp - m))
         b_data = torch.nn.functional.pad(b_data, (0, np_ - n, 0, kp - k))
     if a_data.device.type == "cuda":
-        # cuBLASLt's FP8 GEMM takes a row-major first and a column-major second operand.
-        a_data = a_data.contiguous()
-        b_data = b_data.t().contiguous().t()
+        # cuBLASLt's FP8 GEMM takes a row-major first and a column-major second operand: a stored
+        # payload in that layout where the cast wrote one, else a copy.
+        if padded:
+            a_data, b_data = a_data.contiguous(), b_data.t().contiguous().t()
+        else:
+            a_data, b_data = a.laid_out(row_major=True), b.laid_out(row_major=False)
     scale_a = a.scale_inv.to(device=a_data.device, dtype=torch.float32)
     scale_b = b.scale_inv.to(device=a_data.device, dtype=torch.float32)
     # cuBLASLt adds a BF16/FP16 bias in the GEMM's epilogue (no pass over the output of its own);

@@ -12,6 +12,7 @@ compiled CPU graphs too.
 |---|---|
 | ``cast(x, scale, dtype)`` | saturating ``cast(x * scale)`` to the float8 ``dtype`` |
 | ``cast_with_amax(x, scale, dtype)`` | the cast and ``amax(x)`` (float32, 0-d), from one read of ``x`` |
+| ``cast_transposed(x, scale, dtype)`` | the cast of a 2-D ``x``, its transpose (contiguous: the layout ``_scaled_mm`` reads a transposed operand in) and ``amax(x)``, from one read of ``x`` |
 | ``cast_dequantized(x, scale, scale_inv, dtype, out_dtype)`` | the cast, its values read back as ``payload * scale_inv`` in ``out_dtype``, and ``amax(x)`` |
 | ``upcast(data, scale_inv, dtype)`` | ``data * scale_inv`` as ``dtype``, exactly |
 | ``amax(x)`` | largest absolute value (float32, 0-d; NaN where one is NaN) |
@@ -42,6 +43,7 @@ __all__ = [
     "cast",
     "cast_with_amax",
     "cast_dequantized",
+    "cast_transposed",
     "upcast",
     "amax",
     "adam_step",
@@ -100,6 +102,21 @@ def _(x: Tensor, scale: Tensor, scale_inv: Tensor, dtype: torch.dtype, out_dtype
         torch.empty_like(x, dtype=out_dtype, memory_format=contiguous),
         _scalar_like(x),
     )
+
+
+@torch.library.custom_op("fp8lm::cast_transposed", mutates_args=())
+def cast_transposed(x: Tensor, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    payload, transposed, x_amax, _ = cast_ops.saturating_cast_transposed(x, scale, _fmt(dtype), with_amax=True)
+    assert x_amax is not None  # with_amax=True always returns it
+    return payload, transposed, x_amax
+
+
+@cast_transposed.register_fake
+def _(x: Tensor, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    if x.dim() != 2:
+        raise ValueError(f"fp8lm::cast_transposed takes a 2-D tensor, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    return x.new_empty((rows, cols), dtype=dtype), x.new_empty((cols, rows), dtype=dtype), _scalar_like(x)
 
 
 @torch.library.custom_op("fp8lm::upcast", mutates_args=())
@@ -178,6 +195,7 @@ OPS = {
     "cast": cast,
     "cast_with_amax": cast_with_amax,
     "cast_dequantized": cast_dequantized,
+    "cast_transposed": cast_transposed,
     "upcast": upcast,
     "amax": amax,
     "adam_step": adam_step,
