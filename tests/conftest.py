@@ -6,6 +6,12 @@ from pathlib import Path
 from types import MappingProxyType
 
 import pytest
+from hypothesis import settings
+
+# The properties check numbers, not speed: hypothesis's per-example deadline (200 ms) would turn a
+# loaded machine into failures.
+settings.register_profile("fp8lm", deadline=None)
+settings.load_profile("fp8lm")
 
 
 @pytest.fixture(scope="session")
