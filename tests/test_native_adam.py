@@ -56,7 +56,9 @@ def _reference(w, g, m, v, scales, new_scales, hp):
         for x, s, t in zip((wf, mf, vf), ns, (w, m, v))
     ]
     if m.dtype != F32:
-        stored[1] = no_stall(stored[1], torch.from_numpy(mf), torch.from_numpy(m_old), torch.tensor(ns[1]), format_of(m.dtype))
+        stored[1] = no_stall(
+            stored[1], torch.from_numpy(mf), torch.from_numpy(m_old), torch.tensor(ns[1]), format_of(m.dtype)
+        )
     return stored
 
 
