@@ -44,9 +44,10 @@ def test_fsdp_summaries_count_the_fsdp_collectives(uninterrupted):
     # BF16, half of it sent at 2 ranks: every weight gathered for the forward (2 bytes), the blocks'
     # again for the backward (the root keeps its own), a BF16 reduce-scatter; plus FSDP2's padding.
     assert 2 * n < bf16["comm_bytes_per_step"] <= 3.1 * n
-    # O2: E4M3 weights of the FP8 GEMMs (this tiny model's FP16 embeddings are 40% of it) and an FP8
-    # reduce-scatter.
-    assert o2["comm_bytes_per_step"] < 0.6 * bf16["comm_bytes_per_step"]
+    # O2: E4M3 weights of the FP8 GEMMs (56 % of this tiny model), FP16 for the embeddings (23 %)
+    # and the output head (19 %; its GEMMs are BF16 by default), an FP8 reduce-scatter: about 0.59
+    # of BF16's bytes from that composition (0.60 measured, with FSDP2's padding and the scales).
+    assert o2["comm_bytes_per_step"] < 0.65 * bf16["comm_bytes_per_step"]
     # Each rank holds half of the FP16 weights, E4M3 first and FP16 second moments (5 bytes) and of
     # the FP32 gradients, padded to whole rows.
     mem = o2["memory"]
