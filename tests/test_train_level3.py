@@ -127,18 +127,20 @@ def test_pp2_sends_one_carrier_per_micro_batch(work, single):
 
 
 @pytest.mark.slow
-def test_tp2_with_fsdp_on_4_ranks_is_2d_at_bf16(work, single):
-    out = work / "tp_fsdp"
-    args = ["-m", "fp8lm.cli", "compare", *options(out, work / "cache", "--tp", "2", "--fsdp")]
-    args[args.index("bf16,O1")] = "bf16"
-    check(subprocess.run(torchrun(4, *args), env=ENV, capture_output=True, text=True, timeout=3 * TIMEOUT_S))
-    s = json.loads((out / "bf16" / "summary.json").read_text())
-    assert s["world_size"] == 4 and s["config"]["fsdp"] and s["config"]["tp"] == 2
-    check_counted_bytes(s, out / "bf16")
-    # FSDP2's BF16 all-gathers and reduce-scatters over dp, torch's TP collectives over tp
-    assert set(s["comm_bytes_by_kind_per_step"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+def test_tp2_with_fsdp_on_4_ranks_is_2d(work, single):
+    runs = distributed(work, "tp_fsdp", 4, "--tp", "2", "--fsdp")
+    for level, s in runs.items():
+        assert s["world_size"] == 4 and s["config"]["fsdp"] and s["config"]["tp"] == 2
+        check_counted_bytes(s, work / "tp_fsdp" / level)
+    # bf16: FSDP2's BF16 all-gathers and reduce-scatters over dp, torch's TP collectives over tp;
+    # O1: E4M3 weight all-gathers, FP8 gradient reductions (all-to-all of per-chunk payloads)
+    assert set(runs["bf16"]["comm_bytes_by_kind_per_step"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert set(runs["O1"]["comm_bytes_by_kind_per_step"]) == {"all_gather", "all_to_all", "all_reduce"}
+    # The tiny model's embeddings, output head and norms (43 % of it) stay 2 bytes on the wire:
+    # 0.61x measured here, against 0.5x for the FP8 GEMMs' weights and gradients alone.
+    assert runs["O1"]["comm_bytes_per_step"] < 0.65 * runs["bf16"]["comm_bytes_per_step"]
     # dp 2: other batches than one process's, from the same weights
-    assert abs(s["val_loss"] / single["bf16"]["val_loss"] - 1) < 0.01
+    check_val_loss_matches_one_process(runs, single, 0.01)
 
 
 @pytest.mark.parametrize(
@@ -146,7 +148,6 @@ def test_tp2_with_fsdp_on_4_ranks_is_2d_at_bf16(work, single):
     [
         ({"tp": 2, "pp": 2}, r"--tp with --pp \(3-D\) is not supported"),
         ({"pp": 2, "fsdp": True}, "--pp with --fsdp is not supported: drop --fsdp"),
-        ({"tp": 2, "fsdp": True, "opt_level": "O1"}, "--tp with --fsdp at O1 is not supported yet: .* out="),
         ({"tp": 2, "opt_level": "O3"}, "--tp 2 with O3 .* use --opt-level O1 or O2"),
         ({"pp": 2, "save_every": 2}, "--pp 2 runs write no checkpoints: drop --resume and --save-every"),
         ({"tp": 2, "resume": True}, "--tp 2 runs write no checkpoints"),
@@ -166,7 +167,7 @@ def test_what_tp_and_pp_cannot_do_is_refused(fields, message):
 
 
 def test_tp_and_pp_within_their_limits_are_accepted():
-    for fields in ({"tp": 2}, {"pp": 2}, {"tp": 2, "fsdp": True}, {"pp": 2, "opt_level": "O1"}):
+    for fields in ({"tp": 2}, {"pp": 2}, {"tp": 2, "fsdp": True, "opt_level": "O2"}, {"pp": 2, "opt_level": "O1"}):
         TrainConfig(model="tiny", **fields).validate()
 
 

@@ -175,7 +175,9 @@ class ScalingTensor(torch.Tensor):
         payload_dtype, scale = metadata
         payload = wire.view(payload_dtype)
         if out is not None:  # later all-gathers refill the same payload storage
-            out.scale.copy_(scale)
+            # Under 2-D (FSDP2 x tensor parallel) FSDP2 hands back the DTensor it built around
+            # this ScalingTensor: the scale to refresh is its local tensor's.
+            getattr(out, "_local_tensor", out).scale.copy_(scale)
             return None
         return ScalingTensor(payload, scale.clone(), param_dtype), (payload,)
 

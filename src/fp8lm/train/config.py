@@ -205,12 +205,6 @@ class TrainConfig:
                 "--pp with --fsdp is not supported: drop --fsdp (--pp is data-parallel over the other ranks)",
             ),
             (
-                self.tp > 1 and self.fsdp and self.opt_level in FP8_LEVELS,
-                f"--tp with --fsdp at {self.opt_level} is not supported yet: from its second all-gather FSDP2 hands "
-                "ScalingTensor.fsdp_post_all_gather the tensor-parallel DTensor as out=, not its FP8 local tensor; "
-                "use --opt-level bf16, or drop --fsdp",
-            ),
-            (
                 self.opt_level == "O3",
                 f"{flag} with O3 (FP8 ZeRO over whole tensors) is not supported: use --opt-level O1 or O2",
             ),
