@@ -13,6 +13,13 @@ thousands of steps turns a systematic gradient error into drift; noise averages 
         [--params ln_f.bias,ln_f.weight]
 
 CKPT: a checkpoint written by `fp8lm train` (a ``step_*.pt``); the corpus is the default one.
+
+Besides `fidelity.py`'s variants, ``split-SCOPE-GEMMS`` splits an FP8 linear layer into its three
+GEMMs: bf16's model in which only the GEMMS (``+``-joined from ``fwd``, ``dgrad``, ``wgrad``) of
+the SCOPE's layers (``head``, ``blocks`` or ``all``) read FP8-rounded operands (per-tensor current
+scaling, E4M3 inputs and weights, E5M2 output gradients), everything else as bf16, e.g.
+``split-head-wgrad`` or ``split-all-fwd+dgrad+wgrad``; ``split-all-none`` is the control (bf16's
+numbers through the same code).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import fp8lm
 from fp8lm.policy import FP8_LEVELS
@@ -36,12 +44,71 @@ from common import machine  # noqa: E402
 from fidelity import VARIANTS, variant_options  # noqa: E402
 
 WARMUP_BATCHES = 8  # delayed scaling's amax histories fill before anything is compared
+GEMMS = ("fwd", "dgrad", "wgrad")
+SCOPES = ("head", "blocks", "all")
+
+
+def _fp8(t: torch.Tensor, fmt: fp8lm.Format) -> torch.Tensor:
+    """``t`` rounded to ``fmt`` with a per-tensor scale from its own amax, back in BF16."""
+    return fp8lm.quantize(t.detach().float(), fmt).dequantize().to(torch.bfloat16)
+
+
+class _SplitLinear(torch.autograd.Function):
+    """``y = x W^T + b`` as BF16 autocast computes it, except that the chosen GEMMs read
+    FP8-rounded operands: what an FP8 GEMM does to the numbers, one GEMM at a time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gemms):
+        ctx.gemms, ctx.x_dtype, ctx.has_bias = gemms, x.dtype, bias is not None
+        x16, w16 = x.detach().to(torch.bfloat16), weight.detach().to(torch.bfloat16)
+        ctx.save_for_backward(x16, w16)
+        fp8 = "fwd" in gemms
+        b16 = None if bias is None else bias.detach().to(torch.bfloat16)
+        with torch.autocast("cpu", enabled=False):
+            return F.linear(_fp8(x16, fp8lm.E4M3) if fp8 else x16, _fp8(w16, fp8lm.E4M3) if fp8 else w16, b16)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x16, w16 = ctx.saved_tensors
+        g16 = grad_out.to(torch.bfloat16).reshape(-1, grad_out.shape[-1])
+        x2 = x16.reshape(-1, x16.shape[-1])
+        gq = _fp8(g16, fp8lm.E5M2)
+        with torch.autocast("cpu", enabled=False):
+            dgrad = "dgrad" in ctx.gemms
+            grad_x = (gq if dgrad else g16) @ (_fp8(w16, fp8lm.E4M3) if dgrad else w16)
+            wgrad = "wgrad" in ctx.gemms
+            grad_w = (gq if wgrad else g16).t() @ (_fp8(x2, fp8lm.E4M3) if wgrad else x2)
+        grad_b = g16.sum(0).float() if ctx.has_bias else None
+        return grad_x.reshape(x16.shape).to(ctx.x_dtype), grad_w.float(), grad_b, None
+
+
+def split_variant(variant: str) -> tuple[str, tuple[str, ...]] | None:
+    """``(scope, gemms)`` of a ``split-SCOPE-GEMMS`` variant, None for other names."""
+    parts = variant.split("-")
+    if len(parts) != 3 or parts[0] != "split":
+        return None
+    gemms = () if parts[2] == "none" else tuple(parts[2].split("+"))
+    if parts[1] not in SCOPES or not set(gemms) <= set(GEMMS):
+        raise SystemExit(f"bad variant {variant!r}: split-SCOPE-GEMMS, SCOPE in {SCOPES}, GEMMS from {GEMMS}")
+    return parts[1], gemms
+
+
+def split_gemms(model: GPT, scope: str, gemms: tuple[str, ...]) -> None:
+    """Route the ``scope`` linear layers of ``model`` through `_SplitLinear` with ``gemms``."""
+    for name, module in model.named_modules():
+        in_scope = {"head": name == "lm_head", "blocks": name.startswith("blocks."), "all": True}[scope]
+        if isinstance(module, torch.nn.Linear) and in_scope:
+            module.forward = lambda x, m=module: _SplitLinear.apply(x, m.weight, m.bias, gemms)
 
 
 def build(state: dict, model_config: dict, variant: str) -> torch.nn.Module:
     """The checkpoint's model under ``variant`` (``"bf16"``: plain, run under BF16 autocast)."""
     model = GPT(GPTConfig(**model_config))
     model.load_state_dict({k: v.float() for k, v in state.items()})
+    split = split_variant(variant)
+    if split is not None:
+        split_gemms(model, *split)
+        return model
     level, options = variant_options(variant)
     if level in FP8_LEVELS:
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
@@ -86,7 +153,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default="runs/cache")
     args = parser.parse_args()
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in VARIANTS and split_variant(v) is None]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}: see python benchmarks/fidelity.py --list")
     ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=True)

@@ -67,14 +67,16 @@ def test_o1_200_steps_within_2_percent_of_bf16(run):
 
 
 @pytest.mark.slow
-def test_o2_300_steps_within_2_percent_of_bf16_and_fp8_second_moment_gap(run):
+def test_o2_300_steps_within_2_percent_of_bf16(run):
     bf16, o2 = run("bf16", 300), run("O2", 300)
-    o2_v8 = run("O2", 300, exp_avg_sq="E4M3")
     print(
         f"\n300 steps: bf16 {bf16['val_loss']:.4f}, O2 {o2['val_loss']:.4f} "
-        f"({gap(o2['val_loss'], bf16['val_loss']):+.2%}), O2 + FP8 second moment {o2_v8['val_loss']:.4f} "
-        f"({gap(o2_v8['val_loss'], bf16['val_loss']):+.2%}), "
-        f"{o2['bytes_per_param']:.2f} vs {o2_v8['bytes_per_param']:.2f} bytes/param"
+        f"({gap(o2['val_loss'], bf16['val_loss']):+.2%}), {o2['bytes_per_param']:.2f} bytes/param"
     )
     assert abs(gap(o2["val_loss"], bf16["val_loss"])) <= 0.02
+
+
+def test_fp8_second_moment_takes_fewer_bytes(run):
+    """The E4M3 second moment is a memory option, not a default: its bytes, from a short run."""
+    o2, o2_v8 = run("O2", 3), run("O2", 3, exp_avg_sq="E4M3")
     assert o2_v8["bytes_per_param"] < o2["bytes_per_param"]
