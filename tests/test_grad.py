@@ -26,16 +26,19 @@ def params_with_grads(seed=0, fmt=fp8lm.E4M3):
     return params, plain
 
 
+@pytest.mark.parametrize("fmt", [fp8lm.E4M3, fp8lm.BF16])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
-def test_clip_matches_torch_on_the_same_values(norm_type):
-    params, plain = params_with_grads()
+def test_clip_matches_torch_on_the_same_values(norm_type, fmt):
+    """Also for a gradient stored in BF16 (the output head's by default), whose scale comes from
+    BF16's float32-sized range: dividing it by the coefficient must not overflow to zeros."""
+    params, plain = params_with_grads(fmt=fmt)
     total = fp8lm.clip_grad_norm_(params, 1.0, norm_type)
     ref_total = torch.nn.utils.clip_grad_norm_(plain, 1.0, norm_type)
     torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0)
     for p, q in zip(params, plain):
         got = p.grad.dequantize() if isinstance(p.grad, ScalingTensor) else p.grad
         torch.testing.assert_close(got, q.grad, rtol=1e-6, atol=1e-7)
-    assert isinstance(params[0].grad, ScalingTensor) and params[0].grad.payload.dtype == torch.float8_e4m3fn
+    assert isinstance(params[0].grad, ScalingTensor) and params[0].grad.payload.dtype == fmt.dtype
 
 
 def test_clipping_an_fp8_gradient_keeps_its_payload():
@@ -46,6 +49,13 @@ def test_clipping_an_fp8_gradient_keeps_its_payload():
     assert torch.equal(params[0].grad.payload, payload)  # only the scale changed: no requantization
     ratio = params[0].grad.dequantize()[before != 0] / before[before != 0]
     torch.testing.assert_close(ratio, torch.full_like(ratio, ratio[0].item()), rtol=1e-6, atol=0)
+
+
+def test_a_scale_clipped_past_float32_makes_the_step_skip_not_zero():
+    p = nn.Parameter(torch.zeros(4))
+    p.grad = quantize(torch.full((4,), 0.5), fp8lm.BF16)
+    fp8lm.clip_grad_norm_([p], 1e-30)  # the scale divided by 1e-30 exceeds float32
+    assert torch.isnan(p.grad.scale) and not fp8lm.grads_are_finite([p])
 
 
 def test_no_clipping_below_max_norm_and_empty():

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import fp8lm
 from fp8lm import ScalingMeta, compute_scale
+from fp8lm.scaling import MAX_SCALE_EXPONENT
 
 
 def test_compute_scale_examples():
@@ -33,9 +34,19 @@ def test_compute_scale_is_power_of_two_fitting_amax(amax, fmt):
     scale = compute_scale(amax, fmt).item()
     exp = math.log2(scale)
     assert exp == int(exp)
-    if -126 < exp < 126:  # away from the clamp, the scale is the largest power of two that fits
+    if -126 < exp < MAX_SCALE_EXPONENT:  # away from the clamps, the largest power of two that fits
         assert amax * scale <= fmt.max
         assert amax * scale * 2 > fmt.max
+
+
+@pytest.mark.parametrize("fmt", [fp8lm.E4M3, fp8lm.FP16, fp8lm.BF16, fp8lm.FP32])
+def test_scales_leave_room_below_float32s_top(fmt):
+    """A tiny amax, or a format as wide as float32, gets at most 2**MAX_SCALE_EXPONENT on both
+    paths, so dividing the scale by a clipping coefficient cannot overflow."""
+    for amax in (1e-3, 1e-35):
+        for path in (torch.tensor(amax), torch.tensor([amax, 0.0])):
+            assert compute_scale(path, fmt).reshape(-1)[0].item() <= 2.0**MAX_SCALE_EXPONENT
+    assert compute_scale(torch.tensor(1e-3), fp8lm.BF16).item() == 2.0**MAX_SCALE_EXPONENT
 
 
 def test_delayed_scaling_uses_history_of_earlier_steps():
@@ -82,7 +93,7 @@ def test_cpu_scalar_path_matches_the_exact_definition(amax, margin, fmt):
     margin), like the tensor path, except where float32 log2 rounds at a power-of-two boundary."""
     got = compute_scale(torch.tensor(amax), fmt, margin).item()
     exp = math.log2(got) + margin
-    if -126 < exp - margin < 126:
+    if -126 < exp - margin < MAX_SCALE_EXPONENT:
         assert amax * 2.0**exp <= fmt.max < amax * 2.0 ** (exp + 1)
     tensor_path = compute_scale(torch.tensor([amax, 0.0]), fmt, margin)[0].item()  # elementwise path
     assert got == tensor_path or abs(math.log2(got / tensor_path)) == 1

@@ -91,7 +91,9 @@ def clip_grad_norm_(
         for g in grads:
             if isinstance(g, ScalingTensor):
                 if id(g.scale) not in divided:
-                    g.scale.div_(coef.to(g.scale.device))
+                    scale = g.scale.div(coef.to(g.scale.device))
+                    # a scale divided past float32 would dequantize to zeros: NaN skips the step instead
+                    g.scale.copy_(torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan"))))
                     divided.add(id(g.scale))
             else:
                 g.mul_(coef.to(g.device, g.dtype))

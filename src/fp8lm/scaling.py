@@ -26,6 +26,12 @@ __all__ = [
 
 # How far beyond the format's max a delayed-scaled tensor may reach before it counts as an outlier.
 OUTLIER_OVERFLOW = 16.0
+# Scales stop at 2**-126 (float32's smallest normal number) and 2**MAX_SCALE_EXPONENT. The top is
+# well below float32's 2**127 so that a scale can later be divided (gradient clipping divides a
+# gradient's scale by its coefficient) and stay finite: a BF16 tensor's scale, from BF16's float32-
+# sized range, would otherwise sit at the top and overflow on the first clipped step. No FP8 or
+# FP16 tensor needs more: its amax would have to be under 1e-26.
+MAX_SCALE_EXPONENT = 100
 
 
 def compute_scale(
@@ -60,8 +66,7 @@ def pow2_scale(
     valid = torch.isfinite(amax) & (amax > 0)
     safe = torch.where(valid, amax, torch.ones_like(amax))
     exp = torch.floor(torch.log2(fmax / safe)) - margin
-    # float32 exponents stop at +-126 for normal numbers; clamp so the scale stays finite and non-zero.
-    scale = torch.exp2(exp.clamp(-126.0, 126.0))
+    scale = torch.exp2(exp.clamp(-126.0, float(MAX_SCALE_EXPONENT)))
     return torch.where(valid, scale, previous)
 
 
@@ -75,7 +80,7 @@ def _scalar_scale(amax: float, fmt: Format, margin: int, previous: torch.Tensor 
             return torch.ones(shape, dtype=torch.float32)
         return previous.to(torch.float32).reshape(shape).clone()
     exp = math.floor(math.log2(fmt.max / amax)) - margin
-    return torch.full(shape, 2.0 ** min(max(exp, -126), 126), dtype=torch.float32)
+    return torch.full(shape, 2.0 ** min(max(exp, -126), MAX_SCALE_EXPONENT), dtype=torch.float32)
 
 
 @dataclass(frozen=True)
