@@ -6,16 +6,12 @@ the same run under BF16 autocast. Widths and sequence lengths are small so the s
 the model and the text are real.
 """
 
-from pathlib import Path
-
 import pytest
 
 from fp8lm.train.config import TrainConfig
 from fp8lm.train.loop import train
-from fp8lm.train.report import read_metrics
 
-# Warmup, then a constant learning rate: the first 200 steps of a 300-step run are then the
-# 200-step run, so one BF16 run gives both baselines.
+# Warmup, then a constant learning rate, 200 steps at every level from the same seed and batches.
 GPT4 = dict(
     model="small",
     n_layer=4,
@@ -48,29 +44,23 @@ def run(tmp_path_factory):
     return run
 
 
-def val_loss_at(summary, step):
-    return next(
-        r["val_loss"] for r in read_metrics(Path(summary["config"]["out"]) / "metrics.jsonl") if r["step"] == step
-    )
-
-
 def gap(loss, bf16_loss):
     return (loss - bf16_loss) / bf16_loss
 
 
 @pytest.mark.slow
 def test_o1_200_steps_within_2_percent_of_bf16(run):
-    bf16, o1 = val_loss_at(run("bf16", 300), 200), run("O1", 200)["val_loss"]
+    bf16, o1 = run("bf16", 200)["val_loss"], run("O1", 200)["val_loss"]
     print(f"\n200 steps: bf16 {bf16:.4f}, O1 {o1:.4f}, gap {gap(o1, bf16):+.2%}")
     assert bf16 < 3.0  # it learned something: ln(256) = 5.5 at the start
     assert abs(gap(o1, bf16)) <= 0.02
 
 
 @pytest.mark.slow
-def test_o2_300_steps_within_2_percent_of_bf16(run):
-    bf16, o2 = run("bf16", 300), run("O2", 300)
+def test_o2_200_steps_within_2_percent_of_bf16(run):
+    bf16, o2 = run("bf16", 200), run("O2", 200)
     print(
-        f"\n300 steps: bf16 {bf16['val_loss']:.4f}, O2 {o2['val_loss']:.4f} "
+        f"\n200 steps: bf16 {bf16['val_loss']:.4f}, O2 {o2['val_loss']:.4f} "
         f"({gap(o2['val_loss'], bf16['val_loss']):+.2%}), {o2['bytes_per_param']:.2f} bytes/param"
     )
     assert abs(gap(o2["val_loss"], bf16["val_loss"])) <= 0.02
