@@ -6,7 +6,7 @@ over ``FakeTensorMode`` CUDA tensors: nothing is computed or allocated, so this 
 and at the shapes of a ~1B GPT. Compared: fp8lm O1 with eager casts (its fused-cast switch off, as
 ``FP8LM_FUSED_CAST=0`` sets it) and with the ``torch.compile``-d casts, torchao float8 tensorwise
 (eager) and ``nn.Linear`` under BF16 autocast. The traced step is the second (steady state: delayed
-scaling has a history), after the weights changed as an optimizer step changes them; a third step
+scaling has a history), after an optimizer step (AdamW, not traced) changed the weights; a third step
 without that change (``next_microbatch``: a further micro-batch of gradient accumulation) shows
 what is made once per optimizer step. A modelled H200 step time turns the counts into a ratio
 against BF16.
@@ -425,18 +425,21 @@ def label_layers(model: nn.Module, log: OpLog, labels: dict) -> list:
     return handles
 
 
-def trace_step(model: nn.Module, x: torch.Tensor, log: OpLog) -> tuple[list[dict], list[dict]]:
+def trace_step(model: nn.Module, optimizer, x: torch.Tensor, log: OpLog) -> tuple[list[dict], list[dict]]:
     """One warm-up training step, then two traced: forward under BF16 autocast, backward. Before
-    the first traced step the weights change, as an optimizer step changes them (their versions
-    are bumped: what is derived from them is made anew); before the second they do not, as for a
-    further micro-batch of gradient accumulation. Returns the records of both."""
+    the first traced step ``optimizer`` steps (not traced), as in training: the weights change and
+    what is derived from them is made anew (fp8lm takes the weights' amaxes from that step); before
+    the second it does not, as for a further micro-batch of gradient accumulation. Returns the
+    records of both."""
     labels: dict = {}
     handles = label_layers(model, log, labels)
     traced = []
     try:
         for recording, new_weights in ((False, False), (True, True), (True, False)):
             if new_weights:
-                torch.autograd.graph.increment_version(list(model.parameters()))
+                optimizer.step()
+            model.zero_grad(set_to_none=True)
+            x.grad = None
             labels.clear()
             log.records, log.recording, log.phase = [], recording, "forward"
             with cuda_autocast():
@@ -445,8 +448,6 @@ def trace_step(model: nn.Module, x: torch.Tensor, log: OpLog) -> tuple[list[dict
             grad = torch.ones_like(y)
             log.recording = recording
             run_backward(y, grad, log, labels)
-            model.zero_grad(set_to_none=True)
-            x.grad = None
             log.recording = False
             traced.append(log.records)
     finally:
@@ -455,13 +456,16 @@ def trace_step(model: nn.Module, x: torch.Tensor, log: OpLog) -> tuple[list[dict
     return traced[1], traced[2]
 
 
-def fp8lm_model(model: nn.Module) -> nn.Module:
+def fp8lm_model(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     """O1: every linear layer an FP8Linear with an E4M3 weight gradient (none of these models has
-    an output head, which O1 would give a BF16 one)."""
+    an output head, which O1 would give a BF16 one), with its optimizer (torch's AdamW, kept)."""
     import fp8lm
     from fp8lm.policy import preset
 
-    return fp8lm.initialize(model, opt_level="O1", policy=preset("O1", output_head=False))[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = fp8lm.initialize(model, optimizer, opt_level="O1", policy=preset("O1", output_head=False))
+    assert optimizer is not None  # one was given
+    return model, optimizer
 
 
 def torchao_model(model: nn.Module) -> nn.Module:
@@ -568,19 +572,20 @@ def step_ratios(variants: dict, width: int, tokens: int) -> dict:
 
 
 # -- the cases -----------------------------------------------------------------------------------
-def convert(variant: str, model: nn.Module) -> nn.Module:
-    if variant == "bf16":
-        return model
+def convert(variant: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``model`` as ``variant`` trains it, with its optimizer."""
+    if variant.startswith("fp8lm"):
+        return fp8lm_model(model)
     if variant == "torchao":
-        return torchao_model(model)
-    return fp8lm_model(model)
+        model = torchao_model(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def linear_case(variant: str, m: int, k: int, n: int, log: OpLog) -> dict:
     with torch.device("cuda"):  # the default device: where FP8Linear creates its scaling state
-        model = convert(variant, nn.Sequential(nn.Linear(k, n)))
+        model, optimizer = convert(variant, nn.Sequential(nn.Linear(k, n)))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    step, microbatch = trace_step(model, x, log)
+    step, microbatch = trace_step(model, optimizer, x, log)
     return {**summarize(step), "next_microbatch": totals(microbatch)}
 
 
@@ -589,9 +594,9 @@ def block_case(variant: str, width: int, tokens: int, seq: int, log: OpLog) -> d
 
     config = GPTConfig(block_size=seq, n_layer=1, n_head=max(width // 128, 1), n_embd=width)
     with torch.device("cuda"):
-        model = convert(variant, Block(config))
+        model, optimizer = convert(variant, Block(config))
     x = torch.randn(tokens // seq, seq, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    step, microbatch = trace_step(model, x, log)
+    step, microbatch = trace_step(model, optimizer, x, log)
     return {**summarize(step), "next_microbatch": totals(microbatch)}
 
 

@@ -31,10 +31,38 @@ MOMENTS = ("random", "saving", "final_gap")
 
 def command(out: Path, cache: Path, level: str, steps: int, resume: bool) -> list[str]:
     data = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
-    return [sys.executable, "-m", "fp8lm.cli", "train", "--model", "tiny", "--opt-level", level, "--steps", str(steps),
-            "--batch-size", "4", "--seq-len", "32", "--eval-every", "5", "--eval-batches", "2", "--save-every", "2",
-            "--keep-checkpoints", "2", "--data", data, "--cache-dir", str(cache), "--out", str(out), "--no-progress",
-            *(["--resume"] if resume else [])]
+    return [
+        sys.executable,
+        "-m",
+        "fp8lm.cli",
+        "train",
+        "--model",
+        "tiny",
+        "--opt-level",
+        level,
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "5",
+        "--eval-batches",
+        "2",
+        "--save-every",
+        "2",
+        "--keep-checkpoints",
+        "2",
+        "--data",
+        data,
+        "--cache-dir",
+        str(cache),
+        "--out",
+        str(out),
+        "--no-progress",
+        *(["--resume"] if resume else []),
+    ]
 
 
 def seen(out: Path, moment: str, steps: int, pid: int) -> bool:
@@ -62,8 +90,9 @@ def kill_once(argv: list[str], out: Path, moment: str, steps: int, rng: random.R
     return "finished" if proc.returncode == 0 else f"exit {proc.returncode}: {err[-1] if err else ''}"
 
 
-def trial(root: Path, cache: Path, level: str, steps: int, kills: int, rng: random.Random, limit_s: float,
-          counts: dict) -> tuple[Path, bool]:
+def trial(
+    root: Path, cache: Path, level: str, steps: int, kills: int, rng: random.Random, limit_s: float, counts: dict
+) -> tuple[Path, bool]:
     """One run killed ``kills`` times, then resumed to the end; returns its folder and whether it finished."""
     out = root / f"run{len(list(root.iterdir()))}"
     for _ in range(kills):
@@ -101,8 +130,9 @@ def main() -> None:
         cache, runs = tmp_path / "cache", tmp_path / "runs"
         runs.mkdir()
         t0 = time.monotonic()
-        subprocess.run(command(tmp_path / "whole", cache, args.level, args.steps, False), env=ENV, check=True,
-                       capture_output=True)
+        subprocess.run(
+            command(tmp_path / "whole", cache, args.level, args.steps, False), env=ENV, check=True, capture_output=True
+        )
         limit_s = time.monotonic() - t0  # kill at random within one uninterrupted run's time
         reference = (tmp_path / "whole" / "metrics.jsonl").read_bytes()
         counts: dict = {"kills": dict.fromkeys(MOMENTS, 0), "finished_before_the_kill": 0, "errors": []}
@@ -113,8 +143,20 @@ def main() -> None:
                 finished += 1
                 identical += (out / "metrics.jsonl").read_bytes() == reference
         leftovers = [str(p.relative_to(runs)) for p in runs.rglob(".*.tmp*")]
-    print(json.dumps({"level": args.level, "steps": args.steps, "runs": args.runs, "finished": finished,
-                      "metrics_identical": identical, **counts, "temporaries_left": leftovers}, indent=1))
+    print(
+        json.dumps(
+            {
+                "level": args.level,
+                "steps": args.steps,
+                "runs": args.runs,
+                "finished": finished,
+                "metrics_identical": identical,
+                **counts,
+                "temporaries_left": leftovers,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

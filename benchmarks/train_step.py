@@ -20,6 +20,7 @@ same rounds; a compiled level's ratio is to compiled BF16.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import time
@@ -41,7 +42,7 @@ def parse_size(text: str) -> tuple[int, int]:
     try:
         return int(layers), int(width)
     except ValueError:
-        raise SystemExit(f"--sizes: expected LAYERSxWIDTH[,...] such as 4x384, got {text!r}")
+        raise SystemExit(f"--sizes: expected LAYERSxWIDTH[,...] such as 4x384, got {text!r}") from None
 
 
 def torchao_available() -> bool:
@@ -68,7 +69,9 @@ def build(level: str, cfg: GPTConfig, device: str, compile_model: bool):
         if level == "torchao":
             from torchao.float8 import convert_to_float8_training
 
-            convert_to_float8_training(model, module_filter_fn=lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+            convert_to_float8_training(
+                model, module_filter_fn=lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0
+            )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     forward = torch.compile(model) if compile_model else model
     return model, forward, opt
@@ -113,7 +116,8 @@ def measure_size(layers: int, width: int, levels: list[str], args) -> dict:
         step(level, run, zero=False)
         state[level] = fp8lm.memory_report(model, opt)["bytes_per_param"]
         opt.zero_grad(set_to_none=True)
-        acts[level] = saved_tensor_bytes(lambda: loss_of(level, forward), exclude=list(model.parameters())) / x.numel()
+        measured = functools.partial(loss_of, level, forward)
+        acts[level] = saved_tensor_bytes(measured, exclude=list(model.parameters())) / x.numel()
     for compiled in variants:
         if run_name("bf16", compiled) not in runs:
             raise SystemExit(f"the bf16 baseline failed: {errors[run_name('bf16', compiled)]}")
@@ -154,9 +158,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="steps per timed round")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--compile", nargs="?", const="all", choices=["all", "both"],
-                        help="torch.compile each model; 'both': each level eager and compiled (LEVEL+compiled), "
-                             "timed in the same rounds, compiled ratios against compiled bf16")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="all",
+        choices=["all", "both"],
+        help="torch.compile each model; 'both': each level eager and compiled (LEVEL+compiled), "
+        "timed in the same rounds, compiled ratios against compiled bf16",
+    )
     args = parser.parse_args()
     levels = args.levels.split(",")
     unknown = sorted(set(levels) - set(LEVELS))
@@ -168,10 +177,21 @@ def main() -> None:
         skipped.append("torchao (not installed)")
     heap_reuse = keep_freed_memory()
     sizes = [measure_size(*parse_size(s), levels, args) for s in args.sizes.split(",")]
-    print(json.dumps({
-        "benchmark": "train_step", "machine": machine(), "device": args.device, "heap_reuse": heap_reuse,
-        "compile": args.compile, "levels": levels, "skipped": skipped, "sizes": sizes,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "train_step",
+                "machine": machine(),
+                "device": args.device,
+                "heap_reuse": heap_reuse,
+                "compile": args.compile,
+                "levels": levels,
+                "skipped": skipped,
+                "sizes": sizes,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

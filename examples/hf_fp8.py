@@ -32,8 +32,13 @@ def build(name: str, width: int = 128, layers: int = 2, seq_len: int = 128) -> t
         return transformers.GPT2LMHeadModel(config)
     if name == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=256, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq_len,
+            vocab_size=256,
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=seq_len,
         )
         return transformers.LlamaForCausalLM(config)
     raise ValueError(f"unknown model {name!r}: use one of {', '.join(MODELS)}")
@@ -76,8 +81,10 @@ def main() -> None:
             sampler = BatchSampler(splits.train, batch_size=8, seq_len=args.seq_len, seed=0)
             losses, report = train(model, level, args.steps, sampler)
             tail = sum(losses[-10:]) / len(losses[-10:])
-            print(f"{args.model} {level}: loss {losses[0]:.3f} -> {tail:.3f} (mean of the last 10 steps), "
-                  f"{report['bytes_per_param']:.2f} bytes of training state per parameter")
+            print(
+                f"{args.model} {level}: loss {losses[0]:.3f} -> {tail:.3f} (mean of the last 10 steps), "
+                f"{report['bytes_per_param']:.2f} bytes of training state per parameter"
+            )
 
 
 if __name__ == "__main__":

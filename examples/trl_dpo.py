@@ -45,8 +45,15 @@ def byte_tokenizer():
 def small_llama(vocab_size: int):
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -57,12 +64,26 @@ def sft(model, tokenizer, tokens, steps: int, out: str) -> list[float]:
 
     texts = [tokens[i : i + SEQ_LEN].tobytes().decode("utf-8", "replace") for i in range(0, 400 * SEQ_LEN, SEQ_LEN)]
     data = datasets.Dataset.from_dict({"text": texts}).map(
-        lambda b: tokenizer(b["text"], truncation=True, max_length=SEQ_LEN), batched=True, remove_columns=["text"])
-    args = TrainingArguments(out, max_steps=steps, per_device_train_batch_size=8, logging_steps=10, report_to=[],
-                             save_strategy="no", use_cpu=True, lr_scheduler_type="cosine", warmup_steps=5)
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-                      optimizers=(fp8_optimizer(model, "O2", lr=3e-3, weight_decay=0.1), None))
+        lambda b: tokenizer(b["text"], truncation=True, max_length=SEQ_LEN), batched=True, remove_columns=["text"]
+    )
+    args = TrainingArguments(
+        out,
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        logging_steps=10,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        lr_scheduler_type="cosine",
+        warmup_steps=5,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        optimizers=(fp8_optimizer(model, "O2", lr=3e-3, weight_decay=0.1), None),
+    )
     trainer.train()
     return [r["loss"] for r in trainer.state.log_history if "loss" in r]
 
@@ -79,11 +100,29 @@ def dpo(policy, tokenizer, tokens, steps: int, out: str):
     held_out = datasets.Dataset.from_dict(as_text(builtin_pairs(tokens, 64, 64, 32, seed=1)))
     reference = frozen_reference(policy)
     optimizer = fp8_optimizer(policy, "O2", lr=5e-4)
-    args = DPOConfig(out, max_steps=steps, per_device_train_batch_size=8, per_device_eval_batch_size=16, beta=0.1,
-                     logging_steps=10, eval_strategy="steps", eval_steps=steps, report_to=[], save_strategy="no",
-                     use_cpu=True, max_length=SEQ_LEN + 16)
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=train, eval_dataset=held_out,
-                         processing_class=tokenizer, optimizers=(optimizer, None))
+    args = DPOConfig(
+        out,
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=16,
+        beta=0.1,
+        logging_steps=10,
+        eval_strategy="steps",
+        eval_steps=steps,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        max_length=SEQ_LEN + 16,
+    )
+    trainer = DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=train,
+        eval_dataset=held_out,
+        processing_class=tokenizer,
+        optimizers=(optimizer, None),
+    )
     trainer.train()
     return trainer, reference, optimizer
 
@@ -106,11 +145,15 @@ def main() -> None:
         policy = LlamaForCausalLM.from_pretrained(os.path.join(tmp, "sft-model"))
         trainer, reference, optimizer = dpo(policy, tokenizer, splits.val, args.dpo_steps, os.path.join(tmp, "dpo"))
     last = [r for r in trainer.state.log_history if "eval_loss" in r][-1]
-    print(f"DPOTrainer, O2 policy + E4M3 reference: held-out DPO loss {last['eval_loss']:.3f}, "
-          f"reward accuracy {last['eval_rewards/accuracies']:.3f}, margin {last['eval_rewards/margins']:.3f}")
+    print(
+        f"DPOTrainer, O2 policy + E4M3 reference: held-out DPO loss {last['eval_loss']:.3f}, "
+        f"reward accuracy {last['eval_rewards/accuracies']:.3f}, margin {last['eval_rewards/margins']:.3f}"
+    )
     policy_bytes = fp8lm.memory_report(policy, optimizer)["bytes_per_param"]
-    print(f"bytes per parameter: policy + optimizer {policy_bytes:.2f}, "
-          f"reference {fp8lm.memory_report(reference)['bytes_per_param']:.2f}")
+    print(
+        f"bytes per parameter: policy + optimizer {policy_bytes:.2f}, "
+        f"reference {fp8lm.memory_report(reference)['bytes_per_param']:.2f}"
+    )
 
 
 if __name__ == "__main__":

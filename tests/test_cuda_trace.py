@@ -68,12 +68,14 @@ def test_layers_add_up_to_the_totals_and_the_ratio_is_modelled(quick):
 
 
 def test_compiled_casts_copy_no_operand_and_cast_the_weight_once_per_step(quick):
-    """The casts write the transposed payloads the backward GEMMs read (no transpose copies), and a
-    further micro-batch with unchanged weights casts no weight (fewer launches and bytes)."""
+    """The casts write the transposed payloads the backward GEMMs read (no transpose copies); the
+    weight's amax comes from the optimizer step, which measured it as it wrote the weight; a further
+    micro-batch with unchanged weights casts no weight (fewer launches and bytes)."""
     compiled = quick["variants"]["fp8lm_compiled"]["linear"][0]
     assert "transpose_copy" not in compiled["forward"] and "transpose_copy" not in compiled["backward"]
     step, microbatch = compiled["total"], compiled["next_microbatch"]
-    assert microbatch["launches"] == step["launches"] - 3  # the weight's amax (2) and cast (1)
+    assert step["launches"] <= 16  # docs/performance.md's target
+    assert microbatch["launches"] == step["launches"] - 2  # the weight's scale (1) and cast (1)
     assert microbatch["mb_outside_gemm"] < step["mb_outside_gemm"]
     bf16 = quick["variants"]["bf16"]["linear"][0]
     assert bf16["next_microbatch"]["launches"] == bf16["total"]["launches"]

@@ -312,6 +312,60 @@ def test_weight_is_cast_once_per_change_of_the_weight(monkeypatch):
     assert forward_matches_a_fresh_copy() == 0
 
 
+def _count_weight_amaxes(monkeypatch, layer: FP8Linear) -> list:
+    """Amax reductions FP8Linear runs over ``layer``'s weight payload, counted."""
+    import fp8lm.nn.linear as linear
+
+    calls = []
+    original = linear.traceable_amax
+
+    def counted(x):
+        calls.extend([1] if x is layer.weight.payload else [])
+        return original(x)
+
+    monkeypatch.setattr(linear, "traceable_amax", counted)
+    return calls
+
+
+@pytest.mark.parametrize("optimizer", ["FP8AdamW", "torch AdamW"])
+@pytest.mark.parametrize("backend", ["scaled_mm", "emulated"])
+def test_weight_amax_comes_from_the_optimizer_step(monkeypatch, backend, optimizer):
+    """The optimizer's write of a weight notes its payload's amax (FP8AdamW's pass measures it; a
+    torch optimizer's in-place update requantizes, which knows it); FP8Linear scales the weight
+    with it instead of reading the payload again, with the same result, and measures it itself
+    once the payload changes in any other way (the noted amax is then stale)."""
+    import copy
+
+    from fp8lm.optim import FP8AdamW
+    from fp8lm.tensor import known_payload_amax, note_payload_amax
+
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 16, recipe=fp8lm.Recipe(backend=backend))
+    opt = (FP8AdamW if optimizer == "FP8AdamW" else torch.optim.AdamW)(layer.parameters(), lr=0.01)
+    x = torch.randn(8, 32)
+    layer(x).sum().backward()
+    opt.step()
+    payload = layer.weight.payload
+    assert known_payload_amax(payload) == payload.float().abs().amax()
+    calls = _count_weight_amaxes(monkeypatch, layer)
+    expected = copy.deepcopy(layer)(x)  # a new payload: nothing noted for it, its amax measured
+    assert len(calls) == 0
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+    assert len(calls) == 0
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # an in-place op requantizes: it notes the new amax
+    assert known_payload_amax(layer.weight.payload) == layer.weight.payload.float().abs().amax()
+    layer.weight.payload.mul_(0.5)  # a write of the payload itself: the noted amax no longer holds
+    assert known_payload_amax(layer.weight.payload) is None
+    torch.testing.assert_close(layer(x), copy.deepcopy(layer)(x), rtol=0, atol=0)
+    assert len(calls) == 1
+    # The reader does use a noted amax: a wrong one (2**10 x) scales small weights into underflow.
+    true_amax = layer.weight.payload.float().abs().amax()
+    layer.weight.payload.add_(0)  # a new version: nothing cached from the last forward
+    note_payload_amax(layer.weight.payload, true_amax * 2**10)
+    assert not torch.equal(layer(x), copy.deepcopy(layer)(x))
+
+
 def test_emulated_backend_keeps_no_weight_copy(monkeypatch):
     """The emulated GEMM also reads the weight upcast: that is not kept between steps (its memory
     would exceed the FP8 copy's), so each forward casts the weight."""

@@ -17,13 +17,21 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .formats import E4M3, Format, format_of
 from .ops.cast import FP8_DTYPES, saturating_cast, upcast
 from .ops.cast import amax as _amax
 from .scaling import compute_scale
 
-__all__ = ["ScalingTensor", "quantize", "fsdp_gather_format", "fsdp_shard_amax"]
+__all__ = [
+    "ScalingTensor",
+    "quantize",
+    "fsdp_gather_format",
+    "fsdp_shard_amax",
+    "note_payload_amax",
+    "known_payload_amax",
+]
 
 aten = torch.ops.aten
 
@@ -111,10 +119,14 @@ class ScalingTensor(torch.Tensor):
 
     def requantize_(self, value: torch.Tensor) -> ScalingTensor:
         """Store ``value`` in place, with a scale fitted to its amax (just-in-time scaling)."""
-        scale = compute_scale(_amax(value), self.fmt, previous=self._scale)
+        value_amax = _amax(value)
+        scale = compute_scale(value_amax, self.fmt, previous=self._scale)
         self._data.copy_(saturating_cast(value, scale, self.fmt))
         self._scale.copy_(scale)
         _count_write(self)
+        if not torch.compiler.is_compiling():
+            # Rounding is monotonic, so the payload's amax is the rounded amax: no second pass.
+            note_payload_amax(self._data, saturating_cast(value_amax, scale, self.fmt).float())
         return self
 
     def __repr__(self) -> str:  # type: ignore[override]  # must not dispatch: keep to the payload and scale
@@ -252,6 +264,26 @@ def _count_write(t: ScalingTensor) -> None:
     what is derived from them (`fp8lm.nn.FP8Linear`'s FP8 weight) sees the change."""
     if not torch.compiler.is_compiling():
         torch.autograd.graph.increment_version([t._data, t._scale])
+
+
+# The exact amax of a payload as its writer measured it (the FP8 optimizer measures every weight it
+# stores), so that a reader (`fp8lm.nn.FP8Linear` scaling the weight to FP8) need not read the whole
+# payload again. Valid while the payload's version is the one it was noted at: any later in-place
+# write bumps the version. Keyed weakly: an entry goes with its payload.
+_PAYLOAD_AMAXES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def note_payload_amax(payload: torch.Tensor, amax: torch.Tensor) -> None:
+    """Record ``amax`` (a 0-dim float32 tensor on ``payload``'s device) as the exact
+    ``payload.abs().amax()`` of ``payload`` as it is now."""
+    _PAYLOAD_AMAXES[payload] = (payload._version, amax)
+
+
+def known_payload_amax(payload: torch.Tensor) -> torch.Tensor | None:
+    """The amax noted for ``payload`` (`note_payload_amax`), or None when none was noted or the
+    payload changed since."""
+    entry = _PAYLOAD_AMAXES.get(payload)
+    return entry[1] if entry is not None and entry[0] == payload._version else None
 
 
 def _copy_into(dst, src):

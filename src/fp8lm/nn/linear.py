@@ -40,7 +40,7 @@ from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm, want
 from ..ops.library import traceable_amax, traceable_cast, traceable_cast_dequantized, traceable_upcast
 from ..recipe import SCALING_MODES, Recipe, recipe_from
 from ..scaling import ScalingMeta, ScalingSpec, compute_scale, record_, scale_for_amax_
-from ..tensor import ScalingTensor, quantize
+from ..tensor import ScalingTensor, known_payload_amax, quantize
 from .state import dequantize_entries
 
 __all__ = ["FP8Linear", "SCALING_MODES"]
@@ -170,12 +170,14 @@ def _delayed_operand_one_pass(
 
 
 def _weight_scales(
-    payload: torch.Tensor, stored_scale: torch.Tensor | None, fmt: Format
+    payload: torch.Tensor, payload_amax: torch.Tensor | None, stored_scale: torch.Tensor | None, fmt: Format
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The weight's amax, the scale to cast its ``payload`` to ``fmt`` with (None: it is already
     ``fmt``) and the inverse of the combined scale (the weight's values, not its payload's),
-    which carries non-finite values."""
-    payload_amax = traceable_amax(payload)
+    which carries non-finite values. ``payload_amax``: the payload's amax where its writer
+    measured it (`fp8lm.tensor.known_payload_amax`), else None (measured here)."""
+    if payload_amax is None:
+        payload_amax = traceable_amax(payload)
     value_amax = payload_amax if stored_scale is None else payload_amax / stored_scale
     if stored_scale is not None and payload.dtype == fmt.dtype:
         return value_amax, None, _carry_nonfinite(stored_scale.reciprocal(), value_amax)
@@ -190,13 +192,15 @@ def _weight_operand(
     fmt: Format,
     emulated_as: torch.dtype | None,
     relaid: bool = False,
+    payload_amax: torch.Tensor | None = None,
 ) -> FP8Operand:
     """FP8 (``fmt``) operand of the weight, scaled just in time. ``payload``: the weight's stored
     values (a ScalingTensor's payload, with its ``stored_scale``; or the plain weight, with None),
     read directly with one combined power-of-two scale (no float32 copy of the weight). A payload
     already in ``fmt`` (an E4M3 weight, FSDP2's FP8 all-gather) is the operand as it is.
-    ``emulated_as``: as in `_cast`; ``relaid``: also write the transposed payload (`_Stream`)."""
-    value_amax, scale, scale_inv = _scale_math(_weight_scales, payload, payload, stored_scale, fmt)
+    ``emulated_as``: as in `_cast`; ``relaid``: also write the transposed payload (`_Stream`);
+    ``payload_amax``: as in `_weight_scales`."""
+    value_amax, scale, scale_inv = _scale_math(_weight_scales, payload, payload, payload_amax, stored_scale, fmt)
     finite = _finite_hint(value_amax)
     if scale is None:
         deq = None if emulated_as is None else traceable_upcast(payload, scale_inv, emulated_as)
@@ -223,7 +227,7 @@ def _cached_weight_operand(weight: ScalingTensor, fmt: Format, relaid: bool) -> 
     entry = _WEIGHT_OPERANDS.get(payload)
     if entry is not None and entry[0] == key:
         return entry[1]
-    operand = _weight_operand(payload, scale, fmt, None, relaid)
+    operand = _weight_operand(payload, scale, fmt, None, relaid, known_payload_amax(payload))
     _WEIGHT_OPERANDS[payload] = (key, operand, scale)  # the scale kept alive: its id stays its own
     return operand
 
@@ -244,10 +248,12 @@ def _stored_weight_grad(grad: torch.Tensor, fmt: Format, dtype: torch.dtype) -> 
 class _Eager(NamedTuple):
     """What eager execution adds to the Function's tensors (None while torch.compile traces, where
     every step runs one graph): the weight's operand made once per change of the weight (or None),
-    and the scaling states' modules, which know without a host sync whether a delayed stream has
-    history, so its cast can take the amax in the same pass."""
+    else the amax its writer measured of the weight's payload (or None), and the scaling states'
+    modules, which know without a host sync whether a delayed stream has history, so its cast can
+    take the amax in the same pass."""
 
     weight: FP8Operand | None
+    weight_amax: torch.Tensor | None
     input_meta: ScalingMeta
     grad_output_meta: ScalingMeta
 
@@ -290,7 +296,8 @@ class _FP8LinearFunction(torch.autograd.Function):
             eager.input_meta.mark_recorded()
         w_op = eager.weight if eager is not None and eager.weight is not None else None
         if w_op is None:
-            w_op = _weight_operand(w_payload, w_scale, recipe.weight_format, emulated_as, laid_out)
+            known_amax = None if eager is None else eager.weight_amax
+            w_op = _weight_operand(w_payload, w_scale, recipe.weight_format, emulated_as, laid_out, known_amax)
         b = None if bias is None else bias.detach()
         with torch.autocast(device_type, enabled=False):
             y = fp8_mm(x_op, w_op.t(), out_dtype, bias=b, backend=recipe.backend)
@@ -456,11 +463,13 @@ class FP8Linear(nn.Module):
                 meta.to(x.device)
         eager = None
         if not torch.compiler.is_compiling():
-            weight_op = None  # an emulated GEMM also reads the weight upcast: not kept between steps
+            weight_op = weight_amax = None  # an emulated GEMM also reads the weight upcast: not kept between steps
             if isinstance(weight, ScalingTensor) and choose_backend(x.device, self.recipe.backend) == "scaled_mm":
                 laid_out = wants_laid_out_operands(x.device, self.recipe.backend)
                 weight_op = _cached_weight_operand(weight, self.recipe.weight_format, laid_out)
-            eager = _Eager(weight_op, self.input_meta, self.grad_output_meta)
+            elif isinstance(weight, ScalingTensor):
+                weight_amax = known_payload_amax(payload)
+            eager = _Eager(weight_op, weight_amax, self.input_meta, self.grad_output_meta)
         return _FP8LinearFunction.apply(
             x,
             weight,

@@ -235,6 +235,8 @@ def _write(slots, current, scales, hyperparams, fmts, use_op: bool, kernel: str)
     if use_op:
         w, g, m, v = zip(*((s.w, s.g, s.m, s.v) for s in slots))
         written = torch.ops.fp8lm.adam_step(w, g, m, v, current[:, _OP_ORDER], scales, hyperparams)
+        for s, a_w in zip(slots, written[:, 0].unbind()):
+            s.written_w_amax = a_w if s.w_scaled else None
         if written.device.type == "cpu":  # elsewhere reading them back would be a host sync
             for s, (a_w, a_m, a_v) in zip(slots, written.tolist()):
                 s.stored = (a_w, a_m, a_v)
@@ -242,6 +244,7 @@ def _write(slots, current, scales, hyperparams, fmts, use_op: bool, kernel: str)
     else:
         for s, row, f in zip(slots, scales, fmts):
             run_pass(write_pass, s, kernel, row, f)
+            s.written_w_amax = None
     for s in slots:
         s.stored = (None, None, None)
 

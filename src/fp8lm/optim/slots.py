@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Format, format_of
-from ..tensor import ScalingTensor
+from ..tensor import ScalingTensor, note_payload_amax
 from .dtensor import local_tensor
 
 __all__ = ["AdamSlot", "ParamSlot"]
@@ -30,7 +30,9 @@ class AdamSlot:
 
     ``stored`` optionally gives the amaxes of the stored ``w``, ``m``, ``v`` payloads when the caller
     knows them (None for one to be measured); after a step, `fused_adam_step_` sets it to the
-    amaxes of what it stored where it knows them (the native kernel measures them as it writes).
+    amaxes of what it stored where it knows them (the native kernel measures them as it writes),
+    and ``written_w_amax`` to the stored ``w`` payload's amax as a 0-d tensor on its device where
+    the pass measured it (on a GPU too, where reading it back into ``stored`` would be a host sync).
     Between steps the gradient fields and ``hyperparams`` are None (a cached slot keeps nothing of a
     step alive).
     """
@@ -47,6 +49,7 @@ class AdamSlot:
     hyperparams: torch.Tensor | None
     max_ratio: float = math.inf
     stored: Amaxes = (None, None, None)
+    written_w_amax: torch.Tensor | None = None
 
     def step_payloads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(w, m, v, g)`` of a slot set up for a step."""
@@ -167,3 +170,10 @@ class ParamSlot:
 
     def remember_versions(self) -> None:
         self.versions = tuple(b._version if b is not None else None for b in self.bases)
+
+    def hand_over_weight_amax(self) -> None:
+        """After a step: note the amax the pass measured of the stored weight's payload for its
+        readers (`fp8lm.tensor.note_payload_amax`: FP8Linear then need not measure it again)."""
+        amax, self.slot.written_w_amax = self.slot.written_w_amax, None
+        if amax is not None and self.bases[0] is not None:
+            note_payload_amax(self.bases[0], amax)
