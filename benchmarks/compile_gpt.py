@@ -3,14 +3,15 @@ of every training step against the same model run eagerly, as JSON.
 
 For each level (fp8lm O1 / O2 via `fp8lm.initialize`), two copies of one model (same seed) train on
 the same batches: one compiled with ``fullgraph=True`` (a graph break is then an error, reported
-as such), one eager. A step is forward, backward, optimizer step. Reported per level:
+as such), one eager. A step is forward (under BF16 autocast unless ``--no-autocast``, as ``fp8lm
+train`` runs O1 and O2), backward, optimizer step. Reported per level:
 ``graph_breaks`` (dynamo's counter), ``graphs`` (graphs compiled over all steps; 1 is one compile),
 ``recompiles`` (graphs compiled after the first step), both losses of every step and their largest
 difference in float32 ulps of the eager loss (0 or 1 is "equal within float32 rounding"), the
 time of the first (compiling) step and the mean compiled and eager times of the others.
 
     python benchmarks/compile_gpt.py [--preset gpt2] [--levels O1,O2] [--steps 4] [--batch 2] [--seq 64] [--backend inductor]
-        [--layers N]
+        [--layers N] [--no-autocast]
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def build(cfg, level: str):
     return fp8lm.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level)
 
 
-def train_step(forward, opt, x, y) -> tuple[float, float]:
+def train_step(forward, opt, x, y, autocast: bool) -> tuple[float, float]:
     start = time.perf_counter()
-    _, loss = forward(x, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _, loss = forward(x, y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -61,8 +63,8 @@ def measure_level(cfg, level: str, args) -> dict:
     try:
         for step in range(args.steps):
             x, y = (torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen) for _ in range(2))
-            compiled_loss, compiled_s = train_step(compiled, opt, x, y)
-            eager_loss, eager_s = train_step(eager_model, eager_opt, x, y)
+            compiled_loss, compiled_s = train_step(compiled, opt, x, y, args.autocast)
+            eager_loss, eager_s = train_step(eager_model, eager_opt, x, y, args.autocast)
             losses.append((compiled_loss, eager_loss))
             times.append((compiled_s, eager_s))
             if step == 0:
@@ -94,6 +96,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: no code generation)")
     parser.add_argument("--layers", type=int, default=None, help="keep only this many of the preset's blocks")
+    parser.add_argument(
+        "--no-autocast",
+        dest="autocast",
+        action="store_false",
+        help="forward in FP32 (default: under BF16 autocast, as fp8lm train runs O1/O2)",
+    )
     args = parser.parse_args()
     cfg = preset(args.preset)
     if args.layers is not None:
@@ -112,6 +120,7 @@ def main() -> None:
                 "preset": args.preset,
                 "num_layers": cfg.n_layer,
                 "backend": args.backend,
+                "autocast": "bf16" if args.autocast else None,
                 "tokens_per_step": args.batch * args.seq,
                 "steps": args.steps,
                 "levels": levels,

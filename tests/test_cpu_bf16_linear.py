@@ -49,13 +49,13 @@ def test_mode_routes_linear_only_without_bf16_gemm(monkeypatch):
     x, w, b = _inputs(2)
     calls = []
     monkeypatch.setattr(gemm, "_bf16_linear", lambda *a, **k: calls.append(1) or F.linear(*a, **k))
-    monkeypatch.setattr(gemm, "_cpu_has_bf16_gemm", lambda: False)
+    monkeypatch.setattr(gemm, "_CPU_HAS_BF16_GEMM", False)
     with torch.autocast("cpu", dtype=torch.bfloat16), CPUBF16Linear():
         F.linear(x, w, b)
     with CPUBF16Linear():  # no autocast: untouched
         F.linear(x, w, b)
     assert calls == [1]
-    monkeypatch.setattr(gemm, "_cpu_has_bf16_gemm", lambda: True)
+    monkeypatch.setattr(gemm, "_CPU_HAS_BF16_GEMM", True)
     with torch.autocast("cpu", dtype=torch.bfloat16), CPUBF16Linear():
         assert F.linear(x, w, b).dtype == torch.bfloat16
     assert calls == [1]
@@ -64,6 +64,6 @@ def test_mode_routes_linear_only_without_bf16_gemm(monkeypatch):
 
 
 def test_emulation_dtype_is_fp32_where_bf16_gemms_are_slow(monkeypatch):
-    monkeypatch.setattr(gemm, "_cpu_has_bf16_gemm", lambda: False)
+    monkeypatch.setattr(gemm, "_CPU_HAS_BF16_GEMM", False)
     assert emulation_dtype(torch.bfloat16, "cpu") == torch.float32
     assert emulation_dtype(torch.float32, "cpu") == torch.float32

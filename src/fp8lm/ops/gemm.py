@@ -29,8 +29,6 @@ docs/performance.md ("GEMM").
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -209,7 +207,6 @@ def emulation_dtype(out_dtype: torch.dtype, device: torch.device | str = "cpu") 
     return torch.bfloat16 if out_dtype == torch.bfloat16 and bf16_gemm_is_fast(device) else torch.float32
 
 
-@functools.cache
 def _cpu_has_bf16_gemm() -> bool:
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
@@ -217,10 +214,15 @@ def _cpu_has_bf16_gemm() -> bool:
         return True
 
 
+# Probed once, at import: torch.compile cannot trace the probes (a graph break inside FP8Linear under
+# CPU autocast), and a module constant is a constant to it.
+_CPU_HAS_BF16_GEMM = _cpu_has_bf16_gemm()
+
+
 def bf16_gemm_is_fast(device: torch.device | str) -> bool:
     """Whether torch's BF16 GEMM runs on BF16 hardware on ``device``: any non-CPU device, or a CPU
     with AVX512-BF16 or AMX."""
-    return torch.device(device).type != "cpu" or _cpu_has_bf16_gemm()
+    return torch.device(device).type != "cpu" or _CPU_HAS_BF16_GEMM
 
 
 class _BF16Linear(torch.autograd.Function):
@@ -270,7 +272,7 @@ class CPUBF16Linear(TorchFunctionMode):
             and torch.is_autocast_enabled("cpu")
             and torch.get_autocast_dtype("cpu") == torch.bfloat16
             and args[0].device.type == "cpu"
-            and not _cpu_has_bf16_gemm()
+            and not _CPU_HAS_BF16_GEMM
         ):
             return _bf16_linear(*args, **kwargs)
         return func(*args, **kwargs)
