@@ -353,8 +353,14 @@ def test_weight_amax_comes_from_the_optimizer_step(monkeypatch, backend, optimiz
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
     assert len(calls) == 0
     with torch.no_grad():
-        layer.weight.mul_(2.0)  # an in-place op requantizes: it notes the new amax
+        layer.weight.mul_(-2.0)  # an in-place op requantizes: it notes the new amax
     assert known_payload_amax(layer.weight.payload) == layer.weight.payload.float().abs().amax()
+    torch.testing.assert_close(layer(x), copy.deepcopy(layer)(x), rtol=0, atol=0)
+    with torch.no_grad():
+        layer.weight.mul_(0.5)  # a positive factor changes the scale alone: the amax still holds
+    assert known_payload_amax(layer.weight.payload) == layer.weight.payload.float().abs().amax()
+    torch.testing.assert_close(layer(x), copy.deepcopy(layer)(x), rtol=0, atol=0)
+    assert len(calls) == 0
     layer.weight.payload.mul_(0.5)  # a write of the payload itself: the noted amax no longer holds
     assert known_payload_amax(layer.weight.payload) is None
     torch.testing.assert_close(layer(x), copy.deepcopy(layer)(x), rtol=0, atol=0)

@@ -169,6 +169,43 @@ def test_inplace_ops_requantize_with_a_fitting_scale():
     assert rel[in_range].max() <= 2.0**-4
 
 
+def test_multiplying_by_a_positive_number_folds_into_the_scale():
+    """``t.mul_(c)`` keeps the payload and divides the scale by c (exact); a negative factor is
+    requantized instead."""
+    q = quantize(torch.randn(64), fp8lm.FP16)
+    payload, value = q.payload.clone(), q.dequantize()
+    q.mul_(0.9999)
+    assert torch.equal(q.payload, payload)
+    torch.testing.assert_close(q.dequantize(), value * 0.9999, rtol=2e-7, atol=0)
+    q.mul_(-2.0)
+    assert not torch.equal(q.payload, payload)
+    torch.testing.assert_close(q.dequantize(), value * 0.9999 * -2.0, rtol=2.0**-10, atol=1e-6)
+
+
+def test_adamw_weight_decay_acts_on_fp16_stored_weights():
+    """AdamW multiplies the weight by ``1 - lr * wd`` (here 1 - 1e-4), then adds the update: on a
+    weight stored in FP16, rounding the product alone would give the weight back every step, and
+    the decay would never act. It must shrink the weight as it shrinks an FP32 one."""
+
+    def norm_ratio(stored_in_fp16: bool) -> float:
+        norms = []
+        for weight_decay in (0.0, 0.1):
+            torch.manual_seed(0)
+            w = torch.randn(64, 64) * 0.05
+            p = torch.nn.Parameter(quantize(w, fp8lm.FP16) if stored_in_fp16 else w)
+            opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=weight_decay)
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(300):
+                p.grad = torch.randn(64, 64, generator=gen) * 1e-2
+                opt.step()
+            norms.append(float(p.detach().float().norm()))
+        return norms[1] / norms[0]
+
+    fp32, fp16 = norm_ratio(False), norm_ratio(True)
+    assert fp32 < 0.98  # the decay's effect: about 3 %
+    assert abs(fp16 - fp32) < 0.002
+
+
 def test_inplace_add_of_two_scaling_tensors_accumulates():
     a = quantize(torch.randn(128), fp8lm.E4M3)
     b = quantize(torch.randn(128) * 50, fp8lm.E4M3)

@@ -215,10 +215,38 @@ class ScalingTensor(torch.Tensor):
             out = _cat_payloads(*args, **kwargs)
             if out is not None:
                 return out
+        if func in _MUL_OPS and _fold_into_scale(args):
+            return args[0]
         if func._schema.is_mutable:
             return _inplace(func, args, kwargs)
         args, kwargs = tree_map(_dequantize_leaf, (args, kwargs))
         return func(*args, **kwargs)
+
+
+_MUL_OPS = {aten.mul_.Tensor, aten.mul_.Scalar}
+# Factors folded into the scale: far from under- or overflowing it.
+_FOLDED_FACTORS = (2.0**-20, 2.0**20)
+
+
+def _fold_into_scale(args) -> bool:
+    """``t.mul_(c)`` of a whole ScalingTensor by a positive number: divide its scale by ``c`` and
+    keep the payload (True), else False. Requantizing instead would round ``t * c`` to the payload
+    format on its own: a factor within half a code of 1 (AdamW's decoupled weight decay,
+    ``1 - lr * wd``, on an FP16 weight) would then round back to ``t`` and never act. Folded, it is
+    exact and the next write that requantizes (the update) rounds once, with the factor in it."""
+    t, factor = args[0], args[1]
+    if isinstance(factor, torch.Tensor):  # a wrapped Python number: a 0-dim CPU tensor
+        if factor.dim() != 0 or factor.device.type != "cpu" or isinstance(factor, ScalingTensor):
+            return False
+        factor = factor.item()
+    if not isinstance(t, ScalingTensor) or t._data._is_view() or not isinstance(factor, (int, float)):
+        return False
+    if not _FOLDED_FACTORS[0] <= factor <= _FOLDED_FACTORS[1]:  # also refuses NaN, 0 and negatives
+        return False
+    t._scale.div_(factor)
+    if not torch.compiler.is_compiling():  # the payload (and an amax noted for it) is unchanged
+        torch.autograd.graph.increment_version([t._scale])
+    return True
 
 
 def _param_flags(t: torch.Tensor) -> tuple[bool, bool]:
