@@ -124,8 +124,9 @@ class ScalingTensor(torch.Tensor):
         self._data.copy_(saturating_cast(value, scale, self.fmt))
         self._scale.copy_(scale)
         _count_write(self)
-        if not torch.compiler.is_compiling():
-            # Rounding is monotonic, so the payload's amax is the rounded amax: no second pass.
+        if isinstance(self, torch.nn.Parameter) and not torch.compiler.is_compiling():
+            # For FP8Linear's weight cast (gradients have no reader of it). Rounding is monotonic,
+            # so the payload's amax is the rounded amax: no second pass.
             note_payload_amax(self._data, saturating_cast(value_amax, scale, self.fmt).float())
         return self
 
