@@ -229,6 +229,50 @@ def test_copy_into_scaling_tensor_and_out_of_it():
     assert _same(q, other)
 
 
+def test_inplace_op_on_a_view_keeps_the_other_elements():
+    """A view shares its base's scale: writing one row (a larger or a smaller amax) must leave
+    the other rows' values as they were (power-of-two rescaling is exact here)."""
+    x = torch.tensor([[1.0, -2.0, 3.0, 0.5], [0.25, 1.5, -1.0, 2.0]])
+    for fmt, rtol in ((fp8lm.E4M3, 2.0**-4), (fp8lm.FP16, 2.0**-11)):  # half a unit in the last place
+        for factor in (100.0, -0.01):
+            q = quantize(x, fmt)
+            before = q.dequantize()
+            q[0].mul_(factor)
+            after = q.dequantize()
+            assert torch.equal(after[1], before[1]), (fmt, factor)
+            expected = (before[0].double() * factor).float()
+            torch.testing.assert_close(after[0], expected, rtol=rtol, atol=0)
+
+
+def test_copy_into_a_view_keeps_the_other_elements():
+    q = quantize(torch.tensor([[1.0, -2.0, 3.0], [0.25, 1.5, -1.0], [2.0, -0.5, 0.75]]), fp8lm.E4M3)
+    before = q.dequantize()
+    row = quantize(torch.tensor([40.0, -12.0, 7.0]), fp8lm.E4M3)  # another scale
+    q[1].copy_(row)
+    after = q.dequantize()
+    assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
+    torch.testing.assert_close(after[1], row.dequantize(), rtol=2.0**-4, atol=0)
+
+
+def test_view_over_zero_padding_rescales_as_the_whole_tensor():
+    """FSDP2 keeps a shard as the leading rows of a zero-padded buffer: writing the shard view
+    gives the scale and payload that writing an unpadded tensor gives."""
+    value = torch.randn(3, 4) * 300
+    padded = quantize(torch.zeros(4, 4), fp8lm.E4M3)
+    shard = padded[:3]
+    shard.copy_(value)
+    alone = quantize(torch.zeros(3, 4), fp8lm.E4M3)
+    alone.copy_(value)
+    assert torch.equal(shard.scale, alone.scale)
+    assert torch.equal(shard.dequantize(), alone.dequantize())
+    assert torch.equal(padded.dequantize()[3], torch.zeros(4))
+    # AdamW's decay factor folds into the scale, exact, as for the whole tensor.
+    payload = shard.payload.clone()
+    shard.mul_(0.9999)
+    assert torch.equal(shard.payload, payload)
+    torch.testing.assert_close(shard.dequantize(), alone.dequantize() * 0.9999, rtol=2e-7, atol=0)
+
+
 def test_parameter_of_scaling_tensor():
     p = torch.nn.Parameter(quantize(torch.randn(4, 4), fp8lm.FP16))
     assert isinstance(p, ScalingTensor) and isinstance(p, torch.nn.Parameter) and p.requires_grad

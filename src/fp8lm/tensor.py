@@ -71,6 +71,9 @@ class ScalingTensor(torch.Tensor):
 
     _data: torch.Tensor
     _scale: torch.Tensor
+    # For a view of part of another ScalingTensor (``t[0]``): the payload it shares its scale
+    # with (views made inside __torch_dispatch__ are not tracked by autograd: no ``_base``).
+    _shared_with: torch.Tensor | None = None
 
     @staticmethod
     def __new__(cls, payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
@@ -118,10 +121,15 @@ class ScalingTensor(torch.Tensor):
         return (self._data.to(torch.float32) / self._scale).to(dtype)
 
     def requantize_(self, value: torch.Tensor) -> ScalingTensor:
-        """Store ``value`` in place, with a scale fitted to its amax (just-in-time scaling)."""
+        """Store ``value`` in place, with a scale fitted to its amax (just-in-time scaling). A view
+        (``t[0]``) shares its scale with the rest of its base: the whole base is stored again with
+        the scale fitted to its new values, so the other elements keep theirs."""
         value_amax = _amax(value)
-        scale = compute_scale(value_amax, self.fmt, previous=self._scale)
-        self._data.copy_(saturating_cast(value, scale, self.fmt))
+        if self._partial_view():
+            scale = _requantize_shared_(self._data, self._shared_with, self._scale, value, self.fmt)
+        else:
+            scale = compute_scale(value_amax, self.fmt, previous=self._scale)
+            self._data.copy_(saturating_cast(value, scale, self.fmt))
         self._scale.copy_(scale)
         _count_write(self)
         if isinstance(self, torch.nn.Parameter) and not torch.compiler.is_compiling():
@@ -129,6 +137,10 @@ class ScalingTensor(torch.Tensor):
             # so the payload's amax is the rounded amax: no second pass.
             note_payload_amax(self._data, saturating_cast(value_amax, scale, self.fmt).float())
         return self
+
+    def _partial_view(self) -> bool:
+        """Whether other elements (of the tensor this is a view of) share the scale."""
+        return self._shared_with is not None and self._shared_with.numel() > self._data.numel()
 
     def __repr__(self) -> str:  # type: ignore[override]  # must not dispatch: keep to the payload and scale
         if is_fake(self._scale):  # shapes only (compile-time logging prints traced metadata)
@@ -202,7 +214,7 @@ class ScalingTensor(torch.Tensor):
         if func in _VIEW_OPS or func in _COPY_OPS:
             if func is aten.detach.default:  # autograd detaches every gradient it stores: skip the pytree walk
                 src = args[0]
-                return ScalingTensor(src._data.detach(), src._scale, src.dtype)
+                return _view(src, src._data.detach())
             return _payload_op(func, args, kwargs, copy=func in _COPY_OPS)
         if func is aten._to_copy.default:
             return _to_copy(args[0], **kwargs)
@@ -240,14 +252,24 @@ def _fold_into_scale(args) -> bool:
         if factor.dim() != 0 or factor.device.type != "cpu" or isinstance(factor, ScalingTensor):
             return False
         factor = factor.item()
-    if not isinstance(t, ScalingTensor) or t._data._is_view() or not isinstance(factor, (int, float)):
+    if not isinstance(t, ScalingTensor) or not isinstance(factor, (int, float)):
         return False
     if not _FOLDED_FACTORS[0] <= factor <= _FOLDED_FACTORS[1]:  # also refuses NaN, 0 and negatives
+        return False
+    if t._partial_view() and not _only_nonzeros_in_view(t):  # the scale is the other elements' too
         return False
     t._scale.div_(factor)
     if not torch.compiler.is_compiling():  # the payload (and an amax noted for it) is unchanged
         torch.autograd.graph.increment_version([t._scale])
     return True
+
+
+def _only_nonzeros_in_view(t: ScalingTensor) -> bool:
+    """Whether every nonzero element that shares ``t``'s scale is in ``t`` (an FSDP2 shard over a
+    zero-padded buffer): scaling them all by one factor is then scaling ``t``."""
+    assert t._shared_with is not None  # a view
+    shared, own = (x.to(torch.float16) if x.dtype in FP8_DTYPES else x for x in (t._shared_with, t._data))
+    return bool(torch.count_nonzero(shared) == torch.count_nonzero(own))  # no float8 kernel: FP16 is exact
 
 
 def _param_flags(t: torch.Tensor) -> tuple[bool, bool]:
@@ -273,11 +295,21 @@ def _the_scaling_tensor(args) -> ScalingTensor:
     return next(a for a in tree_flatten(args)[0] if isinstance(a, ScalingTensor))
 
 
+def _view(src: ScalingTensor, payload: torch.Tensor) -> ScalingTensor:
+    """A ScalingTensor over ``payload``, a view of ``src``'s payload, sharing its scale."""
+    out = ScalingTensor(payload, src._scale, src.dtype)
+    out._shared_with = src._data if src._shared_with is None else src._shared_with
+    return out
+
+
 def _payload_op(func, args, kwargs, copy: bool):
     src = _the_scaling_tensor(args)
     out = func(*tree_map(lambda x: x._data if isinstance(x, ScalingTensor) else x, args), **kwargs)
-    scale = src._scale.clone() if copy else src._scale
-    return tree_map(lambda t: ScalingTensor(t, scale, src.dtype) if isinstance(t, torch.Tensor) else t, out)
+    if copy:
+        return tree_map(
+            lambda t: ScalingTensor(t, src._scale.clone(), src.dtype) if isinstance(t, torch.Tensor) else t, out
+        )
+    return tree_map(lambda t: _view(src, t) if isinstance(t, torch.Tensor) else t, out)
 
 
 def _to_copy(x: ScalingTensor, dtype=None, device=None, **kwargs):
@@ -315,9 +347,29 @@ def known_payload_amax(payload: torch.Tensor) -> torch.Tensor | None:
     return entry[1] if entry is not None and entry[0] == payload._version else None
 
 
+def _requantize_shared_(
+    view: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, value: torch.Tensor, fmt: Format
+) -> torch.Tensor:
+    """Write ``value`` into the payload ``view`` of ``base``, which shares ``scale``: the base's
+    values with ``value`` in the view's place, stored with a scale fitted to their amax (returned,
+    not yet written to ``scale``). Power-of-two scales keep the other elements exact unless the
+    new scale pushes them below the format's smallest value."""
+    values = torch.empty_strided(base.shape, base.stride(), dtype=torch.float32, device=base.device)
+    values.copy_(base).div_(scale)
+    offset = view.storage_offset() - base.storage_offset()
+    values.as_strided(view.shape, view.stride(), values.storage_offset() + offset).copy_(value)
+    new_scale = compute_scale(_amax(values), fmt, previous=scale)
+    base.copy_(saturating_cast(values, new_scale, fmt))
+    return new_scale
+
+
 def _copy_into(dst, src):
     if isinstance(dst, ScalingTensor):
-        if isinstance(src, ScalingTensor) and src._data.dtype == dst._data.dtype:
+        if (
+            isinstance(src, ScalingTensor)
+            and src._data.dtype == dst._data.dtype
+            and (not dst._partial_view() or torch.equal(src._scale, dst._scale))
+        ):
             dst._data.copy_(src._data)
             dst._scale.copy_(src._scale)
             _count_write(dst)
