@@ -125,7 +125,7 @@ class ScalingTensor(torch.Tensor):
         (``t[0]``) shares its scale with the rest of its base: the whole base is stored again with
         the scale fitted to its new values, so the other elements keep theirs."""
         value_amax = _amax(value)
-        if self._partial_view():
+        if self._shared_with is not None and self._partial_view():
             scale = _requantize_shared_(self._data, self._shared_with, self._scale, value, self.fmt)
         else:
             scale = compute_scale(value_amax, self.fmt, previous=self._scale)
