@@ -7,6 +7,11 @@ backward graph: Inductor's fused C++ kernels (``cpp_fused_*``), extern GEMMs and
 (``torch.ops.fp8lm.*``: the C kernels of the casts and amaxes). On a CPU the FP8 GEMM is emulated,
 so the backward also upcasts its two saved FP8 operands (two ops a GPU does not run).
 
+``fp8lm-traced-casts`` is fp8lm O1 without its C kernels (``FP8LM_NATIVE=0``, in a child process):
+the graph then holds the plain cast expressions that a CUDA graph holds, and Inductor fuses them
+as it schedules them for this CPU (its CUDA backend, Triton, may split a reduction from the
+pointwise work that reads its result, where the C++ backend here fuses them).
+
     python benchmarks/cpu_compiled_kernels.py [--features 512] [--tokens 1024]
 """
 
@@ -14,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
+import sys
 
 import torch
 from common import machine
@@ -44,6 +52,7 @@ def compiled_kernels(variant: str, features: int, tokens: int) -> dict:
     compiled = torch.compile(model, fullgraph=True)
 
     def step(forward) -> None:
+        model.zero_grad(set_to_none=True)  # as training does: no accumulation into the last step's
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = forward(x)
         y.float().sum().backward()
@@ -57,17 +66,28 @@ def compiled_kernels(variant: str, features: int, tokens: int) -> dict:
     return {"launches": len(forward) + len(backward), "forward": forward, "backward": backward}
 
 
+def traced_casts_kernels(features: int, tokens: int) -> dict:
+    """`compiled_kernels` of fp8lm in a child process without the C kernels."""
+    argv = [sys.executable, __file__, "--features", str(features), "--tokens", str(tokens), "--only", "fp8lm"]
+    child = subprocess.run(argv, env={**os.environ, "FP8LM_NATIVE": "0"}, capture_output=True, text=True, check=True)
+    return json.loads(child.stdout)["variants"]["fp8lm"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--features", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--only", choices=("bf16", "fp8lm"), help="measure this variant only")
     args = parser.parse_args()
+    variants = {v: compiled_kernels(v, args.features, args.tokens) for v in ("bf16", "fp8lm") if args.only in (None, v)}
+    if args.only is None:
+        variants["fp8lm-traced-casts"] = traced_casts_kernels(args.features, args.tokens)
     result = {
         "benchmark": "cpu_compiled_kernels",
         "machine": machine(),
         "features": args.features,
         "tokens": args.tokens,
-        "variants": {v: compiled_kernels(v, args.features, args.tokens) for v in ("bf16", "fp8lm")},
+        "variants": variants,
     }
     print(json.dumps(result, indent=2))
 

@@ -421,3 +421,39 @@ def test_model_with_more_fp8_layers_than_the_recompile_limit_compiles_once_not_p
             a.grad.dequantize() if isinstance(a.grad, fp8lm.ScalingTensor) else a.grad,
             b.grad.dequantize() if isinstance(b.grad, fp8lm.ScalingTensor) else b.grad,
         )
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_compiled_cpu_graph_holds_the_c_kernels_or_the_plain_casts(kernels, monkeypatch):
+    """Traced on CPU, the casts are fp8lm's C kernels as opaque ops while they are on; without them
+    (``FP8LM_NATIVE=0``, no C compiler) the graph holds the plain cast expressions, as a CUDA graph
+    does, for Inductor to fuse. Either way the results are eager's."""
+    import copy
+
+    from fp8lm.ops import native
+
+    monkeypatch.setattr(native.KERNELS, "enabled", kernels)
+    torch.manual_seed(0)
+    layer = FP8Linear(64, 32)
+    eager = copy.deepcopy(layer)
+    targets: set[str] = set()
+
+    def backend(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(graph, _):
+            targets.update(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+            return make_boxed_func(graph)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
+
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    x = torch.randn(16, 64)
+    for _ in range(2):
+        out, ref = compiled(x), eager(x)
+        out.sum().backward()
+        ref.sum().backward()
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert any(t.startswith("fp8lm.") for t in targets) == kernels, sorted(targets)
+    torch.testing.assert_close(layer.weight.grad.dequantize(), eager.weight.grad.dequantize(), rtol=0, atol=0)

@@ -205,10 +205,11 @@ OPS = {
 
 # -- the kernels to call from code that torch.compile may trace -----------------------------------
 def _in_cpu_graph(x: Tensor) -> bool:
-    """Whether ``torch.compile`` is tracing CPU code: there the ops above keep fp8lm's C kernels
-    as one opaque node each (inductor's own float8 conversions are scalar on CPU). On CUDA the
-    plain expressions of `fp8lm.ops.cast` are traced instead, so inductor fuses them."""
-    return x.device.type == "cpu" and torch.compiler.is_compiling()
+    """Whether ``torch.compile`` is tracing CPU code with fp8lm's C kernels on: there the ops above
+    keep them as one opaque node each (inductor's own float8 conversions are scalar on CPU). On
+    CUDA, and on CPU without the C kernels (``FP8LM_NATIVE=0``, no C compiler), the plain
+    expressions of `fp8lm.ops.cast` are traced instead, so inductor fuses them."""
+    return x.device.type == "cpu" and torch.compiler.is_compiling() and native.KERNELS.enabled
 
 
 def traceable_amax(x: Tensor) -> Tensor:
