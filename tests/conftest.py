@@ -1,17 +1,27 @@
 """Fixtures shared by the test modules. Code that tests import lives in helper modules
 (`cli_helpers`, `dist_launch`); no test module imports another."""
 
+import os
 import sysconfig
 from pathlib import Path
 from types import MappingProxyType
 
 import pytest
+import torch
 from hypothesis import settings
 
 # The properties check numbers, not speed: hypothesis's per-example deadline (200 ms) would turn a
 # loaded machine into failures.
 settings.register_profile("fp8lm", deadline=None)
 settings.load_profile("fp8lm")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n``, on by default) each worker takes its share of the cores: torch's
+    default, all of them in every worker, would oversubscribe the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="session")
