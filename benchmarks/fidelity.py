@@ -46,6 +46,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O2-mlp-hp": ("O2", {"policy": {"*.mlp.*": _HI}}),
     # the attention projections' GEMMs in BF16, their storage and optimizer states as O2's
     "O2-attn-gemm-bf16": ("O2", {"policy": {"*.attn.*": {"fp8_gemm": False}}}),
+    "O1-attn-gemm-bf16": ("O1", {"policy": {"*.attn.*": {"fp8_gemm": False}}}),
     # one FP8 choice of the output head at a time (the defaults: BF16 GEMMs, BF16 weight gradient)
     "O2-head-gemm-fp8": ("O2", {"policy": {"lm_head": {"fp8_gemm": True}}}),
     "O2-head-gemm-bf16": ("O2", {"policy": {"lm_head": {"fp8_gemm": False}}}),
