@@ -5,7 +5,9 @@ Every aten op of one training step (forward, then backward) is logged by a ``Tor
 over ``FakeTensorMode`` CUDA tensors: nothing is computed or allocated, so this runs on any machine
 and at the shapes of a ~1B GPT. Compared: fp8lm O1 with eager casts (its fused-cast switch off, as
 ``FP8LM_FUSED_CAST=0`` sets it) and with the ``torch.compile``-d casts, torchao float8 tensorwise
-(eager) and ``nn.Linear`` under BF16 autocast. The traced step is the second (steady state: delayed
+(eager) and ``nn.Linear`` under BF16 autocast; ``fp8lm_attn_bf16`` is the compiled casts with
+the policy override ``{"*attn*": {"fp8_gemm": False}}``, the attention projections' GEMMs in BF16
+(only the block differs). The traced step is the second (steady state: delayed
 scaling has a history), after an optimizer step (AdamW, not traced) changed the weights; a third step
 without that change (``next_microbatch``: a further micro-batch of gradient accumulation) shows
 what is made once per optimizer step. A modelled H200 step time turns the counts into a ratio
@@ -456,14 +458,18 @@ def trace_step(model: nn.Module, optimizer, x: torch.Tensor, log: OpLog) -> tupl
     return traced[1], traced[2]
 
 
-def fp8lm_model(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+def fp8lm_model(model: nn.Module, attention_bf16: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """O1: every linear layer an FP8Linear with an E4M3 weight gradient (none of these models has
-    an output head, which O1 would give a BF16 one), with its optimizer (torch's AdamW, kept)."""
+    an output head, which O1 would give a BF16 one), with its optimizer (torch's AdamW, kept);
+    ``attention_bf16``: the attention projections' GEMMs in BF16 (a policy override)."""
     import fp8lm
     from fp8lm.policy import preset
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = fp8lm.initialize(model, optimizer, opt_level="O1", policy=preset("O1", output_head=False))
+    policy = preset("O1", output_head=False)
+    if attention_bf16:
+        policy = policy.override("*attn*", fp8_gemm=False)
+    model, optimizer = fp8lm.initialize(model, optimizer, opt_level="O1", policy=policy)
     assert optimizer is not None  # one was given
     return model, optimizer
 
@@ -575,7 +581,7 @@ def step_ratios(variants: dict, width: int, tokens: int) -> dict:
 def convert(variant: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``model`` as ``variant`` trains it, with its optimizer."""
     if variant.startswith("fp8lm"):
-        return fp8lm_model(model)
+        return fp8lm_model(model, attention_bf16=variant == "fp8lm_attn_bf16")
     if variant == "torchao":
         model = torchao_model(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -610,7 +616,7 @@ def run_variant(variant: str, args, log: OpLog) -> dict:
             from fp8lm.ops.cast import FUSED_CAST
 
             # The switch FP8LM_FUSED_CAST=0 sets (an eager-only run) or leaves on: compiled casts and scale arithmetic.
-            fused = variant == "fp8lm_compiled" and os.environ.get("FP8LM_FUSED_CAST") != "0"
+            fused = variant != "fp8lm_eager" and os.environ.get("FP8LM_FUSED_CAST") != "0"
             FUSED_CAST.enabled = SCALE_MATH.enabled = fused
         out = {"linear": [linear_case(variant, m, k, n, log) for m, k, n in args.shapes]}
         width, tokens, seq = args.block
@@ -654,7 +660,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
     load_fake_cuda_guard()
     pretend_hopper()
-    variants = run_variants(args, ["bf16", "fp8lm_eager", "fp8lm_compiled", "torchao"])
+    variants = run_variants(args, ["bf16", "fp8lm_eager", "fp8lm_compiled", "fp8lm_attn_bf16", "torchao"])
     print(
         json.dumps(
             {

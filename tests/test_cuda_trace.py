@@ -56,6 +56,18 @@ def test_compiled_casts_are_fewer_launches_and_bytes_than_eager(quick):
     assert compiled["total"]["mb_outside_gemm"] < eager["total"]["mb_outside_gemm"]
 
 
+def test_the_attention_override_runs_the_attention_projections_in_bf16(quick):
+    default, compiled = (quick["variants"][v] for v in ("fp8lm_attn_bf16", "fp8lm_compiled"))
+    assert default["linear"][0]["total"] == compiled["linear"][0]["total"]  # no attention layer there
+    layers = default["block"]["layers"]
+    assert default["block"]["total"]["fp8_gemms"] == 6  # the MLP's two layers
+
+    def fp8_gemms(name):
+        return sum(layers[name][phase]["fp8_gemms"] for phase in ("forward", "backward"))
+
+    assert [fp8_gemms(n) for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] == [0, 0, 3, 3]
+
+
 def test_layers_add_up_to_the_totals_and_the_ratio_is_modelled(quick):
     block = quick["variants"]["fp8lm_compiled"]["block"]
     layers = block["layers"]
