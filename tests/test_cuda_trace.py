@@ -57,10 +57,10 @@ def test_compiled_casts_are_fewer_launches_and_bytes_than_eager(quick):
 
 
 def test_the_attention_override_runs_the_attention_projections_in_bf16(quick):
-    default, compiled = (quick["variants"][v] for v in ("fp8lm_attn_bf16", "fp8lm_compiled"))
-    assert default["linear"][0]["total"] == compiled["linear"][0]["total"]  # no attention layer there
-    layers = default["block"]["layers"]
-    assert default["block"]["total"]["fp8_gemms"] == 6  # the MLP's two layers
+    attn_bf16, compiled = (quick["variants"][v] for v in ("fp8lm_attn_bf16", "fp8lm_compiled"))
+    assert attn_bf16["linear"][0]["total"] == compiled["linear"][0]["total"]  # no attention layer there
+    layers = attn_bf16["block"]["layers"]
+    assert attn_bf16["block"]["total"]["fp8_gemms"] == 6  # the MLP's two layers
 
     def fp8_gemms(name):
         return sum(layers[name][phase]["fp8_gemms"] for phase in ("forward", "backward"))
