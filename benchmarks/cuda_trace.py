@@ -3,11 +3,12 @@ bytes and host synchronisations per op category, layer and pass, printed as JSON
 
 Every aten op of one training step (forward, then backward) is logged by a ``TorchDispatchMode``
 over ``FakeTensorMode`` CUDA tensors: nothing is computed or allocated, so this runs on any machine
-and at the shapes of a ~1B GPT. Compared: fp8lm O1 with eager casts (its fused-cast switch off, as
-``FP8LM_FUSED_CAST=0`` sets it) and with the ``torch.compile``-d casts, torchao float8 tensorwise
-(eager) and ``nn.Linear`` under BF16 autocast; ``fp8lm_attn_bf16`` is the compiled casts with
-the policy override ``{"*attn*": {"fp8_gemm": False}}``, the attention projections' GEMMs in BF16
-(only the block differs). The traced step is the second (steady state: delayed
+and at the shapes of a ~1B GPT. Compared: fp8lm's FP8 linear layers (FP8Linear's and O2's scaled
+FP16 weights) with eager casts (its fused-cast switch off, as ``FP8LM_FUSED_CAST=0`` sets it) and
+with the ``torch.compile``-d casts, torchao float8 tensorwise (eager) and ``nn.Linear`` under BF16
+autocast. Two variants of the compiled casts: ``fp8lm_attn_bf16``, the policy override
+``{"*attn*": {"fp8_gemm": False}}`` (the attention projections' GEMMs in BF16; only the block
+differs), and ``fp8lm_fp32_weights``, O1's default plain FP32 weights. The traced step is the second (steady state: delayed
 scaling has a history), after an optimizer step (AdamW, not traced) changed the weights; a third step
 without that change (``next_microbatch``: a further micro-batch of gradient accumulation) shows
 what is made once per optimizer step. A modelled H200 step time turns the counts into a ratio
@@ -458,15 +459,21 @@ def trace_step(model: nn.Module, optimizer, x: torch.Tensor, log: OpLog) -> tupl
     return traced[1], traced[2]
 
 
-def fp8lm_model(model: nn.Module, attention_bf16: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """O1: every linear layer an FP8Linear with an E4M3 weight gradient (none of these models has
-    an output head, which O1 would give a BF16 one), with its optimizer (torch's AdamW, kept);
-    ``attention_bf16``: the attention projections' GEMMs in BF16 (a policy override)."""
+def fp8lm_model(
+    model: nn.Module, attention_bf16: bool = False, fp32_weights: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """O1's FP8 GEMMs and E4M3 weight gradients on every linear layer (none of these models has an
+    output head, which O1 would give a BF16 one), with its optimizer (torch's AdamW, kept). The
+    weights are stored as FP8Linear's and O2's (scaled FP16, whose amax the optimizer step records
+    as it writes them), or with ``fp32_weights`` as O1's default (plain FP32: the forward measures
+    their amax); ``attention_bf16``: the attention projections' GEMMs in BF16 (a policy override)."""
     import fp8lm
     from fp8lm.policy import preset
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     policy = preset("O1", output_head=False)
+    if not fp32_weights:
+        policy = policy.with_linear(weight=fp8lm.FP16)
     if attention_bf16:
         policy = policy.override("*attn*", fp8_gemm=False)
     model, optimizer = fp8lm.initialize(model, optimizer, opt_level="O1", policy=policy)
@@ -581,7 +588,9 @@ def step_ratios(variants: dict, width: int, tokens: int) -> dict:
 def convert(variant: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``model`` as ``variant`` trains it, with its optimizer."""
     if variant.startswith("fp8lm"):
-        return fp8lm_model(model, attention_bf16=variant == "fp8lm_attn_bf16")
+        return fp8lm_model(
+            model, attention_bf16=variant == "fp8lm_attn_bf16", fp32_weights=variant == "fp8lm_fp32_weights"
+        )
     if variant == "torchao":
         model = torchao_model(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -660,7 +669,9 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
     load_fake_cuda_guard()
     pretend_hopper()
-    variants = run_variants(args, ["bf16", "fp8lm_eager", "fp8lm_compiled", "fp8lm_attn_bf16", "torchao"])
+    variants = run_variants(
+        args, ["bf16", "fp8lm_eager", "fp8lm_compiled", "fp8lm_attn_bf16", "fp8lm_fp32_weights", "torchao"]
+    )
     print(
         json.dumps(
             {

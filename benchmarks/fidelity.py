@@ -76,7 +76,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O1-gemm-bf16": ("O1", {"policy": {"*": {"fp8_gemm": False}}}),
     "O1-head-gemm-bf16": ("O1", {"policy": {"lm_head": {"fp8_gemm": False}}}),
     "O1-head-gemm-fp8": ("O1", {"policy": {"lm_head": {"fp8_gemm": True}}}),
-    "O1-master-fp32": ("O1", {"policy": {"*": {"weight": "FP32"}}}),
+    "O1-master-fp32": ("O1", {"policy": {"*": {"weight": "FP32"}}}),  # O1's default since FP32 weights
+    # O1's linear weights as scaled FP16 (O1's default before, O2's storage)
+    "O1-weight-fp16": ("O1", {"policy": {p: {"weight": "FP16"} for p in ("*.c_*.weight", "lm_head.weight")}}),
     "O1-grad-bf16": ("O1", {"policy": {"*": {"grad": "BF16"}}}),
 }
 

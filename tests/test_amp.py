@@ -66,15 +66,17 @@ def test_o1_converts_linears_and_repoints_the_same_optimizer():
     owned = {id(p) for p in model.parameters()}
     assert all(id(p) in owned for g in opt.param_groups for p in g["params"])
     assert sum(len(g["params"]) for g in opt.param_groups) == len(owned)
-    assert isinstance(model.fc.weight, ScalingTensor) and not isinstance(model.emb.weight, ScalingTensor)
+    # O1 keeps FP32 weights (torch's AdamW updates them as ever); their gradients are E4M3
+    assert not any(isinstance(p, ScalingTensor) for p in model.parameters())
+    assert model.fc.weight.dtype == torch.float32
 
-    before = model.fc.weight.dequantize().clone()
+    before = model.fc.weight.detach().clone()
     idx = torch.randint(0, 64, (4, 8))
     model(idx).backward()
     assert isinstance(model.fc.weight.grad, ScalingTensor) and model.fc.weight.grad.payload.dtype == torch.float8_e4m3fn
     opt.step()
     sched.step()
-    assert not torch.equal(model.fc.weight.dequantize(), before)
+    assert not torch.equal(model.fc.weight, before)
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
 
 

@@ -93,6 +93,17 @@ def test_compiled_casts_copy_no_operand_and_cast_the_weight_once_per_step(quick)
     assert bf16["next_microbatch"]["launches"] == bf16["total"]["launches"]
 
 
+def test_fp32_weights_cost_the_weight_amax_every_micro_batch(quick):
+    """O1's default plain FP32 weights: no optimizer records their amax and no FP8 copy is kept
+    between micro-batches, so each forward reads the 4-byte weight for its amax and again for
+    its cast (one launch and the weight's bytes more than scaled FP16 weights)."""
+    fp32, fp16 = (quick["variants"][v]["linear"][0] for v in ("fp8lm_fp32_weights", "fp8lm_compiled"))
+    assert fp32["total"]["launches"] == fp16["total"]["launches"] + 1
+    assert fp32["total"]["mb_outside_gemm"] > fp16["total"]["mb_outside_gemm"]
+    assert fp32["next_microbatch"] == fp32["total"]
+    assert fp32["total"]["fp8_gemms"] == 3 and fp32["total"]["syncs"] == 0
+
+
 @pytest.mark.parametrize(
     "args, match",
     [(["--block", "64x100"], "--block wants WIDTHxTOKENSxSEQ"), (["--block", "64x100x64"], "TOKENS a multiple of SEQ")],

@@ -9,6 +9,7 @@ import torch
 
 from dist_launch import run_workers
 from dist_pp import MICRO, MICRO_SHAPE
+from dist_tp_gpt import TOKEN_LOSS_GROWTH
 from fp8lm import E4M3, E5M2
 from fp8lm.distributed.pipeline import carrier_numel, pack_fp8, unpack_fp8
 from fp8lm.ops.cast import saturating_cast
@@ -79,10 +80,15 @@ def test_wrong_shape_is_one_clear_error():
 
 @pytest.mark.slow
 def test_gpt_stages_loss_and_grad_norm_within_bound():
-    """The "tiny" GPT cut into 2 `PipelineStageModule`s (GPipe), against one process."""
+    """The "tiny" GPT cut into 2 `PipelineStageModule`s (GPipe), against one process: every token's
+    loss and the gradient norm."""
     first, last = run_workers("dist_tp_gpt.py", 2, "pp", timeout=TIMEOUT)
-    assert first["loss"] is None  # only the last stage computes the loss
-    assert abs(last["loss"] - last["exact_loss"]) <= ERROR_GROWTH * abs(last["ref_loss"] - last["exact_loss"])
+    assert first["loss"] is None and first["token_losses"] is None  # only the last stage computes the loss
+    assert last["loss"] == pytest.approx(float(last["token_losses"].mean()), rel=1e-5)
+    exact = last["exact_token_losses"]
+    assert relative_error(last["token_losses"], exact) <= TOKEN_LOSS_GROWTH * relative_error(
+        last["ref_token_losses"], exact
+    )
     for r in (first, last):
         assert r["norm"] == first["norm"]  # one norm over both stages
         assert abs(r["norm"] - r["exact_norm"]) <= ERROR_GROWTH * r["ref_grad_error"] * r["exact_norm"]

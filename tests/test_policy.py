@@ -10,7 +10,7 @@ V = torch.zeros(4)
 
 def test_presets():
     o1, o2, o3 = (preset(level) for level in FP8_LEVELS)
-    assert o1.linear == ParamPrecision(fp8lm.FP16, fp8lm.E4M3, None, fp8lm.FP32, fp8lm.FP32)
+    assert o1.linear == ParamPrecision(fp8lm.FP32, fp8lm.E4M3, None, fp8lm.FP32, fp8lm.FP32)  # FP8 GEMMs and grads
     assert o1.precision("wte.weight", W, in_linear=False).weight == fp8lm.FP32  # O1: only linears change
     assert o2.linear == ParamPrecision(fp8lm.FP16, fp8lm.E4M3, None, fp8lm.E4M3, fp8lm.FP16)
     assert o2.precision("wte.weight", W, in_linear=False) == o2.linear  # O2 covers embeddings too
@@ -42,6 +42,22 @@ def test_overrides_by_name_pattern_later_wins():
     bias = preset("O2").override("*.bias", weight=fp8lm.FP16).precision("blocks.0.mlp.fc.bias", V, False)
     assert bias.scaled_weight
     assert preset("O2").overrides == ()  # policies are immutable
+
+
+def test_with_linear_changes_only_the_linear_layers_defaults():
+    o1 = preset("O1")
+    fp16 = o1.with_linear(weight="FP16")
+    assert fp16.linear == ParamPrecision(fp8lm.FP16, fp8lm.E4M3, None, fp8lm.FP32, fp8lm.FP32)
+    assert fp16.precision("blocks.0.attn.c_attn.weight", W, in_linear=True).scaled_weight
+    assert not fp16.precision("wte.weight", W, in_linear=False).scaled_weight  # embeddings stay FP32
+    assert not fp16.precision("blocks.0.attn.c_attn.bias", V, in_linear=False).scaled_weight
+    # overrides still win over it
+    assert fp16.override("lm_head", weight="FP32").precision("lm_head.weight", W, in_linear=True).weight == fp8lm.FP32
+    assert o1.linear.weight == fp8lm.FP32  # policies are immutable
+    with pytest.raises(ValueError, match=r"unknown precision field\(s\) \['wieght'\]: use weight, grad"):
+        o1.with_linear(wieght="FP16")
+    with pytest.raises(ValueError, match="unknown format"):
+        o1.with_linear(weight="E2M5")
 
 
 def test_bad_overrides():

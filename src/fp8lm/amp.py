@@ -63,11 +63,11 @@ def initialize(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` in place to FP8 training at ``opt_level`` and adapt ``optimizer``.
 
-    - ``O1``: ``nn.Linear`` / GPT-2 ``Conv1D`` layers become `fp8lm.nn.FP8Linear` (FP8 GEMMs, FP16
-      scaled weights, E4M3 weight gradients); the optimizer is kept, its param groups re-pointed
+    - ``O1``: ``nn.Linear`` / GPT-2 ``Conv1D`` layers become `fp8lm.nn.FP8Linear` (FP8 GEMMs,
+      FP32 weights, E4M3 weight gradients); the optimizer is kept, its param groups re-pointed
       to the new parameters (hyper-parameters and LR schedulers keep working).
-    - ``O2``: also every other parameter of 2+ dims gets an FP16 scaled weight and an E4M3
-      gradient, and ``torch.optim.Adam``/``AdamW`` is replaced by `fp8lm.optim.FP8Adam`/``FP8AdamW``
+    - ``O2``: the linear layers' weights and every other parameter of 2+ dims become FP16 scaled
+      weights with E4M3 gradients, and ``torch.optim.Adam``/``AdamW`` is replaced by `fp8lm.optim.FP8Adam`/``FP8AdamW``
       (same lr, betas, eps, weight decay and param groups). Create LR schedulers afterwards.
     - ``O3``: like O2 with E4M3 weights and FP16 master weights (sharded by fp8lm.distributed).
 

@@ -240,7 +240,7 @@ def _add_train(p: argparse.ArgumentParser) -> None:
         default="bf16",
         choices=OPT_LEVELS,
         help="fp32; bf16 (autocast + FP32 AdamW, the baseline); O1 (FP8 GEMMs, FP8 weight gradients, "
-        "FP16 weights); O2 (O1 + FP8AdamW); O3 (O2 with FP8 weights; under torchrun, FP8 ZeRO) "
+        "FP32 weights); O2 (O1 + FP16 weights + FP8AdamW); O3 (O2 with FP8 weights; under torchrun, FP8 ZeRO) "
         "(default: %(default)s)",
     )
     p.add_argument("--out", default="runs/train", help="output folder (default: %(default)s)")

@@ -6,14 +6,16 @@ Presets follow FP8-LM's levels (``preset("O1")`` ... ``preset("O3")``):
 =====  ==================  ========================  ===========================  ==============
 level  GEMMs               linear weight / grad      other >= 2-D params          Adam m / v
 =====  ==================  ========================  ===========================  ==============
-O1     FP8                 FP16 (scaled) / E4M3      FP32 / FP32                  FP32 / FP32
+O1     FP8                 FP32 / E4M3               FP32 / FP32                  FP32 / FP32
 O2     FP8                 FP16 (scaled) / E4M3      FP16 (scaled) / E4M3         E4M3 / FP16
 O3     FP8                 E4M3 / E4M3, FP16 master  E4M3 / E4M3, FP16 master     E4M3 / FP16
 =====  ==================  ========================  ===========================  ==============
 
 1-D parameters (biases, norm gains: a small share of a model) stay FP32 with FP32 gradients at
 every level; under O2/O3 their Adam moments follow the optimizer's formats. A scaled FP16 weight
-is its own master copy (the optimizer updates its payload and scale in place).
+is its own master copy (the optimizer updates its payload and scale in place). O1 keeps FP32
+weights: stored as scaled FP16 they cost loss over long runs (docs/training.md);
+``preset("O1").with_linear(weight=FP16)`` stores them so.
 
 The output head (the model's last linear layer, which `fp8lm.initialize` finds) runs its GEMMs in
 BF16 and stores its weight gradient in BF16 at every level (``Policy.output_head``); its weight
@@ -77,6 +79,14 @@ class ParamPrecision:
 _PRECISION_FIELDS = tuple(f.name for f in fields(ParamPrecision))
 
 
+def _parse_formats(formats: dict, also: str) -> tuple[tuple[str, Format | None], ...]:
+    """``formats`` (`ParamPrecision` field -> format or name) as formats; a master may be None."""
+    unknown = sorted(set(formats) - set(_PRECISION_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown precision field(s) {unknown}: use {', '.join(_PRECISION_FIELDS)} {also}".rstrip())
+    return tuple((k, None if (k == "master" and v is None) else format_of(v)) for k, v in formats.items())
+
+
 @dataclass(frozen=True)
 class Override:
     """Changes for the modules / parameters whose name matches ``pattern``."""
@@ -106,13 +116,17 @@ class Policy:
         fields (``weight``, ``grad``, ``master``, ``exp_avg``, ``exp_avg_sq``)."""
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"an override pattern is a non-empty module-name pattern, got {pattern!r}")
-        unknown = sorted(set(formats) - set(_PRECISION_FIELDS))
-        if unknown:
-            raise ValueError(f"unknown precision field(s) {unknown}: use {', '.join(_PRECISION_FIELDS)} or fp8_gemm")
         if fp8_gemm is not None and not isinstance(fp8_gemm, bool):
             raise ValueError(f"fp8_gemm must be True or False, got {fp8_gemm!r}")
-        parsed = tuple((k, None if (k == "master" and v is None) else format_of(v)) for k, v in formats.items())
+        parsed = _parse_formats(formats, "or fp8_gemm")
         return replace(self, overrides=self.overrides + (Override(pattern, fp8_gemm, parsed),))
+
+    def with_linear(self, **formats) -> Policy:
+        """A copy of this policy whose converted linear layers' parameters default to ``formats``
+        (`ParamPrecision` fields), before any override; e.g. O1 with scaled FP16 weights, as O2
+        stores them: ``preset("O1").with_linear(weight=fp8lm.FP16)``."""
+        changes: dict[str, Any] = dict(_parse_formats(formats, ""))  # master may be None
+        return replace(self, linear=replace(self.linear, **changes))
 
     def without_output_head(self) -> Policy:
         """A copy of this policy without the output-head rule (the head like every linear layer)."""
@@ -165,7 +179,7 @@ def _level_preset(opt_level: str) -> Policy:
     fp32 = ParamPrecision(FP32, FP32, None, FP32, FP32)
     vector = ParamPrecision(FP32, FP32, None, E4M3, FP16)
     if opt_level == "O1":
-        return Policy("O1", linear=ParamPrecision(FP16, E4M3, None, FP32, FP32), matrix=fp32, vector=fp32)
+        return Policy("O1", linear=ParamPrecision(FP32, E4M3, None, FP32, FP32), matrix=fp32, vector=fp32)
     if opt_level == "O2":
         scaled = ParamPrecision(FP16, E4M3, None, E4M3, FP16)
         return Policy("O2", linear=scaled, matrix=scaled, vector=vector)

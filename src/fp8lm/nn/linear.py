@@ -236,13 +236,18 @@ def _grad_scale(grad: torch.Tensor, fmt: Format) -> torch.Tensor:
     return compute_scale(traceable_amax(grad), fmt)
 
 
-def _stored_weight_grad(grad: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch.Tensor:
+def _stored_weight_grad(grad: torch.Tensor, fmt: Format, dtype: torch.dtype, plain: bool = False) -> torch.Tensor:
     """The weight gradient as stored: a ScalingTensor of ``fmt`` presenting ``dtype`` (quantize's
-    steps), or for FP32 a plain tensor of ``dtype``."""
+    steps), or for FP32 a plain tensor of ``dtype``. ``plain``: the same values (rounded to
+    ``fmt``) in a plain tensor of ``dtype``, for a plain weight under torch.compile, whose
+    AOTAutograd traces a plain parameter's gradient as a plain tensor."""
     if fmt == FP32:
         return grad.to(dtype)
     scale = _scale_math(_grad_scale, grad, grad, fmt)
-    return ScalingTensor(traceable_cast(grad, scale, fmt), scale, dtype)
+    payload = traceable_cast(grad, scale, fmt)
+    if plain:
+        return (payload.to(torch.float32) / scale).to(dtype)
+    return ScalingTensor(payload, scale, dtype)
 
 
 class _Eager(NamedTuple):
@@ -308,7 +313,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.grad_output_state, ctx.eager, ctx.laid_out = grad_output_state, eager, laid_out
         ctx.out_dtype, ctx.emulated_as = out_dtype, emulated_as
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.plain_weight = weight.dtype, w_scale is None
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_finite, ctx.w_finite = x_op.finite, w_op.finite
         # Each saved in the layout its backward GEMM reads it in (the second operand: column-major).
@@ -345,7 +350,8 @@ class _FP8LinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 x_op = FP8Operand(x8, x_scale_inv, ctx.x_finite)
                 grad_w = fp8_mm(g_op.t(), x_op, ctx.out_dtype, backend=backend)
-                grad_w = _stored_weight_grad(grad_w, ctx.weight_grad_format, ctx.weight_dtype)
+                plain = ctx.plain_weight and torch.compiler.is_compiling()
+                grad_w = _stored_weight_grad(grad_w, ctx.weight_grad_format, ctx.weight_dtype, plain)
             if need_b and grad_b is None:
                 grad_b = g2.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, None, None, grad_b, None, None, None, None, None, None, None
