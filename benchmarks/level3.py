@@ -9,7 +9,8 @@ measured the same way: `comm_stats`, every collective and point-to-point byte ra
 torch's own functional collectives (DTensor, ``loss_parallel``, FSDP2) included. Prints one JSON
 object: per layout and level the validation loss after the last step, its gap to one process at
 the same level, and the bytes per step (total, handed to the process group, by kind); per layout
-the O1 / bf16 byte ratio::
+each FP8 level's bytes over bf16's (``o1_over_bf16_bytes``; ``--levels bf16,O1,O2`` adds O2, whose
+scaled FP16 weights FSDP2 gathers in E4M3 where O1's FP32 weights travel in FP32)::
 
     python benchmarks/level3.py --layout single --steps 200
     python benchmarks/level3.py --layout tp --steps 200        # torchrun, 4 ranks: dp 2 x tp 2
@@ -31,7 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
-LEVELS = ("bf16", "O1")
+LEVELS = ("bf16", "O1", "O2")
+FP8_LEVELS = LEVELS[1:]
 RANKS = 4
 # layout -> the flags of fp8lm compare
 LAYOUTS = {"single": [], "tp": ["--tp", "2"], "pp": ["--pp", "2"], "tp-fsdp": ["--tp", "2", "--fsdp"]}
@@ -95,8 +97,9 @@ def gather(out: Path) -> dict:
         if single is not None and layout != "single":
             for level, r in levels.items():
                 r["val_loss_vs_one_process"] = r["val_loss"] / single["levels"][level]["val_loss"] - 1
-        if len(levels) == len(LEVELS) and levels["bf16"]["comm_bytes_per_step"]:
-            result["o1_over_bf16_bytes"] = levels["O1"]["comm_bytes_per_step"] / levels["bf16"]["comm_bytes_per_step"]
+        base = levels.get("bf16", {}).get("comm_bytes_per_step")
+        for level in (lv for lv in FP8_LEVELS if lv in levels and base):
+            result[f"{level.lower()}_over_bf16_bytes"] = levels[level]["comm_bytes_per_step"] / base
     return layouts
 
 
@@ -106,7 +109,9 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--levels", default=",".join(LEVELS), help="the levels to train (of %(default)s)")
+    ap.add_argument(
+        "--levels", default="bf16,O1", help=f"the levels to train, of {','.join(LEVELS)} (default: %(default)s)"
+    )
     ap.add_argument("--out", default="runs/level3")
     ap.add_argument("--results", help="write the gathered layouts to this JSON file too")
     args = ap.parse_args()
