@@ -17,7 +17,8 @@ fraction of the run's time; with ``--lr 1e-12 --steps 1`` it measures the valida
 checkpoint's weights as each variant evaluates them (the FP8 forward's own cost).
 
 Prints one JSON object: per variant, the gap at each seed, their mean and standard deviation,
-and the mean gap minus fp32's (the FP8 cost above the noise floor).
+and the mean gap minus fp32's (the FP8 cost above the noise floor); for runs of 2,000 steps or
+more the same over each run's evaluations from a fifth of the steps on (``*_from_step_N_pct``).
 """
 
 from __future__ import annotations
@@ -204,8 +205,31 @@ def _done(results: Path) -> dict[tuple, dict]:
     return {(r["variant"], r["seed"], r["steps"]): r for r in lines}
 
 
+def _val_losses(run_dir: str) -> dict[int, float]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r}
+
+
+def mean_gap_from(run: dict, bf16_run: dict, first_step: int) -> float:
+    """Mean gap to bf16 (percent) over the evaluations from ``first_step`` on: a long run's final
+    evaluation alone is one sample of a noisy curve."""
+    mine, base = _val_losses(run["out"]), _val_losses(bf16_run["out"])
+    steps = [s for s in sorted(mine) if s >= first_step and s in base]
+    return statistics.mean(100 * (mine[s] / base[s] - 1) for s in steps)
+
+
+def _long_run_gaps(rows: dict[tuple, dict], v: str, seeds: list, steps: int) -> dict:
+    first = steps // 5
+    gaps = {s: mean_gap_from(rows[(v, s, steps)], rows[("bf16", s, steps)], first) for s in seeds}
+    return {
+        f"gaps_from_step_{first}_pct": {str(s): round(g, 3) for s, g in gaps.items()},
+        f"mean_from_step_{first}_pct": round(statistics.mean(gaps.values()), 3),
+    }
+
+
 def summarize(rows: dict[tuple, dict], variants: list[str], seeds: list[int], steps: int) -> dict:
-    """Gaps to bf16 per variant and seed (percent), mean, spread, and mean minus fp32's mean."""
+    """Gaps to bf16 per variant and seed (percent), mean, spread, and mean minus fp32's mean; for
+    runs of 2,000 steps or more also the mean gap over the evaluations of the last 80 %."""
     base = {s: rows[("bf16", s, steps)]["val_loss"] for s in seeds if ("bf16", s, steps) in rows}
     table = {}
     for v in variants:
@@ -223,11 +247,17 @@ def summarize(rows: dict[tuple, dict], variants: list[str], seeds: list[int], st
             "std_pct": round(statistics.stdev(vals), 3) if len(vals) > 1 else None,
             "bytes_per_param": rows[(v, next(iter(gaps)), steps)]["bytes_per_param"],
         }
+        if steps >= 2000:
+            entry.update(_long_run_gaps(rows, v, list(gaps), steps))
         table[v] = entry
     if "fp32" in table:
         floor = table["fp32"]["mean_pct"]
         for entry in table.values():
             entry["above_fp32_pct"] = round(entry["mean_pct"] - floor, 3)
+        long_mean = f"mean_from_step_{steps // 5}_pct"
+        if long_mean in table["fp32"]:
+            for entry in table.values():
+                entry[f"above_fp32_from_step_{steps // 5}_pct"] = round(entry[long_mean] - table["fp32"][long_mean], 3)
     return table
 
 

@@ -2,6 +2,7 @@
 arithmetic (gaps to bf16 per seed, mean, spread, mean minus fp32's)."""
 
 import importlib.util
+import json
 import statistics
 
 import pytest
@@ -74,3 +75,24 @@ def test_summary_gaps_means_and_the_fp32_floor():
     assert table["O2"]["mean_pct"] == 1.5 and table["O2"]["std_pct"] == round(statistics.stdev([2.0, 1.0]), 3)
     assert table["O2"]["above_fp32_pct"] == 1.0
     assert torch.tensor(table["fp32"]["above_fp32_pct"]) == 0
+
+
+def test_long_runs_also_average_the_gap_over_the_last_80_percent_of_evaluations(tmp_path):
+    curves = {  # val_loss at steps 1000..5000 (step 500 is before the window)
+        "bf16": {500: 9.0, 1000: 2.0, 3000: 2.0, 5000: 1.0},
+        "fp32": {500: 1.0, 1000: 2.02, 3000: 2.0, 5000: 1.0},
+        "O1": {500: 1.0, 1000: 2.04, 3000: 2.02, 5000: 1.03},
+    }
+    rows = {}
+    for variant, curve in curves.items():
+        out = tmp_path / variant
+        out.mkdir()
+        lines = [{"step": s, "train_loss": 3.0} for s in range(1, 5001, 999)]
+        lines += [{"step": s, "train_loss": 3.0, "val_loss": v} for s, v in curve.items()]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        rows[(variant, 0, 5000)] = {"val_loss": curve[5000], "bytes_per_param": 16.0, "out": str(out)}
+    table = fidelity.summarize(rows, ["fp32", "O1"], [0], 5000)
+    assert table["O1"]["gaps_from_step_1000_pct"] == {"0": 2.0}  # (2 + 1 + 3) / 3
+    assert table["fp32"]["mean_from_step_1000_pct"] == round(1 / 3, 3)
+    assert table["O1"]["above_fp32_from_step_1000_pct"] == round(2 - 1 / 3, 3)
+    assert table["O1"]["gaps_pct"] == {"0": 3.0}  # the final evaluation alone
