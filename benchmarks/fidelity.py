@@ -214,7 +214,7 @@ def mean_gap_from(run: dict, bf16_run: dict, first_step: int) -> float:
     """Mean gap to bf16 (percent) over the evaluations from ``first_step`` on: a long run's final
     evaluation alone is one sample of a noisy curve."""
     mine, base = _val_losses(run["out"]), _val_losses(bf16_run["out"])
-    steps = [s for s in sorted(mine) if s >= first_step and s in base]
+    steps = [s for s in mine if s >= first_step and s in base]
     return statistics.mean(100 * (mine[s] / base[s] - 1) for s in steps)
 
 
@@ -251,13 +251,10 @@ def summarize(rows: dict[tuple, dict], variants: list[str], seeds: list[int], st
             entry.update(_long_run_gaps(rows, v, list(gaps), steps))
         table[v] = entry
     if "fp32" in table:
-        floor = table["fp32"]["mean_pct"]
+        floor = dict(table["fp32"])
         for entry in table.values():
-            entry["above_fp32_pct"] = round(entry["mean_pct"] - floor, 3)
-        long_mean = f"mean_from_step_{steps // 5}_pct"
-        if long_mean in table["fp32"]:
-            for entry in table.values():
-                entry[f"above_fp32_from_step_{steps // 5}_pct"] = round(entry[long_mean] - table["fp32"][long_mean], 3)
+            for mean in [k for k in entry if k.startswith("mean_")]:
+                entry[mean.replace("mean", "above_fp32", 1)] = round(entry[mean] - floor[mean], 3)
     return table
 
 

@@ -82,7 +82,7 @@ def test_references_are_runs_of_the_committed_commands():
 
 def test_the_same_run_differs_only_in_float_sums_across_machines():
     """Every kind of machine's references log the same steps and fields, and losses that agree to
-    float sums' drift (1e-3; AVX2 and AVX-512 differ by 1.4e-4 at most): references written by
+    float sums' drift (1e-3, several times the AVX2/AVX-512 difference): references written by
     different code would not."""
     folders = reference_folders()
     for name in RUNS:
