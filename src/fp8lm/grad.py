@@ -8,8 +8,12 @@ rewriting its payload: exact, and O(1) per tensor.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .ops.cast import amax, upcast
 from .tensor import ScalingTensor
@@ -51,7 +55,13 @@ def grads_are_finite(parameters) -> bool:
 
 
 def clip_grad_norm_(
-    parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    parameters,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    *,
+    group=None,
+    stage_size: int = 1,
 ) -> torch.Tensor:
     """Scale the gradients so their total ``norm_type``-norm is at most ``max_norm``, like
     ``torch.nn.utils.clip_grad_norm_``; returns the total norm before clipping (float32).
@@ -61,6 +71,15 @@ def clip_grad_norm_(
     does the clipping, so that `fp8lm.distributed.FP8ZeroOptimizer` clips by the global norm over its
     shards. ScalingTensor gradients are clipped by dividing their scale (exact, no requantization).
     When the total norm is not finite the gradients become NaN, so that the step is skipped.
+
+    Over ranks: ``group`` is the process group whose ranks hold different parts of the model
+    (pipeline stages, shards; not data-parallel replicas, whose gradients are equal), and
+    ``stage_size`` how many of its ranks hold the same parameters as this one (the sharded
+    data-parallel and tensor-parallel ranks of a stage; `ParallelMesh.clip_options` gives both).
+    Each rank adds its local gradients' ``|g|^p``, a plain gradient's divided by ``stage_size``
+    (every such rank holds it whole) and a DTensor's by ``stage_size`` over its number of shards,
+    and the sums are added over ``group``: the norm of the whole gradients, the same on every rank.
+    DTensor gradients without a ``group`` are reduced over their own mesh.
     """
     own_clip = getattr(parameters, "clip_grad_norm_", None) if isinstance(parameters, torch.optim.Optimizer) else None
     if own_clip is not None:
@@ -71,11 +90,19 @@ def clip_grad_norm_(
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
     grads = _grads(parameters)
-    if not grads:
+    groups = [group] if group is not None else []
+    if group is None and any(isinstance(g, DTensor) for g in grads):
+        groups, stage_size = _own_mesh(grads)
+    if groups:
+        total = _spread_norm(grads, norm_type, groups, stage_size)
+    elif not grads:
         return torch.zeros((), dtype=torch.float32)
-    device = grads[0].device
-    norms = torch.stack([torch.linalg.vector_norm(_float_values(g), norm_type).to(device) for g in grads])
-    total = norms.amax() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)
+    else:
+        device = grads[0].device
+        norms = torch.stack([torch.linalg.vector_norm(_float_values(g), norm_type).to(device) for g in grads])
+        total = norms.amax() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)
+    if not grads:
+        return total
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
@@ -89,6 +116,7 @@ def clip_grad_norm_(
     divided: set[int] = set()  # views of one gradient buffer share their scale: divide it once
     with torch.no_grad():
         for g in grads:
+            g = g.to_local() if isinstance(g, DTensor) else g  # scaled in place: the DTensor's values
             if isinstance(g, ScalingTensor):
                 if id(g.scale) not in divided:
                     scale = g.scale.div(coef.to(g.scale.device))
@@ -98,6 +126,53 @@ def clip_grad_norm_(
             else:
                 g.mul_(coef.to(g.device, g.dtype))
     return total
+
+
+def _spread_norm(grads: list[torch.Tensor], norm_type: float, groups: list, stage_size: int) -> torch.Tensor:
+    """The norm of gradients spread over the ranks of ``groups`` (reduced over each in turn; see
+    `clip_grad_norm_`), on the gradients' device."""
+    from .distributed import comm  # the one place that hands tensors to torch.distributed (a layer up)
+
+    device = grads[0].device if grads else _group_device(groups[0])
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for g in grads:
+        values = _float_values(g.to_local() if isinstance(g, DTensor) else g).to(device)
+        if norm_type == float("inf"):
+            total = torch.maximum(total, values.abs().amax().reshape(1) if values.numel() else total)
+        else:
+            total = total + values.abs().pow(norm_type).sum() / (stage_size // _shards(g))
+    op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+    for group in groups:
+        comm.all_reduce(total, op=op, group=group)
+    return total[0] if norm_type == float("inf") else total[0].pow(1.0 / norm_type)
+
+
+def _shards(grad: torch.Tensor) -> int:
+    """Into how many different pieces a gradient is cut (1 for a plain tensor): any placement but
+    Replicate shards (FSDP2 over a tensor-parallel dimension is a ``_StridedShard``)."""
+    if not isinstance(grad, DTensor):
+        return 1
+    return math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())
+
+
+def _own_mesh(grads: list[torch.Tensor]) -> tuple[list, int]:
+    """The groups (one per mesh dimension) and stage size of DTensor gradients that all live on
+    one mesh (FSDP2 alone)."""
+    meshes = {g.device_mesh for g in grads if isinstance(g, DTensor)}
+    if len(meshes) > 1 or any(not isinstance(g, DTensor) for g in grads):
+        raise ValueError(
+            "clip_grad_norm_: the gradients are DTensors on several meshes, or mixed with plain tensors; pass "
+            "group= and stage_size= (fp8lm.distributed.ParallelMesh.clip_options() gives them)"
+        )
+    mesh = meshes.pop()
+    return [mesh.get_group(i) for i in range(mesh.ndim)], mesh.size()
+
+
+def _group_device(group) -> torch.device:
+    """The device a collective over ``group`` runs on (a rank without gradients still takes part)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def zero_grad(parameters, set_to_none: bool = True) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..grad import clip_grad_norm_
 from ..optim.skipping import SkipsNonFiniteSteps
 from ..tensor import ScalingTensor
 from . import comm
@@ -118,7 +119,7 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         for s, a, b in self._grad_layout.pieces(self.rank):
             p = self.params[s]
             p.grad = shard[a:b].view(p.shape)
-        flag = torch.tensor([float(bool(torch.isfinite(shard).all()))])
+        flag = torch.isfinite(shard).all().float().reshape(1)  # on the gradients' device (NCCL)
         self._finite = bool(comm.all_reduce(flag, dist.ReduceOp.MIN, self.process_group)[0] > 0)
         self._reduced = True
         return self._finite
@@ -129,29 +130,15 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Clip the reduced gradients by their global norm (computed across the shards); returns
         the norm before clipping. `fp8lm.clip_grad_norm_(optimizer, max_norm)` calls this."""
-        if norm_type != 2.0:
-            raise ValueError(f"FP8ZeroOptimizer.clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}")
         self.reduce_gradients()
-        sq = torch.zeros(1, dtype=torch.float32)
-        for p in self.owned:
-            if p.grad is not None:
-                sq += p.grad.float().square().sum()
-        total = comm.all_reduce(sq, dist.ReduceOp.SUM, self.process_group).sqrt()[0]
-        if not bool(torch.isfinite(total)):  # the same answer on every rank
-            if error_if_nonfinite:
-                raise RuntimeError(
-                    f"the global norm of the gradients is non-finite ({total.item()}); "
-                    "set error_if_nonfinite=False to let the step be skipped"
-                )
-            # Finite gradients whose squares overflow float32 too: clipping by 0 would apply a
-            # momentum-only step; like fp8lm.clip_grad_norm_, the step is skipped and counted.
-            self._finite = False
-            return total
-        coef = max_norm / (float(total) + 1e-6)
-        if coef < 1:
-            for p in self.owned:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        owned = [p for p in self.owned if p.grad is not None]
+        # each rank holds whole gradients of its own parameters: their norms add up over the group
+        total = clip_grad_norm_(
+            owned, max_norm, norm_type, error_if_nonfinite, group=self.process_group or dist.group.WORLD
+        )
+        # Finite gradients whose squares overflow float32 too: clipping by 0 would apply a
+        # momentum-only step; like every fp8lm clip, the step is skipped and counted.
+        self._finite = self._finite and bool(torch.isfinite(total))  # the same answer on every rank
         return total
 
     @torch.no_grad()
@@ -185,14 +172,15 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
     def broadcast_weights(self) -> None:
         """All-gather the owners' weights as stored (FP8 payload bytes, or FP32) with their scales."""
         layout = self._weight_layout
-        mine = torch.zeros(layout.chunk, dtype=torch.uint8)
-        scales = torch.zeros(len(self.params), dtype=torch.float32)
+        device = self.params[0].device  # collectives run on the weights' device (NCCL: the GPU)
+        mine = torch.zeros(layout.chunk, dtype=torch.uint8, device=device)
+        scales = torch.zeros(len(self.params), dtype=torch.float32, device=device)
         for s, a, b in layout.pieces(self.rank):
             p = self.params[s]
             mine[a:b] = _storage(p).reshape(-1).view(torch.uint8)
             if isinstance(p, ScalingTensor):
                 scales[s] = p.scale
-        gathered = torch.empty(layout.numel, dtype=torch.uint8)
+        gathered = torch.empty(layout.numel, dtype=torch.uint8, device=device)
         comm.all_gather(gathered, mine, self.process_group)
         # Only the owner's entry is non-zero: a MAX all-reduce hands every scale to every rank.
         comm.all_reduce(scales, dist.ReduceOp.MAX, self.process_group)

@@ -206,17 +206,6 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
             self._finish_step(params, staged)
         return loss
 
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """`fp8lm.clip_grad_norm_` over this optimizer's parameters; over DTensor shards (FSDP2) by
-        the norm of the whole gradients (torch's ``clip_grad_norm_``, which reduces over the mesh)."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        if not any(isinstance(p, DTensor) for p in params):
-            return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        return total.full_tensor() if isinstance(total, DTensor) else total
-
     # -- checkpoints ----------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a `state_dict`; payload dtypes are kept (torch's loader would cast them to the

@@ -1,0 +1,85 @@
+"""`ParallelDims`: how a run's ranks split into pipeline stages, data-parallel replicas and shards,
+and tensor-parallel groups, and the one ``DeviceMesh`` built from it (as torchtitan's
+``ParallelDims``).
+
+The mesh's dimensions, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (data-parallel
+replicas, each holding the whole model state of its stage: FP8 data parallelism or DDP),
+``dp_shard`` (data-parallel ranks that shard the model state: FSDP2 or FP8 ZeRO) and ``tp``
+(tensor + sequence parallel ranks, consecutive so that they share a node). Every dimension is in
+the mesh, size 1 included, so code asks ``mesh["tp"]`` without knowing the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelDims", "MESH_DIMS"]
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the mesh's dimensions; their product is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in MESH_DIMS:
+            size = getattr(self, name)
+            if not (isinstance(size, int) and size >= 1):
+                raise ValueError(f"ParallelDims.{name} must be an integer >= 1, got {size!r}")
+
+    @classmethod
+    def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, shard: bool = False) -> ParallelDims:
+        """The dims of ``world`` ranks split into ``pp`` stages of ``tp`` ranks each, the rest
+        data-parallel: sharding the state (``shard``: FSDP2, FP8 ZeRO) or replicating it."""
+        if world % (tp * pp):
+            raise ValueError(
+                f"{world} ranks cannot be split into model replicas of tp {tp} x pp {pp} = {tp * pp} ranks: launch "
+                f"a multiple of {tp * pp} ranks (world size = dp x tp x pp)"
+            )
+        dp = world // (tp * pp)
+        return cls(pp=pp, dp_replicate=1 if shard else dp, dp_shard=dp if shard else 1, tp=tp)
+
+    @property
+    def world(self) -> int:
+        return math.prod(getattr(self, name) for name in MESH_DIMS)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the number of different batches a step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``rank``'s index along each dimension (row-major over `MESH_DIMS`, as the mesh)."""
+        out = {}
+        for name in reversed(MESH_DIMS):
+            size = getattr(self, name)
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in MESH_DIMS}
+
+    def dp_rank(self, rank: int) -> int:
+        """``rank``'s data-parallel index: which batches it draws (the ranks of one model replica
+        draw the same)."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The run's mesh (every rank calls it once), with the flattened ``dp`` dimension
+        (replicate x shard) for what spans all data-parallel ranks."""
+        mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+    def describe(self) -> str:
+        """One line for the run's output: the dimensions larger than 1."""
+        parts = [f"{name} {getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
+        return " x ".join(parts) or "one process"
