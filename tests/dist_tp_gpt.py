@@ -61,8 +61,9 @@ def tp_checks(rank, world) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+    from fp8lm import clip_grad_norm_
     from fp8lm.distributed import comm_stats, reset_comm_stats
-    from fp8lm.train.gpt_parallel import clip_grads_over_, finish_tensor_parallel_grads, tensor_parallel_plan
+    from fp8lm.train.gpt_parallel import finish_tensor_parallel_grads, tensor_parallel_plan
 
     cfg, model, ref, exact = models()
     mesh = init_device_mesh("cpu", (world,))
@@ -74,7 +75,8 @@ def tp_checks(rank, world) -> dict:
         loss = sum(out[1] for out in outs) / MICRO
         loss.backward()
     finish_tensor_parallel_grads(model, mesh.get_group())
-    norm = clip_grads_over_(list(model.parameters()), float("inf"), mesh.get_group(), plain_replicated=True)
+    # every rank of the group holds this stage: plain (replicated) gradients count once over it
+    norm = clip_grad_norm_(model.parameters(), float("inf"), group=mesh.get_group(), stage_size=world)
     res = {"loss": float(loss.detach()), "norm": float(norm), "stats": comm_stats()}
     logits = torch.cat([out[0].full_tensor() for out in outs])  # vocabulary-sharded; gathered after counting
     res["token_losses"] = token_losses(logits, y)
@@ -84,9 +86,10 @@ def tp_checks(rank, world) -> dict:
 def pp_checks(rank, world) -> dict:
     from torch.distributed.pipelining import ScheduleGPipe
 
+    from fp8lm import clip_grad_norm_
     from fp8lm.distributed import comm_stats, reset_comm_stats
     from fp8lm.distributed.pipeline import FP8PipelineStage, carrier_numel
-    from fp8lm.train.gpt_parallel import PipelineStageModule, clip_grads_over_
+    from fp8lm.train.gpt_parallel import PipelineStageModule
 
     cfg, model, ref, exact = models()
     stage = PipelineStageModule(model, rank, world, BATCH // MICRO)
@@ -109,7 +112,7 @@ def pp_checks(rank, world) -> dict:
         schedule.step(x)
     else:
         logits = schedule.step(target=y, losses=losses)  # the last stage's merged outputs
-    norm = clip_grads_over_(list(stage.parameters()), float("inf"))
+    norm = clip_grad_norm_(stage.parameters(), float("inf"), group=torch.distributed.group.WORLD)  # one stage a rank
     res = {
         "loss": sum(float(v) for v in losses) / MICRO if losses else None,
         "token_losses": None if stage.first else token_losses(logits, y),

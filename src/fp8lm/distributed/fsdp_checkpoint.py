@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
@@ -45,6 +45,9 @@ from .checkpoint import CheckpointError, CheckpointReader, check_finite
 __all__ = ["save_fsdp_checkpoint", "load_fsdp_checkpoint", "PlainDataLoadPlanner"]
 
 _SKIPPED = "skipped_steps"  # the optimizer's own counter, which get_state_dict leaves out
+# Param groups flattened to one entry per parameter name: ranks that hold different parameters
+# (pipeline stages) would otherwise write different values under one key, and DCP keeps one.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class PlainDataLoadPlanner(DefaultLoadPlanner):
@@ -71,7 +74,7 @@ def save_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: t
     """Write ``model`` and ``optimizer`` (sharded by FSDP2, or not) to the folder ``path``; every
     rank calls it."""
     _fill_state(optimizer)
-    model_state, optim_state = get_state_dict(model, optimizer)  # the live tensors, not copies
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)  # the live tensors, not copies
     _agree_weight_scales(model)  # after get_state_dict, whose zero step (torch's optimizers) requantizes
     optim_state[_SKIPPED] = getattr(optimizer, _SKIPPED, 0)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.fspath(path))
@@ -85,7 +88,7 @@ def load_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: t
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint folder at {path!r}; pass the folder save_fsdp_checkpoint wrote")
     _fill_state(optimizer)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     optim_state[_SKIPPED] = 0
     # Copies: DCP reads in place, and these state dicts hold the live parameters and state.
     state = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), {"model": model_state, "optim": optim_state})
@@ -98,7 +101,7 @@ def load_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: t
         raise
     check_finite(_local_tensors(state), path)
     skipped = int(state["optim"].pop(_SKIPPED))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
     if isinstance(optimizer, SkipsNonFiniteSteps):
         optimizer.skipped_steps = skipped
 

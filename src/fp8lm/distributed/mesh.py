@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelDims", "MESH_DIMS"]
+__all__ = ["ParallelDims", "ParallelMesh", "MESH_DIMS"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -72,14 +72,46 @@ class ParallelDims:
         c = self.coordinates(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The run's mesh (every rank calls it once), with the flattened ``dp`` dimension
-        (replicate x shard) for what spans all data-parallel ranks."""
-        mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        """The run's mesh; every rank calls it once (it creates the process groups)."""
+        return ParallelMesh.build(self, device_type)
 
     def describe(self) -> str:
         """One line for the run's output: the dimensions larger than 1."""
         parts = [f"{name} {getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
         return " x ".join(parts) or "one process"
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The run's ``DeviceMesh`` over `MESH_DIMS` (``mesh["tp"]``, ``mesh["pp"]``, ...) with two
+    flattened views kept beside it: ``dp`` (replicate x shard: every data-parallel rank of a model
+    part) and ``model`` (pp x dp_shard x tp: the ranks that together hold one copy of the model
+    state, over which a gradient norm is summed)."""
+
+    dims: ParallelDims
+    root: DeviceMesh
+    dp: DeviceMesh
+    model: DeviceMesh
+
+    @classmethod
+    def build(cls, dims: ParallelDims, device_type: str) -> ParallelMesh:
+        root = init_device_mesh(device_type, tuple(getattr(dims, n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        dp = root["dp_replicate", "dp_shard"]._flatten("dp")
+        model = root["pp", "dp_shard", "tp"]._flatten("model")
+        return cls(dims, root, dp, model)
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.root[name]
+
+    def mesh(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of dimension ``name``, or of the flattened ``dp`` / ``model``."""
+        return self.dp if name == "dp" else self.model if name == "model" else self.root[name]
+
+    def group(self, name: str):
+        """The process group of `mesh` ``name``."""
+        return self.mesh(name).get_group()
+
+    def clip_options(self) -> dict:
+        """`fp8lm.clip_grad_norm_`'s ``group`` and ``stage_size`` for gradients laid out on this mesh."""
+        return {"group": self.model.get_group(), "stage_size": self.dims.dp_shard * self.dims.tp}

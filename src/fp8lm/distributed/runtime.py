@@ -17,7 +17,9 @@ _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 def setup(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
     """Initialize the default process group from torchrun's environment; returns (rank, world size).
 
-    ``backend`` defaults to NCCL when CUDA is available, gloo otherwise. ``timeout_s`` bounds
+    ``backend`` defaults to ``cuda:nccl,cpu:gloo`` when CUDA is available (NCCL for the GPU
+    tensors every collective of a step uses; gloo for what must stay on the host, such as the
+    object collectives of checkpoints and run setup, since NCCL has no CPU backend), gloo otherwise. ``timeout_s`` bounds
     every collective: when a rank dies, the others fail with an error instead of waiting forever.
     Calling it again once initialized returns the current (rank, world size). In a worker that
     ``torchrun --max-restarts`` started again, the process group's keys get a prefix of their own
@@ -33,8 +35,8 @@ def setup(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, in
         )
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
+    backend = backend or ("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = timedelta(seconds=timeout_s)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -11,7 +11,7 @@ from ..recipe import DEFAULT_RECIPE
 from .checkpoint import atomic_write_bytes, list_checkpoints
 from .config import FP8_DATA_PARALLEL_LEVELS, FP8_LEVELS, FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
 from .loop import check_output, train
-from .parallel import join
+from .ranks import join
 from .report import format_seed_table, format_table, plot_losses, read_metrics, rel_gap
 
 __all__ = ["compare", "parse_levels", "parse_seeds", "aggregate_seeds", "BASELINE"]

@@ -199,20 +199,16 @@ class TrainConfig:
             return
         flag = f"--tp {self.tp}" if self.pp == 1 else f"--pp {self.pp}"
         refusals = [
-            (self.tp > 1 and self.pp > 1, "--tp with --pp (3-D) is not supported: use one of them"),
-            (
-                self.pp > 1 and self.fsdp,
-                "--pp with --fsdp is not supported: drop --fsdp (--pp is data-parallel over the other ranks)",
-            ),
+            (self.tp > 1 and self.pp > 1, "--tp with --pp (3-D) is not supported yet: use one of them"),
             (
                 self.opt_level == "O3",
-                f"{flag} with O3 (FP8 ZeRO over whole tensors) is not supported: use --opt-level O1 or O2",
+                f"{flag} with O3 (FP8 ZeRO over whole tensors) is not supported: use --opt-level O2 (with --fsdp "
+                "to shard the state)",
             ),
             (
                 self.grad_sync_scaling != "local",
                 f"--grad-sync-scaling sets FP8DataParallel's all-reduce, which {flag} replaces: drop it",
             ),
-            (self.resume or self.save_every > 0, f"{flag} runs write no checkpoints: drop --resume and --save-every"),
             (self.fallback, f"--fallback with {flag} is not supported: drop --fallback"),
             (
                 self.pp > 1 and self.grad_accum > 1,

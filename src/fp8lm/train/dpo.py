@@ -27,8 +27,8 @@ from .config import FP8_LEVELS, RunError, TrainConfig
 from .data import pack, stdlib_documents
 from .dpo_loss import DPOTerms, dpo_loss, sequence_logprobs, token_kl
 from .model import GPT, GPTConfig
-from .parallel import barrier, mean_over_ranks
 from .preference import PairBatch, PairSampler, builtin_pairs, encode_pairs, read_pairs, split_pairs
+from .ranks import barrier, mean_over_ranks
 from .run import TrainingRun
 
 __all__ = ["DPOConfig", "DPORun", "dpo", "finished_run", "SUMMARY_KEYS"]

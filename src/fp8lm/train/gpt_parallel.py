@@ -61,7 +61,6 @@ __all__ = [
     "tensor_parallel_plan",
     "torch_tensor_parallel_plan",
     "finish_tensor_parallel_grads",
-    "clip_grads_over_",
     "PipelineStageModule",
     "stage_blocks",
 ]
@@ -141,36 +140,6 @@ def _average(local: torch.Tensor, group, fp8: bool) -> torch.Tensor:
     return comm.all_reduce(local.contiguous(), group=group) / dist.get_world_size(group)
 
 
-def clip_grads_over_(parameters, max_norm: float, group=None, plain_replicated: bool = False) -> torch.Tensor:
-    """``clip_grad_norm_`` for parameters spread over ``group`` (tensor-, pipeline-parallel or
-    2-D ranks): each rank sums the squares of its local gradients, each divided by the number of
-    ranks of ``group`` that hold the same values (a DTensor's: the group's size over its number of
-    shards; a plain gradient's: 1, this rank's own (a pipeline stage's), or with
-    ``plain_replicated`` the group's size), and the sums are added over ``group``. Scales the
-    gradients in place; returns the norm before clipping."""
-    world = dist.get_world_size(group)
-    summed = torch.zeros(1)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        summed += local.float().square().sum().reshape(1) / _copies(g, world, plain_replicated)
-    norm = comm.all_reduce(summed, group=group).sqrt()[0]
-    factor = max_norm / (float(norm) + 1e-6)
-    if factor < 1.0:
-        for g in grads:
-            g.mul_(factor)
-    return norm
-
-
-def _copies(grad: torch.Tensor, world: int, plain_replicated: bool) -> int:
-    """Ranks of a group of ``world`` that hold ``grad``'s local values."""
-    if not isinstance(grad, DTensor):
-        return world if plain_replicated else 1
-    # any placement but Replicate shards (FSDP2 over a TP-sharded dimension is a _StridedShard)
-    shards = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())
-    return world // shards
-
-
 def stage_blocks(n_layer: int, stage: int, n_stages: int) -> range:
     """The blocks stage ``stage`` of ``n_stages`` holds: equal contiguous runs."""
     if n_layer % n_stages:
@@ -207,23 +176,25 @@ class PipelineStageModule(nn.Module):
         self.wte, self.wpe = (model.wte, model.wpe) if self.first else (None, None)
         entry = FP8StageInput(self.boundary) if wire_dtype is None else _Cast(torch.float32)
         self.entry = None if self.first else entry
-        self.blocks = nn.ModuleList(model.blocks[i] for i in stage_blocks(cfg.n_layer, stage, n_stages))
+        # keyed by the blocks' indices in the whole model, so the stage's parameter names are the
+        # model's (its checkpoints load into any other layout)
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in stage_blocks(cfg.n_layer, stage, n_stages)})
         self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if self.last else (None, None)
         self.exit = None if self.last else (FP8StageOutput() if wire_dtype is None else _Cast(wire_dtype))
 
-    def boundary_example(self) -> torch.Tensor:
+    def boundary_example(self, device: torch.device | None = None) -> torch.Tensor:
         """What crosses a boundary of this model, for ``PipelineStage``'s ``input_args`` /
         ``output_args``: an FP8 carrier, or the activation in ``wire_dtype``."""
         if self.wire_dtype is None:
-            return torch.empty(carrier_numel(math.prod(self.boundary)), dtype=torch.float32)
-        return torch.empty(self.boundary, dtype=self.wire_dtype)
+            return torch.empty(carrier_numel(math.prod(self.boundary)), dtype=torch.float32, device=device)
+        return torch.empty(self.boundary, dtype=self.wire_dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry is None:
             x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
         else:
             x = self.entry(x)
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x)
         if self.exit is not None:
             return self.exit(x)

@@ -13,7 +13,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, list_checkpoints
 from .config import RunError, TrainConfig
-from .parallel import Ranks, restarts_allowed
+from .ranks import Ranks, restarts_allowed
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -24,6 +24,7 @@ __all__ = [
     "lock_output",
     "check_state_fits",
     "check_resume",
+    "layout_options",
 ]
 
 CHECKPOINT_FORMAT = "fp8lm.train/2"
@@ -126,6 +127,8 @@ def check_state_fits(model: nn.Module, state: dict, where: str) -> None:
     """Raise one clear line when a checkpoint's weights do not fit ``model`` (a plain GPT): a weight
     of another shape, one missing, or one this model does not have (a deeper checkpoint)."""
     own, theirs = model.state_dict(), state["model"]
+    if theirs is None:  # sharded weights only (a --tp/--pp run): the shard folder's load checks them
+        return
     wrong = [k for k in own if k in theirs and tuple(theirs[k].shape) != tuple(own[k].shape)]
     missing = [k for k in own if k not in theirs]
     extra = [k for k in theirs if k not in own]
@@ -173,6 +176,7 @@ def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) 
             f"checkpoint {state['path']!r} was trained with --grad-sync-scaling {saved_scaling}, not "
             f"{cfg.grad_sync_scaling}; resume with --grad-sync-scaling {saved_scaling}"
         )
+    _check_same_layout(cfg, state)
     saved_world = len(state["ranks"])
     if saved_world != ranks.world:
         launch = f"torchrun --nproc_per_node {saved_world}" if saved_world > 1 else "one process (no torchrun)"
@@ -180,6 +184,24 @@ def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) 
             f"checkpoint {state['path']!r} was written by {saved_world} rank(s), this run has {ranks.world}: "
             f"each rank's batches and FP8 scaling histories continue exactly only at the same count; resume with {launch}"
         )
+
+
+def layout_options(cfg: TrainConfig) -> dict:
+    """How a run spreads its state over the ranks, as a checkpoint records it."""
+    return {"tp": cfg.tp, "pp": cfg.pp, "fsdp": cfg.fsdp}
+
+
+def _check_same_layout(cfg: TrainConfig, state: dict) -> None:
+    """Refuse another --tp/--pp/--fsdp than the checkpoint's run had: its shards load only into the
+    layout that wrote them (checkpoints without the record: their own checks apply)."""
+    saved = state.get("layout")
+    if saved is None or saved == layout_options(cfg):
+        return
+    theirs = " ".join([f"--tp {saved['tp']}", f"--pp {saved['pp']}", "--fsdp" if saved["fsdp"] else "no --fsdp"])
+    raise CheckpointError(
+        f"checkpoint {state['path']!r} was written with {theirs}: resume with the same options (another layout "
+        "cannot read its shards)"
+    )
 
 
 def _check_same_options(cfg: TrainConfig, state: dict, model: nn.Module) -> None:

@@ -5,7 +5,7 @@ what is done with it: `~TrainingRun.step`, `~TrainingRun.evaluate`, `~TrainingRu
 Other objectives subclass it and override the pieces that differ: `build_model`,
 `build_optimizer`, `load_data`, `next_batch`, `loss` (and `evaluate`, `summary`). How the state
 is spread over ranks (replicated, FP8 ZeRO, FSDP2, tensor or pipeline parallel) is the layout that
-`parallel.wrap_for_level` returns, not a branch here.
+`layouts.parallelize` returns, not a branch here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..distributed import FP8DataParallel, ddp_bytes, reset_comm_stats
+from ..distributed import ddp_bytes, reset_comm_stats
 from ..fallback import PrecisionFallback
 from ..memory import memory_report
 from ..nn import load_scaling_state_dict, scaling_state_dict
@@ -31,22 +31,20 @@ from ..telemetry import Telemetry, worst
 from .checkpoint import atomic_write_bytes, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
 from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents, stdlib_documents
+from .layouts import LayoutSpec, PipelineShape, parallelize
 from .logs import RunLogs, strict_json
 from .measure import saved_tensor_bytes
 from .model import GPT
-from .parallel import (
-    PipelineShape,
-    barrier,
-    broadcast_from_main,
-    comm_bytes,
-    counted_comm,
-    gather_to_main,
-    join,
-    mean_over_ranks,
-    unwrap,
-    wrap_for_level,
+from .ranks import barrier, broadcast_from_main, gather_to_main, join, mean_over_ranks
+from .resume import (
+    CHECKPOINT_FORMAT,
+    check_output,
+    check_resume,
+    check_state_fits,
+    layout_options,
+    lock_output,
+    resume_config,
 )
-from .resume import CHECKPOINT_FORMAT, check_output, check_resume, check_state_fits, lock_output, resume_config
 
 __all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
 
@@ -91,7 +89,7 @@ class TrainingRun:
     def __init__(self, cfg: TrainConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.ranks = join(cfg.tp, cfg.pp)
+        self.ranks = join(cfg.tp, cfg.pp, shard=cfg.fsdp or cfg.opt_level == "O3")
         if cfg.batch_size % (self.ranks.dp * (cfg.pp_microbatches if cfg.pp > 1 else 1)):
             raise RunError(
                 f"--batch-size {cfg.batch_size} (sequences per step, all ranks together) must divide by the "
@@ -111,18 +109,20 @@ class TrainingRun:
         self.num_params = sum(p.numel() for p in model.parameters())  # the whole model's, before any split
         self.autocast = contextlib.nullcontext() if cfg.opt_level == "fp32" else BF16Autocast(self.device.type)
         pipeline = PipelineShape(cfg.batch_size // self.ranks.dp, cfg.pp_microbatches, self.autocast)
-        self.model, self.optimizer, self.layout = wrap_for_level(
-            model,
-            self.build_optimizer(model),
+        spec = LayoutSpec(
             cfg.opt_level,
-            FP8_LEVELS,
-            self.ranks,
+            cfg.opt_level in FP8_LEVELS,
             cfg.initialize_options(),
             grad_sync_scaling=cfg.grad_sync_scaling,
             fsdp=cfg.fsdp,
-            pipeline=pipeline,
+            pipeline=pipeline if cfg.pp > 1 else None,
         )
-        self.core = unwrap(self.model)  # the model itself (this rank's stage): evaluation, memory, telemetry
+        # the one mesh of the run, built once (every rank creates its process groups)
+        self.mesh = self.ranks.dims.build_mesh(self.device.type) if self.ranks.distributed else None
+        self.model, self.optimizer, self.layout = parallelize(
+            model, self.build_optimizer(model), spec, self.ranks, self.mesh
+        )
+        self.core = self.layout.core(self.model)  # the model itself (this rank's stage): evaluation, memory, telemetry
         self.load_data()
         self.telemetry = self._telemetry()
         self.fallback = PrecisionFallback(self.telemetry.layers) if cfg.fallback else None
@@ -144,6 +144,11 @@ class TrainingRun:
         model = GPT(self.model_config)
         if self.cfg.init_from:
             init = load_checkpoint(self.cfg.init_from)
+            if init["model"] is None:
+                raise RunError(
+                    f"--init-from {self.cfg.init_from!r} keeps its weights sharded (a --tp/--pp run's checkpoint): "
+                    "start from a checkpoint of a run without --tp/--pp, or --resume that run"
+                )
             check_state_fits(model, init, repr(init["path"]))
             model.load_state_dict({k: init["model"][k] for k in model.state_dict()})
         return model
@@ -203,8 +208,8 @@ class TrainingRun:
         grad_norm = self.optimizer_step()
         if self.telemetry:
             records += self.telemetry.after_optimizer_step()
-        step_bytes = comm_bytes(self.model, self.num_params, self.ranks)
-        counted = counted_comm(self.model)
+        step_bytes = self.layout.comm_bytes(self.model, self.num_params)
+        counted = self.layout.counted_comm(self.model)
         done = step + 1
         if done == cfg.steps:  # training state at its fullest: weights, gradients, moments
             self.memory = memory_report(self.core, self.layout.local_optimizer(self.optimizer))
@@ -338,7 +343,7 @@ class TrainingRun:
                         tok_s=f"{self.timed_steps * self.tokens_per_step / self.train_time:,.0f}",
                     )
                 bar.update(1)
-                if ((cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps) and self.layout.checkpoints:
+                if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
                     self.save(done)
         finally:
             bar.close()
@@ -378,11 +383,12 @@ class TrainingRun:
             "model": model_state,
             "optimizer": self.layout.optimizer_state(self.optimizer),
             "optimizer_shards": shards,
-            "data_parallel": self.model.get_extra_state() if isinstance(self.model, FP8DataParallel) else None,
+            "data_parallel": self.layout.data_parallel_state(self.model),
             "ranks": every_rank,
             "fallback": self.fallback.state_dict() if self.fallback is not None else None,
             "skipped_steps": self.skipped_steps,
             "config": resume_config(self.cfg),
+            "layout": layout_options(self.cfg),
             # what the summary needs besides the logs, so that --resume can finish a run killed
             # between its final checkpoint and summary.json
             "memory": self.memory,
@@ -394,8 +400,7 @@ class TrainingRun:
         """Continue from checkpoint ``state`` (checked by `check_resume`): weights, optimizer,
         gradient sync state and this rank's scaling, batch and RNG state."""
         self.layout.load(self.out / "checkpoints", state, self.core, self.optimizer)
-        if state["data_parallel"] is not None:
-            self.model.set_extra_state(state["data_parallel"])
+        self.layout.load_data_parallel_state(self.model, state["data_parallel"])
         own = state["ranks"][self.ranks.rank]
         load_scaling_state_dict(self.core, own["scaling"])
         self.sampler.load_state_dict(own["sampler"])

@@ -1,0 +1,56 @@
+"""How a run's model and optimizer are spread over the ranks: one class per layout, each in its own
+module, all behind the `Layout` protocol (`base`). `parallelize` picks the first of `LAYOUTS` that
+applies to the run and lets it convert and spread the model; the training loop then calls only the
+layout's methods.
+
+A new layout is a new module here and an entry in `LAYOUTS`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...distributed.mesh import ParallelMesh
+from ..ranks import Ranks
+from .base import Layout, LayoutSpec, PipelineShape
+from .fsdp import FSDPLayout
+from .pipeline import PipelineLayout
+from .replicated import ReplicatedLayout
+from .tensor import TensorParallelLayout
+from .zero import ZeroLayout
+
+__all__ = [
+    "LAYOUTS",
+    "Layout",
+    "LayoutSpec",
+    "PipelineShape",
+    "parallelize",
+    "FSDPLayout",
+    "PipelineLayout",
+    "ReplicatedLayout",
+    "TensorParallelLayout",
+    "ZeroLayout",
+]
+
+# Asked in order; the one-process layout (the base) last.
+LAYOUTS: tuple[type[Layout], ...] = (
+    PipelineLayout,
+    TensorParallelLayout,
+    FSDPLayout,
+    ZeroLayout,
+    ReplicatedLayout,
+    Layout,
+)
+
+
+def parallelize(
+    model: nn.Module, optimizer: torch.optim.Optimizer, spec: LayoutSpec, ranks: Ranks, mesh: ParallelMesh | None
+) -> tuple[nn.Module, torch.optim.Optimizer, Layout]:
+    """Convert ``model``/``optimizer`` for ``spec``'s level and spread them over ``ranks`` (on
+    ``mesh``, None in one process) with the layout that applies; returns the model to train, the
+    optimizer and the layout."""
+    for layout in LAYOUTS:
+        if layout.applies(spec, ranks):
+            return layout.parallelize(model, optimizer, spec, ranks, mesh)
+    raise ValueError(f"no layout for {spec} on {ranks}")  # unreachable: config.validate refuses first

@@ -1,0 +1,125 @@
+"""Pipeline parallelism on the mesh's ``pp`` dimension (``--pp N``): this rank holds one stage of
+the GPT (`PipelineStageModule`: FP8 carriers at the FP8 levels, plain boundaries in BF16 at bf16,
+FP32 at fp32) and its optimizer state; a step is one ``ScheduleGPipe`` step over the shape's
+micro-batches (sends and receives counted by `FP8PipelineStage`), then every gradient averaged
+over the data-parallel replicas (FP8 or FP32), or, with ``--fsdp``, the stage sharded with FSDP2
+over the data-parallel ranks. The loss, the last stage's, is broadcast to the other stages;
+validation runs the stages one after another, micro-batch by micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import ScheduleGPipe
+
+from ...amp import initialize
+from ...distributed import comm, precompute_fp8_scales
+from ...distributed.pipeline import FP8PipelineStage
+from ..gpt_parallel import PipelineStageModule, finish_tensor_parallel_grads
+from .base import Layout, LayoutSpec, ShardedCheckpoints, point_optimizer_at
+from .fsdp import fsdp_options, shard_blocks_and_model
+
+__all__ = ["PipelineLayout", "token_loss"]
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss from the last stage's logits (`GPT.forward`'s)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class PipelineLayout(ShardedCheckpoints, Layout):
+    name = "pipeline parallel"
+    collective_forward = True
+
+    @classmethod
+    def applies(cls, spec: LayoutSpec, ranks) -> bool:
+        return ranks.pp > 1 and ranks.tp == 1
+
+    @classmethod
+    def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
+        if spec.pipeline is None:
+            raise ValueError("a pipeline layout needs the pipeline's shape (micro-batches, autocast)")
+        if spec.fp8:
+            model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
+        names = {id(p): name for name, p in model.named_parameters()}
+        wire = None if spec.fp8 else (torch.bfloat16 if spec.opt_level == "bf16" else torch.float32)
+        micro = spec.pipeline.local_batch // spec.pipeline.micro_batches
+        stage = PipelineStageModule(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire)
+        if spec.fsdp:
+            shard_blocks_and_model(stage, {**fsdp_options(spec), "mesh": mesh["dp_shard"]})
+        params = dict(stage.named_parameters())
+        point_optimizer_at(optimizer, names, params)
+        if spec.fsdp:
+            precompute_fp8_scales(stage)
+        return stage, optimizer, cls(ranks, mesh, spec, stage)
+
+    def __init__(self, ranks, mesh, spec: LayoutSpec, stage: PipelineStageModule) -> None:
+        super().__init__(ranks, mesh)
+        assert spec.pipeline is not None
+        self.stage, self.shape, self.fp8, self.fsdp = stage, spec.pipeline, spec.fp8, spec.fsdp
+        self.pp_group = mesh.group("pp")
+        self.dp_group = mesh.group("dp_replicate") if ranks.dims.dp_replicate > 1 else None
+        self.index, self.n_stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
+        self.device = next(stage.parameters()).device
+        example = stage.boundary_example(self.device)
+        micro, block_size = stage.boundary[:2]
+        if stage.first:
+            inputs = torch.zeros(micro, block_size, dtype=torch.long, device=self.device)
+        else:
+            inputs = example.requires_grad_()
+        if stage.last:
+            outputs = torch.zeros(micro, block_size, stage.lm_head.out_features, device=self.device)
+        else:
+            outputs = example.clone()
+        pipe = FP8PipelineStage(
+            stage,
+            self.index,
+            self.n_stages,
+            self.device,
+            input_args=inputs,
+            output_args=outputs.requires_grad_(),
+            group=self.pp_group,
+        )
+        self.schedule = ScheduleGPipe(pipe, n_microbatches=self.shape.micro_batches, loss_fn=token_loss)
+
+    def forward_backward(self, model: nn.Module, batches: list, loss: Callable) -> torch.Tensor:
+        (x, y), losses = batches[0], []  # one micro-batch per step: the schedule splits it (checked)
+        with self.shape.autocast:
+            if self.stage.first:
+                self.schedule.step(x.to(self.device))
+            elif self.stage.last:
+                self.schedule.step(target=y.to(self.device), losses=losses)
+            else:
+                self.schedule.step()
+        if self.dp_group is not None:
+            finish_tensor_parallel_grads(model, dp_group=self.dp_group, fp8=self.fp8)
+        if losses:
+            mean = torch.stack([v.detach().float() for v in losses]).mean().reshape(1)
+        else:
+            mean = torch.zeros(1, device=self.device)
+        return comm.broadcast(mean, src=self.n_stages - 1, group=self.pp_group)[0]
+
+    def eval_loss(self, model: nn.Module, batch, loss: Callable) -> torch.Tensor:
+        x, y = batch
+        pieces = x.shape[0] // self.stage.boundary[0]
+        total = torch.zeros(1, device=self.device)
+        for mx, my in zip(x.chunk(pieces), y.chunk(pieces), strict=True):
+            if self.stage.first:
+                h = mx.to(self.device)
+            else:
+                h = comm.recv(self.stage.boundary_example(self.device), self.index - 1, self.pp_group)
+            with self.shape.autocast:
+                h = model(h)
+            if self.stage.last:
+                total += token_loss(h, my.to(self.device)) / pieces
+            else:
+                comm.send(h.detach(), self.index + 1, self.pp_group)
+        return comm.broadcast(total, src=self.n_stages - 1, group=self.pp_group)[0]
+
+    def after_step(self, model: nn.Module) -> None:
+        if self.fsdp:
+            precompute_fp8_scales(model)

@@ -1,0 +1,84 @@
+"""Tensor + sequence parallelism on the mesh's ``tp`` dimension (``--tp N``), optionally with
+FSDP2 over the data-parallel ranks (``--tp N --fsdp``: 2-D).
+
+The GPT's plan (`fp8lm.train.gpt_parallel`): FP8 styles at O1/O2, torch's own styles with BF16
+activations at bf16, FP32 at fp32. Forward and backward run under torch's ``loss_parallel``
+(vocabulary-sharded logits) with torch's functional collectives counted while `comm_stats` is on
+(`CountedFunctionalCollectives`); after backward the norms' partial gradients are summed over
+``tp`` and, without FSDP2, every gradient averaged over the data-parallel replicas (FP8 or FP32,
+as the level's data parallelism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+from ...amp import initialize
+from ...distributed import precompute_fp8_scales
+from ...distributed.comm import CountedFunctionalCollectives
+from ..gpt_parallel import finish_tensor_parallel_grads, tensor_parallel_plan, torch_tensor_parallel_plan
+from .base import Layout, LayoutSpec, ShardedCheckpoints, point_optimizer_at
+from .fsdp import fsdp_options, shard_blocks_and_model
+
+__all__ = ["TensorParallelLayout", "apply_tensor_parallel", "replicated_value"]
+
+
+def apply_tensor_parallel(model: nn.Module, spec: LayoutSpec, mesh) -> None:
+    """The GPT's tensor + sequence parallel plan on ``mesh["tp"]``, for the level: FP8 styles
+    (after `fp8lm.initialize`), else torch's with the level's activations on the wire."""
+    activations = torch.bfloat16 if spec.opt_level == "bf16" else None
+    plan = tensor_parallel_plan(model.config) if spec.fp8 else torch_tensor_parallel_plan(model.config, activations)
+    parallelize_module(model, mesh["tp"], plan)
+
+
+def replicated_value(value: torch.Tensor) -> torch.Tensor:
+    """A loss computed under ``loss_parallel`` (a replicated DTensor) as a plain tensor."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+class TensorParallelLayout(ShardedCheckpoints, Layout):
+    name = "tensor parallel"
+    collective_forward = True
+
+    @classmethod
+    def applies(cls, spec: LayoutSpec, ranks) -> bool:
+        return ranks.tp > 1 and ranks.pp == 1
+
+    @classmethod
+    def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
+        if spec.fp8:
+            model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
+        names = {id(p): name for name, p in model.named_parameters()}
+        apply_tensor_parallel(model, spec, mesh)
+        if spec.fsdp:
+            shard_blocks_and_model(model, {**fsdp_options(spec), "mesh": mesh["dp_shard"]})
+        point_optimizer_at(optimizer, names, dict(model.named_parameters()))
+        if spec.fsdp:
+            precompute_fp8_scales(model)
+        return model, optimizer, cls(ranks, mesh, spec)
+
+    def __init__(self, ranks, mesh, spec: LayoutSpec) -> None:
+        super().__init__(ranks, mesh)
+        self.fp8, self.fsdp = spec.fp8, spec.fsdp
+        self.tp_group = mesh.group("tp")
+        # without FSDP2 the replicas' gradients are averaged here; FSDP2 reduce-scatters them itself
+        self.dp_group = mesh.group("dp_replicate") if ranks.dims.dp_replicate > 1 else None
+
+    def forward_backward(self, model: nn.Module, batches: list, loss: Callable) -> torch.Tensor:
+        with loss_parallel(), CountedFunctionalCollectives():
+            loss_sum = super().forward_backward(model, batches, loss)
+            finish_tensor_parallel_grads(model, self.tp_group, self.dp_group, fp8=self.fp8)
+        return replicated_value(loss_sum)
+
+    def eval_loss(self, model: nn.Module, batch, loss: Callable) -> torch.Tensor:
+        with loss_parallel(), CountedFunctionalCollectives():
+            return replicated_value(loss(model, batch))
+
+    def after_step(self, model: nn.Module) -> None:
+        if self.fsdp:
+            precompute_fp8_scales(model)

@@ -1,0 +1,56 @@
+"""FP8 ZeRO (opt_level O3 under torchrun): each data-parallel rank owns whole tensors' master
+weights and moments (`FP8ZeroOptimizer`: FP8 gradient reduce-scatter, FP8 weight all-gather), clips
+by the global norm of the reduced gradients and skips a non-finite step itself; checkpoints keep
+the shards in a ``step_<step>.dcp/`` folder next to the checkpoint file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...distributed import FP8ZeroOptimizer, wrap
+from ...distributed import load_checkpoint as load_sharded
+from ...distributed import save_checkpoint as save_sharded
+from ..checkpoint import shards_name
+from .base import Layout, LayoutSpec
+
+__all__ = ["ZeroLayout"]
+
+
+class ZeroLayout(Layout):
+    name = "FP8 ZeRO"
+
+    @classmethod
+    def applies(cls, spec: LayoutSpec, ranks) -> bool:
+        return ranks.distributed and ranks.tp == ranks.pp == 1 and spec.opt_level == "O3"
+
+    @classmethod
+    def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
+        model, optimizer = wrap(
+            model, optimizer, spec.opt_level, process_group=mesh.group("dp_shard"), **spec.initialize_options
+        )
+        return model, optimizer, cls(ranks, mesh)
+
+    def local_optimizer(self, optimizer: FP8ZeroOptimizer) -> torch.optim.Optimizer:
+        return optimizer.shard
+
+    def clip(self, model: nn.Module, optimizer: FP8ZeroOptimizer, max_norm: float) -> float:
+        return float(optimizer.clip_grad_norm_(max_norm))  # over the reduced gradients' owners
+
+    def clip_and_step(self, model: nn.Module, optimizer: FP8ZeroOptimizer, max_norm: float) -> tuple[float, bool]:
+        grad_norm = self.clip(model, optimizer, max_norm)
+        optimizer.step()
+        return grad_norm, bool(optimizer.last_step_skipped)
+
+    def save_shards(self, directory: Path, step: int, model: nn.Module, optimizer: FP8ZeroOptimizer) -> str:
+        name = shards_name(step)
+        save_sharded(directory / name, model, optimizer)
+        return name
+
+    def optimizer_state(self, optimizer: FP8ZeroOptimizer) -> None:
+        return None
+
+    def load(self, directory: Path, state: dict, model: nn.Module, optimizer: FP8ZeroOptimizer) -> None:
+        load_sharded(directory / state["optimizer_shards"], model, optimizer)
