@@ -25,7 +25,7 @@ SCENARIOS = (
     "data_parallel_shared",
     "zero",
     "activations",
-    "activations_nonfinite",
+    "nonfinite",
     "pipeline",
     "fsdp_reduce_scatter",
     "clip_over_ranks",
@@ -49,6 +49,8 @@ def test_every_collective_runs_on_the_cuda_device(traced, scenario):
     assert handed, f"{scenario} handed nothing to torch.distributed: the trace missed its collectives"
     on_cpu = [(kind, device) for kind, device in handed if not device.startswith("cuda")]
     assert not on_cpu, f"{scenario} handed {len(on_cpu)} of {len(handed)} tensors off the GPU: {on_cpu}"
+    # a CPU tensor computed with CUDA ones (a scale, a flag) is a host round trip, or a CPU buffer
+    assert result["mixed"] == [], f"{scenario}: ops on CPU and CUDA tensors together: {result['mixed']}"
 
 
 def test_the_trace_covers_every_scenario(traced):

@@ -113,9 +113,15 @@ def activations() -> None:
     ac._ReduceReplicatedGrad.backward(ctx, x)
 
 
-def activations_nonfinite() -> None:
-    """An inf activation takes the NaN-scale path of the agreed scale."""
-    ac.agreed_scale_all_gather(torch.full((4, 6), float("inf"), device=CUDA), 0)
+def nonfinite() -> None:
+    """The branches for inputs holding an inf or NaN (every host check answers False): the NaN
+    scales of the FP8 collectives, the activation all-gather and a pipeline carrier."""
+    x = torch.full((4, 6), float("inf"), device=CUDA)
+    fp8_all_reduce(x)
+    fp8_all_gather(x)
+    fp8_all_gather(fp8_grad((4, 6)))  # a ScalingTensor sent as is
+    ac.agreed_scale_all_gather(x, 0)
+    comm.send(pack_fp8(x, E4M3), 1)
 
 
 def pipeline() -> None:
@@ -149,7 +155,7 @@ SCENARIOS = {
         data_parallel_shared,
         zero,
         activations,
-        activations_nonfinite,
+        nonfinite,
         pipeline,
         fsdp_reduce_scatter,
         clip_over_ranks,
@@ -157,13 +163,33 @@ SCENARIOS = {
 }
 
 
-def trace(scenario) -> dict:
+class MixedDevices(cuda_trace.OpLog):
+    """`cuda_trace.OpLog` (which answers host syncs on fake tensors) that also notes every op whose
+    tensor arguments sit on different devices: a CPU tensor computed with CUDA ones is a host
+    round trip on a GPU, or a CPU buffer about to be communicated."""
+
+    def __init__(self):
+        super().__init__()
+        self.mixed: list[str] = []
+        self.truth = True  # what a host check (``bool(t)``) answers: False takes the non-finite branches
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "is_nonzero":
+            return self.truth
+        devices = {t.device.type for t in cuda_trace.tensors_in((args, kwargs or {}))}
+        if len(devices) > 1:
+            self.mixed.append(func.overloadpacket.__name__)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def trace(scenario, log: MixedDevices) -> dict:
+    log.mixed, log.truth = [], scenario is not nonfinite
     with comm.recording_devices() as handed:
         try:
             scenario()
         except Exception:
-            return {"handed": [], "error": traceback.format_exc(limit=-4)}
-    return {"handed": [[kind, str(device)] for kind, device in handed], "error": None}
+            return {"handed": [], "mixed": log.mixed, "error": traceback.format_exc(limit=-4)}
+    return {"handed": [[kind, str(device)] for kind, device in handed], "mixed": log.mixed, "error": None}
 
 
 def main() -> None:
@@ -172,9 +198,9 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     torch.manual_seed(0)
     out = {}
-    with FakeTensorMode(allow_non_fake_inputs=False), cuda_trace.OpLog():
+    with FakeTensorMode(allow_non_fake_inputs=False), MixedDevices() as log:
         for name, scenario in SCENARIOS.items():
-            out[name] = trace(scenario)
+            out[name] = trace(scenario, log)
     dist.destroy_process_group()
     print(json.dumps(out))
 
