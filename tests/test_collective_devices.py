@@ -40,7 +40,6 @@ def traced() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_every_collective_runs_on_the_cuda_device(traced, scenario):
     result = traced[scenario]
