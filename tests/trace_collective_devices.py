@@ -38,7 +38,7 @@ from fp8lm.distributed.collectives import (  # noqa: E402
 )
 from fp8lm.distributed.data_parallel import FP8DataParallel  # noqa: E402
 from fp8lm.distributed.fsdp import FP8ReduceScatter  # noqa: E402
-from fp8lm.distributed.pipeline import FP8StageInput, pack_fp8, unpack_fp8  # noqa: E402
+from fp8lm.distributed.pipeline import FP8PipelineStage, FP8StageInput, pack_fp8, unpack_fp8  # noqa: E402
 from fp8lm.distributed.zero import FP8ZeroOptimizer  # noqa: E402
 from fp8lm.formats import E4M3, E5M2  # noqa: E402
 from fp8lm.tensor import ScalingTensor  # noqa: E402
@@ -91,12 +91,15 @@ def data_parallel_shared() -> None:
 
 
 def zero() -> None:
-    m = model()
-    opt = FP8ZeroOptimizer(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    """O3: FP8 weights and FP8AdamW sharded by FP8ZeroOptimizer; a clipped step (reduce, clip,
+    update, weights all-gathered)."""
+    plain = model()
+    m, opt = fp8lm.initialize(plain, torch.optim.AdamW(plain.parameters()), "O3")
+    zero = FP8ZeroOptimizer(m, opt)
     give_grads(m)
-    opt.reduce_gradients()
-    opt.clip_grad_norm_(1.0)
-    opt.broadcast_weights()
+    zero.reduce_gradients()
+    zero.clip_grad_norm_(1.0)
+    zero.step()
 
 
 def activations() -> None:
@@ -132,6 +135,9 @@ def pipeline() -> None:
     received = comm.recv(stage_input.example_carrier(x.device), 1)
     unpack_fp8(received, x.shape, E4M3, x.dtype)
     comm.send(pack_fp8(torch.full_like(x, float("nan")), E5M2), 1)  # a NaN scale in the carrier
+    # what FP8PipelineStage notes of the sends and receives torch's schedules issue themselves
+    ops = [dist.P2POp(dist.isend, pack_fp8(x, E4M3), 1), dist.P2POp(dist.irecv, stage_input.example_carrier(CUDA), 1)]
+    FP8PipelineStage._counted(SimpleNamespace(group=None), ops)
 
 
 def fsdp_reduce_scatter() -> None:
