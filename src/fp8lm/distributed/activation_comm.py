@@ -53,10 +53,12 @@ def _agreed_scale(x: torch.Tensor, fmt: Format, group) -> torch.Tensor:
     ``x`` holds an inf or NaN (a MAX reduction need not propagate NaN, so a flag travels with it)."""
     local = amax(x).float()
     finite = bool(torch.isfinite(local))
-    box = torch.stack([local if finite else torch.zeros(()), torch.tensor(0.0 if finite else 1.0)])
+    # on x's device, as the all-reduce needs (NCCL has no CPU backend)
+    flag = torch.full((), 0.0 if finite else 1.0, device=local.device)
+    box = torch.stack([local if finite else torch.zeros_like(local), flag])
     comm.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
     if box[1] > 0:
-        return torch.tensor(math.nan)
+        return torch.full((), math.nan, device=local.device)
     return compute_scale(box[0], fmt)
 
 

@@ -12,9 +12,15 @@ What torch issues itself through its functional collectives (DTensor's redistrib
 torch's own tensor-parallel styles and FSDP2's reduction of a partial gradient over the TP mesh,
 and ``loss_parallel``'s reductions) is counted the same way while `CountedFunctionalCollectives`
 is active.
+
+`recording_devices` lists the device of every tensor handed over (NCCL refuses CPU tensors, so a
+test can check that nothing CPU-side reaches a collective, without a GPU).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -26,6 +32,7 @@ from . import accounting
 
 __all__ = [
     "check_group",
+    "group_device",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
@@ -34,12 +41,38 @@ __all__ = [
     "send",
     "recv",
     "CountedFunctionalCollectives",
+    "recording_devices",
+    "note_devices",
 ]
 
 # torch 2.13 renamed the tensor forms to *_single (the old names warn); older releases have only
 # the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# (kind, device) of every tensor handed to torch.distributed while `recording_devices` is active;
+# None otherwise, so that the check on every collective is one comparison.
+_device_log: list[tuple[str, torch.device]] | None = None
+
+
+@contextmanager
+def recording_devices() -> Iterator[list[tuple[str, torch.device]]]:
+    """While active, the yielded list gets ``(kind, device)`` for every tensor fp8lm hands to
+    torch.distributed (input and output buffers alike), in call order."""
+    global _device_log
+    previous, _device_log = _device_log, []
+    try:
+        yield _device_log
+    finally:
+        _device_log = previous
+
+
+def note_devices(kind: str, *tensors: torch.Tensor) -> None:
+    """Add ``tensors`` to the `recording_devices` list, if one is active (for collectives that torch
+    issues itself, such as a pipeline schedule's sends and receives)."""
+    if _device_log is not None:
+        _device_log.extend((kind, t.device) for t in tensors)
 
 
 def check_group(group=None) -> tuple[int, int]:
@@ -51,6 +84,14 @@ def check_group(group=None) -> tuple[int, int]:
             "torch.distributed.init_process_group) before an fp8lm collective"
         )
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def group_device(group=None) -> torch.device:
+    """The device a collective over ``group`` runs on when no tensor says so (a rank with nothing
+    to send still takes part): the current GPU for NCCL, which has no CPU backend; else the CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -74,6 +115,7 @@ def _summable(t: torch.Tensor, name: str) -> torch.Tensor:
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
     """Reduce ``tensor`` over the ranks in place with ``op``."""
     _summable(tensor, "all_reduce")
+    note_devices("all_reduce", tensor)
     accounting.record("all_reduce", _nbytes(tensor), dist.get_world_size(group), _nbytes(tensor))
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return work if async_op else tensor
@@ -82,6 +124,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
 def all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op: bool = False):
     """Every rank's ``input_tensor`` concatenated in rank order into ``output`` (``world_size`` times as
     many elements)."""
+    note_devices("all_gather", output, input_tensor)
     accounting.record("all_gather", _nbytes(output), dist.get_world_size(group), _nbytes(input_tensor))
     work = _all_gather_tensor(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
     return work if async_op else output
@@ -92,6 +135,7 @@ def reduce_scatter(
 ):
     """Rank ``r``'s ``output`` becomes chunk ``r`` of ``input_tensor`` reduced over the ranks with ``op``."""
     _summable(input_tensor, "reduce_scatter")
+    note_devices("reduce_scatter", output, input_tensor)
     accounting.record("reduce_scatter", _nbytes(input_tensor), dist.get_world_size(group), _nbytes(input_tensor))
     work = _reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=async_op)
     return work if async_op else output
@@ -100,6 +144,7 @@ def reduce_scatter(
 def all_to_all(output: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op: bool = False):
     """Chunk ``j`` of this rank's ``input_tensor`` goes to rank ``j``; chunk ``i`` of ``output`` comes from
     rank ``i`` (equal chunks along the first dimension)."""
+    note_devices("all_to_all", output, input_tensor)
     accounting.record("all_to_all", _nbytes(input_tensor), dist.get_world_size(group), _nbytes(input_tensor))
     work = dist.all_to_all_single(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
     return work if async_op else output
@@ -107,6 +152,7 @@ def all_to_all(output: torch.Tensor, input_tensor: torch.Tensor, group=None, asy
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """Rank ``src``'s ``tensor`` (``src`` counted within ``group``) copied into every rank's."""
+    note_devices("broadcast", tensor)
     handed = _nbytes(tensor) if dist.get_rank(group) == src else 0
     accounting.record("broadcast", _nbytes(tensor), dist.get_world_size(group), handed)
     source = dist.get_global_rank(group, src) if group is not None else src
@@ -126,6 +172,7 @@ def recv(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
 
 
 def _point_to_point(kind: str, tensor: torch.Tensor, peer: int, group, async_op: bool):
+    note_devices(kind, tensor)
     accounting.record(kind, _nbytes(tensor), dist.get_world_size(group), _nbytes(tensor) if kind == "send" else 0)
     peer = dist.get_global_rank(group, peer) if group is not None else peer
     blocking, non_blocking = (dist.send, dist.isend) if kind == "send" else (dist.recv, dist.irecv)
@@ -160,6 +207,7 @@ def _record_functional(name: str, args: tuple) -> None:
     group_name = args[3] if kind in ("all_to_all", "reduce_scatter") else args[2]
     group = _resolve_process_group(group_name)
     world = group.size()
+    note_devices(kind, *inputs)
     for t in inputs:
         handed = _nbytes(t)
         if kind == "broadcast" and group.rank() != args[1]:

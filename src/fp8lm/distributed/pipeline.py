@@ -35,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage
 from ..formats import E4M3, E5M2, Format
 from ..ops.cast import amax, saturating_cast
 from ..scaling import compute_scale
-from . import accounting
+from . import accounting, comm
 from .reduction import dequantize_payload
 
 __all__ = ["FP8StageOutput", "FP8StageInput", "FP8PipelineStage", "carrier_numel", "pack_fp8", "unpack_fp8"]
@@ -53,7 +53,7 @@ def pack_fp8(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     holds an inf or NaN, so the receiver reads NaN rather than saturated values)."""
     values = x.detach().reshape(-1)
     a = amax(values)
-    scale = compute_scale(a, fmt) if torch.isfinite(a) else torch.tensor(math.nan)
+    scale = compute_scale(a, fmt) if torch.isfinite(a) else torch.full((), math.nan, device=x.device)
     raw = torch.zeros(4 * carrier_numel(values.numel()), dtype=torch.uint8, device=x.device)
     raw[: values.numel()] = saturating_cast(values, scale, fmt).view(torch.uint8)
     raw[values.numel() : values.numel() + SCALE_BYTES] = scale.reshape(1).float().to(x.device).view(torch.uint8)
@@ -114,9 +114,10 @@ class FP8StageInput(nn.Module):
     def forward(self, carrier: torch.Tensor) -> torch.Tensor:
         return _ReceiveFP8.apply(carrier, self.shape, self.dtype)
 
-    def example_carrier(self) -> torch.Tensor:
-        """A carrier of the right size, for ``PipelineStage``'s ``input_args``."""
-        return torch.empty(carrier_numel(math.prod(self.shape)), dtype=torch.float32)
+    def example_carrier(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """A carrier of the right size, for ``PipelineStage``'s ``input_args`` or a receive buffer,
+        on ``device`` (the stage's: NCCL has no CPU backend; the CPU when None)."""
+        return torch.empty(carrier_numel(math.prod(self.shape)), dtype=torch.float32, device=device)
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, dtype={self.dtype}"
@@ -132,6 +133,7 @@ class FP8PipelineStage(PipelineStage):
             kind = "send" if op.op in (dist.isend, dist.send) else "recv"
             nbytes = op.tensor.numel() * op.tensor.element_size()
             accounting.record(kind, nbytes, world, nbytes if kind == "send" else 0)
+            comm.note_devices(kind, op.tensor)
         return ops
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:

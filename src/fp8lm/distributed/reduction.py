@@ -128,8 +128,14 @@ def _agreed_scales(amaxes: torch.Tensor, fmt: Format, group) -> torch.Tensor:
     not finite, so that segment reads as NaN everywhere."""
     comm.all_reduce(amaxes, dist.ReduceOp.MAX, group)
     scales = compute_scale(amaxes, fmt)
-    scales[~torch.isfinite(amaxes)] = math.nan
-    return scales
+    # masked, not indexed: a boolean index would copy the mask's count to the host
+    return scales.masked_fill_(~torch.isfinite(amaxes), math.nan)
+
+
+def _nan_scale(device: torch.device) -> torch.Tensor:
+    """The scale of a non-finite tensor, on the device its payload travels from (NCCL has no CPU
+    backend)."""
+    return torch.full((), math.nan, dtype=torch.float32, device=device)
 
 
 def quantize_segment(t: torch.Tensor, fmt: Format, dst: torch.Tensor) -> torch.Tensor:
@@ -139,10 +145,10 @@ def quantize_segment(t: torch.Tensor, fmt: Format, dst: torch.Tensor) -> torch.T
     if isinstance(t, ScalingTensor) and t.payload.dtype == fmt.dtype:
         dst.copy_(t.payload.reshape(-1))  # already in the wire format: send as is
         finite = torch.isfinite(amax(t.payload)) & torch.isfinite(t.scale)
-        return t.scale.reshape(()).float() if finite else torch.tensor(math.nan)
+        return t.scale.reshape(()).float() if finite else _nan_scale(dst.device)
     value = _as_fp32(t).reshape(-1)
     a = amax(value)
-    scale = compute_scale(a, fmt) if torch.isfinite(a) else torch.tensor(math.nan)
+    scale = compute_scale(a, fmt) if torch.isfinite(a) else _nan_scale(dst.device)
     dst.copy_(saturating_cast(value, scale, fmt))
     return scale
 
@@ -182,7 +188,7 @@ class LocalScaling:
         return quantize_segment(t, self.fmt, dst)
 
     def exchange_scales(self, scales: torch.Tensor, group) -> list:
-        self.all_scales = torch.empty(self.world_size * scales.numel(), dtype=torch.float32)
+        self.all_scales = torch.empty(self.world_size * scales.numel(), dtype=torch.float32, device=scales.device)
         return [comm.all_gather(self.all_scales, scales, group, async_op=True)]
 
     def received_scales(self, num_segments: int) -> torch.Tensor:
@@ -190,7 +196,7 @@ class LocalScaling:
         return self.all_scales.view(self.world_size, num_segments)
 
     def output_scales(self, shard: torch.Tensor, pieces, num_segments: int, group) -> torch.Tensor:
-        amaxes = torch.zeros(num_segments, dtype=torch.float32)
+        amaxes = torch.zeros(num_segments, dtype=torch.float32, device=shard.device)  # all-reduced: shard's device
         for s, a, b in pieces:
             amaxes[s] = torch.maximum(amaxes[s], _segment_amax(shard[a:b]))
         return _agreed_scales(amaxes, self.fmt, group)
@@ -217,7 +223,10 @@ class SharedScaling:
         self.scales = torch.empty(0)  # one per segment, the same on every rank
 
     def agree_input_scales(self, tensors: list[torch.Tensor], group) -> None:
-        amaxes = torch.stack([_segment_amax(t) for t in tensors]) if tensors else torch.zeros(0)
+        if tensors:
+            amaxes = torch.stack([_segment_amax(t) for t in tensors])
+        else:  # nothing to send, but the all-reduce still runs on the group's device
+            amaxes = torch.zeros(0, device=comm.group_device(group))
         self.scales = _agreed_scales(amaxes, self.fmt, group)
 
     def quantize_input(self, index: int, t: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -290,6 +299,8 @@ class FP8Reduction:
             raise ValueError("tensors do not match the layout's segment lengths")
         self.strategy = scaling_strategy(scaling, self.fmt, self.world_size, average, mu)
         self.tensors, self.layout, self.group = tensors, layout, group
+        # every buffer handed to a collective lives here: NCCL has no CPU backend
+        self.device = tensors[0].device if tensors else comm.group_device(group)
         self.shard: torch.Tensor | None = None  # this rank's FP32 sum, between reduce() and start_gather()
         self.out_scales: torch.Tensor | None = None  # one per segment, from start_gather()
         self._works: list = []  # the collectives in flight
@@ -317,8 +328,8 @@ class FP8Reduction:
 
     def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 payload of the whole flat buffer and the scale of each segment."""
-        flat = torch.zeros(self.layout.numel, dtype=self.fmt.dtype)
-        scales = torch.ones(self.layout.num_segments, dtype=torch.float32)
+        flat = torch.zeros(self.layout.numel, dtype=self.fmt.dtype, device=self.device)
+        scales = torch.ones(self.layout.num_segments, dtype=torch.float32, device=self.device)
         for s, (t, off, n) in enumerate(zip(self.tensors, self.layout.offsets, self.layout.lengths, strict=True)):
             scales[s] = self.strategy.quantize_input(s, t, flat[off : off + n])
         return flat.view(torch.uint8), scales
@@ -330,7 +341,7 @@ class FP8Reduction:
         chunk = self.layout.chunk
         recv = self._recv.view(self.fmt.dtype).view(self.world_size, chunk)
         inv = self.strategy.received_scales(self.layout.num_segments).reciprocal()
-        shard = torch.zeros(chunk, dtype=torch.float32)
+        shard = torch.zeros(chunk, dtype=torch.float32, device=self.device)
         for s, a, b in self.layout.pieces(self.rank):
             for i in range(self.world_size):  # fixed order: the same sum on every run
                 shard[a:b] += dequantize_payload(recv[i, a:b], inv[i, s])
@@ -345,11 +356,11 @@ class FP8Reduction:
         """Quantize the shard sum and launch the all-gather of the payloads."""
         pieces = self.layout.pieces(self.rank)
         self.out_scales = self.strategy.output_scales(self.shard, pieces, self.layout.num_segments, self.group)
-        out = torch.zeros(self.layout.chunk, dtype=self.fmt.dtype)
+        out = torch.zeros(self.layout.chunk, dtype=self.fmt.dtype, device=self.device)
         for s, a, b in pieces:
             out[a:b] = self.strategy.quantize_output(self.shard[a:b], self.out_scales[s])
         self.shard = None
-        self._gathered = torch.empty(self.layout.numel, dtype=torch.uint8)
+        self._gathered = torch.empty(self.layout.numel, dtype=torch.uint8, device=self.device)
         self._works = [comm.all_gather(self._gathered, out.view(torch.uint8), self.group, async_op=True)]
         return self
 
@@ -366,5 +377,5 @@ class FP8Reduction:
 
     def global_saturated(self) -> int:
         """Values saturated on all ranks together (one small SUM all-reduce; same on every rank)."""
-        count = torch.tensor([self.saturated], dtype=torch.int64)
+        count = torch.tensor([self.saturated], dtype=torch.int64, device=self.device)
         return int(comm.all_reduce(count, dist.ReduceOp.SUM, self.group))
