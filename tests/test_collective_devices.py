@@ -20,6 +20,7 @@ from fp8lm.distributed import comm
 
 SCRIPT = Path(__file__).resolve().parent / "trace_collective_devices.py"
 SCENARIOS = (
+    "training_loop",
     "collectives",
     "data_parallel_local",
     "data_parallel_shared",

@@ -153,9 +153,20 @@ def clip_over_ranks() -> None:
     fp8lm.clip_grad_norm_(params, 1.0, norm_type=float("inf"), group=dist.group.WORLD)
 
 
+def training_loop() -> None:
+    """The loop's own collectives: the loss's mean over ranks (`fp8lm.train.ranks`), computed on
+    the device the step ran on."""
+    from fp8lm.distributed.mesh import ParallelDims
+    from fp8lm.train.ranks import Ranks, mean_over_ranks
+
+    loss = cuda_randn(4).sum()
+    mean_over_ranks(loss, Ranks(0, ParallelDims(dp_replicate=2)))
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
+        training_loop,
         collectives,
         data_parallel_local,
         data_parallel_shared,

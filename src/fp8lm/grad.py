@@ -133,7 +133,7 @@ def _spread_norm(grads: list[torch.Tensor], norm_type: float, groups: list, stag
     `clip_grad_norm_`), on the gradients' device."""
     from .distributed import comm  # the one place that hands tensors to torch.distributed (a layer up)
 
-    device = grads[0].device if grads else _group_device(groups[0])
+    device = grads[0].device if grads else comm.group_device(groups[0])
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for g in grads:
         values = _float_values(g.to_local() if isinstance(g, DTensor) else g).to(device)
@@ -166,13 +166,6 @@ def _own_mesh(grads: list[torch.Tensor]) -> tuple[list, int]:
         )
     mesh = meshes.pop()
     return [mesh.get_group(i) for i in range(mesh.ndim)], mesh.size()
-
-
-def _group_device(group) -> torch.device:
-    """The device a collective over ``group`` runs on (a rank without gradients still takes part)."""
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def zero_grad(parameters, set_to_none: bool = True) -> None:
