@@ -1,5 +1,6 @@
-"""Every distributed layout checkpoints and resumes: `fp8lm train` under `--tp 2`, `--pp 2` and
-`--pp 2 --fsdp` (4 ranks), with its last checkpoint deleted and resumed from the one before,
+"""Every distributed layout checkpoints and resumes: `fp8lm train` under `--tp 2`, `--pp 2`,
+`--pp 2 --fsdp` and `--tp 2 --pp 2` (4 ranks) and 3-D (`--tp 2 --pp 2 --fsdp`, 8 ranks), with its
+last checkpoint deleted and resumed from the one before,
 writes the uninterrupted run's metrics byte for byte; and each layout is one clear line away from
 a checkpoint of another."""
 
@@ -64,8 +65,14 @@ def drop_last_checkpoint(run) -> None:
 
 @pytest.mark.parametrize(
     ("ranks", "flags"),
-    [(2, ("--tp", "2")), (2, ("--pp", "2", "--pp-microbatches", "2")), (4, ("--pp", "2", "--fsdp"))],
-    ids=["tp2", "pp2", "pp2_fsdp"],
+    [
+        (2, ("--tp", "2")),
+        (2, ("--pp", "2", "--pp-microbatches", "2")),
+        (4, ("--pp", "2", "--fsdp")),
+        (4, ("--tp", "2", "--pp", "2", "--pp-microbatches", "2")),
+        (8, ("--tp", "2", "--pp", "2", "--fsdp", "--pp-microbatches", "2")),
+    ],
+    ids=["tp2", "pp2", "pp2_fsdp", "tp2_pp2", "3d"],
 )
 def test_a_resumed_run_continues_byte_for_byte(tmp_path, ranks, flags):
     whole, cache = tmp_path / "whole", tmp_path / "cache"

@@ -151,7 +151,6 @@ def test_tp2_with_fsdp_on_4_ranks_is_2d(work, single):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"tp": 2, "pp": 2}, r"--tp with --pp \(3-D\) is not supported yet"),
         ({"tp": 2, "opt_level": "O3"}, "--tp 2 with O3 .* use --opt-level O2"),
         ({"tp": 2, "opt_level": "O1", "fallback": True}, "--fallback with --tp 2 is not supported"),
         ({"pp": 2, "grad_accum": 2}, "--pp splits each step into --pp-microbatches itself: drop --grad-accum"),
@@ -177,6 +176,7 @@ def test_tp_and_pp_within_their_limits_are_accepted():
         {"pp": 2, "fsdp": True, "opt_level": "O2"},
         {"tp": 2, "save_every": 2, "opt_level": "O2"},
         {"pp": 2, "resume": True},
+        {"tp": 2, "pp": 2, "fsdp": True, "opt_level": "O2"},
     ):
         TrainConfig(model="tiny", **fields).validate()
 

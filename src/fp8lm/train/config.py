@@ -199,7 +199,6 @@ class TrainConfig:
             return
         flag = f"--tp {self.tp}" if self.pp == 1 else f"--pp {self.pp}"
         refusals = [
-            (self.tp > 1 and self.pp > 1, "--tp with --pp (3-D) is not supported yet: use one of them"),
             (
                 self.opt_level == "O3",
                 f"{flag} with O3 (FP8 ZeRO over whole tensors) is not supported: use --opt-level O2 (with --fsdp "

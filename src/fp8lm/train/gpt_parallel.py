@@ -166,12 +166,20 @@ class PipelineStageModule(nn.Module):
     stage computes in float32 again)."""
 
     def __init__(
-        self, model: GPT, stage: int, n_stages: int, micro_batch: int, wire_dtype: torch.dtype | None = None
+        self,
+        model: GPT,
+        stage: int,
+        n_stages: int,
+        micro_batch: int,
+        wire_dtype: torch.dtype | None = None,
+        seq_shards: int = 1,
     ) -> None:
         super().__init__()
         cfg = model.config
         self.first, self.last = stage == 0, stage == n_stages - 1
-        self.boundary = (micro_batch, cfg.block_size, cfg.n_embd)
+        # under sequence parallelism (``seq_shards`` tensor-parallel ranks) a boundary carries this
+        # rank's slice of the sequence, to the same tensor-parallel rank of the next stage
+        self.boundary = (micro_batch, cfg.block_size // seq_shards, cfg.n_embd)
         self.wire_dtype = wire_dtype
         self.wte, self.wpe = (model.wte, model.wpe) if self.first else (None, None)
         entry = FP8StageInput(self.boundary) if wire_dtype is None else _Cast(torch.float32)
@@ -197,5 +205,5 @@ class PipelineStageModule(nn.Module):
         for block in self.blocks.values():
             x = block(x)
         if self.exit is not None:
-            return self.exit(x)
+            return self.exit(x.to_local() if isinstance(x, DTensor) else x)
         return self.lm_head(self.ln_f(x))

@@ -9,19 +9,23 @@ validation runs the stages one after another, micro-batch by micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe
+from torch.distributed.tensor.parallel import loss_parallel
 
 from ...amp import initialize
 from ...distributed import comm, precompute_fp8_scales
+from ...distributed.comm import CountedFunctionalCollectives
 from ...distributed.pipeline import FP8PipelineStage
 from ..gpt_parallel import PipelineStageModule, finish_tensor_parallel_grads
 from .base import Layout, LayoutSpec, ShardedCheckpoints, point_optimizer_at
 from .fsdp import fsdp_options, shard_blocks_and_model
+from .tensor import apply_tensor_parallel, replicated_value
 
 __all__ = ["PipelineLayout", "token_loss"]
 
@@ -37,7 +41,7 @@ class PipelineLayout(ShardedCheckpoints, Layout):
 
     @classmethod
     def applies(cls, spec: LayoutSpec, ranks) -> bool:
-        return ranks.pp > 1 and ranks.tp == 1
+        return ranks.pp > 1
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
@@ -46,9 +50,11 @@ class PipelineLayout(ShardedCheckpoints, Layout):
         if spec.fp8:
             model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
         names = {id(p): name for name, p in model.named_parameters()}
+        if ranks.tp > 1:  # 3-D: tensor parallel within each stage first
+            apply_tensor_parallel(model, spec, mesh)
         wire = None if spec.fp8 else (torch.bfloat16 if spec.opt_level == "bf16" else torch.float32)
         micro = spec.pipeline.local_batch // spec.pipeline.micro_batches
-        stage = PipelineStageModule(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire)
+        stage = PipelineStageModule(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire, seq_shards=ranks.tp)
         if spec.fsdp:
             shard_blocks_and_model(stage, {**fsdp_options(spec), "mesh": mesh["dp_shard"]})
         params = dict(stage.named_parameters())
@@ -61,7 +67,7 @@ class PipelineLayout(ShardedCheckpoints, Layout):
         super().__init__(ranks, mesh)
         assert spec.pipeline is not None
         self.stage, self.shape, self.fp8, self.fsdp = stage, spec.pipeline, spec.fp8, spec.fsdp
-        self.pp_group = mesh.group("pp")
+        self.pp_group, self.tp_group = mesh.group("pp"), mesh.group("tp") if ranks.tp > 1 else None
         self.dp_group = mesh.group("dp_replicate") if ranks.dims.dp_replicate > 1 else None
         self.index, self.n_stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
         self.device = next(stage.parameters()).device
@@ -88,17 +94,17 @@ class PipelineLayout(ShardedCheckpoints, Layout):
 
     def forward_backward(self, model: nn.Module, batches: list, loss: Callable) -> torch.Tensor:
         (x, y), losses = batches[0], []  # one micro-batch per step: the schedule splits it (checked)
-        with self.shape.autocast:
+        with self.shape.autocast, self.tensor_parallel():
             if self.stage.first:
                 self.schedule.step(x.to(self.device))
             elif self.stage.last:
                 self.schedule.step(target=y.to(self.device), losses=losses)
             else:
                 self.schedule.step()
-        if self.dp_group is not None:
-            finish_tensor_parallel_grads(model, dp_group=self.dp_group, fp8=self.fp8)
+            if self.tp_group is not None or self.dp_group is not None:
+                finish_tensor_parallel_grads(model, self.tp_group, self.dp_group, fp8=self.fp8)
         if losses:
-            mean = torch.stack([v.detach().float() for v in losses]).mean().reshape(1)
+            mean = torch.stack([replicated_value(v).detach().float() for v in losses]).mean().reshape(1)
         else:
             mean = torch.zeros(1, device=self.device)
         return comm.broadcast(mean, src=self.n_stages - 1, group=self.pp_group)[0]
@@ -112,13 +118,23 @@ class PipelineLayout(ShardedCheckpoints, Layout):
                 h = mx.to(self.device)
             else:
                 h = comm.recv(self.stage.boundary_example(self.device), self.index - 1, self.pp_group)
-            with self.shape.autocast:
+            with self.shape.autocast, self.tensor_parallel():
                 h = model(h)
-            if self.stage.last:
-                total += token_loss(h, my.to(self.device)) / pieces
-            else:
+                if self.stage.last:
+                    total += replicated_value(token_loss(h, my.to(self.device))) / pieces
+            if not self.stage.last:
                 comm.send(h.detach(), self.index + 1, self.pp_group)
         return comm.broadcast(total, src=self.n_stages - 1, group=self.pp_group)[0]
+
+    def tensor_parallel(self) -> contextlib.AbstractContextManager:
+        """Under 3-D: torch's ``loss_parallel`` (the last stage's logits are vocabulary-sharded)
+        with torch's functional collectives counted."""
+        if self.tp_group is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(loss_parallel())
+        stack.enter_context(CountedFunctionalCollectives())
+        return stack
 
     def after_step(self, model: nn.Module) -> None:
         if self.fsdp:
