@@ -63,9 +63,13 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
     locally until `step` (or `reduce_gradients`), so gradient accumulation needs no ``no_sync``.
     Skipped steps and clipping follow `fp8lm.optim.SkipsNonFiniteSteps` (one count for all ranks;
     `clip_grad_norm_` by the global norm).
+
+    ``norm_group``: the ranks over which the gradient norm adds up, when more than
+    ``process_group``'s hold parameters of the model (pipeline stages, each sharded over its own
+    data-parallel ranks: the stages' ``pp x dp`` group); ``process_group`` by default.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, process_group=None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, process_group=None, norm_group=None) -> None:
         self.rank, self.world_size = comm.check_group(process_group)
         if any(optimizer.state.values()):
             raise ValueError(
@@ -84,6 +88,7 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in the optimizer's param groups")
         self.process_group = process_group
+        self.norm_group = norm_group if norm_group is not None else process_group
         self.names = [names[id(p)] for p in params]
         self.params = params
         self.owners = partition_by_size([p.numel() for p in params], self.world_size)
@@ -134,7 +139,7 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         owned = [p for p in self.owned if p.grad is not None]
         # each rank holds whole gradients of its own parameters: their norms add up over the group
         total = clip_grad_norm_(
-            owned, max_norm, norm_type, error_if_nonfinite, group=self.process_group or dist.group.WORLD
+            owned, max_norm, norm_type, error_if_nonfinite, group=self.norm_group or dist.group.WORLD
         )
         # Finite gradients whose squares overflow float32 too: clipping by 0 would apply a
         # momentum-only step; like every fp8lm clip, the step is skipped and counted.

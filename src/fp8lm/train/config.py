@@ -200,9 +200,9 @@ class TrainConfig:
         flag = f"--tp {self.tp}" if self.pp == 1 else f"--pp {self.pp}"
         refusals = [
             (
-                self.opt_level == "O3",
-                f"{flag} with O3 (FP8 ZeRO over whole tensors) is not supported: use --opt-level O2 (with --fsdp "
-                "to shard the state)",
+                self.opt_level == "O3" and self.tp > 1,
+                f"--tp {self.tp} with O3 is not supported: FP8 ZeRO shards whole tensors, tensor parallelism "
+                "slices them; use --opt-level O2 --fsdp to shard the state",
             ),
             (
                 self.grad_sync_scaling != "local",

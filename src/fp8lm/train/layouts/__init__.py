@@ -16,6 +16,7 @@ from ..ranks import Ranks
 from .base import Layout, LayoutSpec, PipelineShape
 from .fsdp import FSDPLayout
 from .pipeline import PipelineLayout
+from .pipeline_zero import PipelineZeroLayout
 from .replicated import ReplicatedLayout
 from .tensor import TensorParallelLayout
 from .zero import ZeroLayout
@@ -28,6 +29,7 @@ __all__ = [
     "parallelize",
     "FSDPLayout",
     "PipelineLayout",
+    "PipelineZeroLayout",
     "ReplicatedLayout",
     "TensorParallelLayout",
     "ZeroLayout",
@@ -35,6 +37,7 @@ __all__ = [
 
 # Asked in order; the one-process layout (the base) last.
 LAYOUTS: tuple[type[Layout], ...] = (
+    PipelineZeroLayout,
     PipelineLayout,
     TensorParallelLayout,
     FSDPLayout,

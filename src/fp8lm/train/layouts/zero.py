@@ -16,22 +16,13 @@ from ...distributed import save_checkpoint as save_sharded
 from ..checkpoint import shards_name
 from .base import Layout, LayoutSpec
 
-__all__ = ["ZeroLayout"]
+__all__ = ["ZeroLayout", "ZeroState"]
 
 
-class ZeroLayout(Layout):
-    name = "FP8 ZeRO"
-
-    @classmethod
-    def applies(cls, spec: LayoutSpec, ranks) -> bool:
-        return ranks.distributed and ranks.tp == ranks.pp == 1 and spec.opt_level == "O3"
-
-    @classmethod
-    def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
-        model, optimizer = wrap(
-            model, optimizer, spec.opt_level, process_group=mesh.group("dp_shard"), **spec.initialize_options
-        )
-        return model, optimizer, cls(ranks, mesh)
+class ZeroState:
+    """What FP8 ZeRO changes in a layout: the optimizer state this rank holds is its shard; the
+    optimizer reduces, clips (by the global norm) and skips a non-finite step itself; checkpoints
+    keep its shards (and the model) in a ``step_<step>.dcp/`` folder."""
 
     def local_optimizer(self, optimizer: FP8ZeroOptimizer) -> torch.optim.Optimizer:
         return optimizer.shard
@@ -54,3 +45,18 @@ class ZeroLayout(Layout):
 
     def load(self, directory: Path, state: dict, model: nn.Module, optimizer: FP8ZeroOptimizer) -> None:
         load_sharded(directory / state["optimizer_shards"], model, optimizer)
+
+
+class ZeroLayout(ZeroState, Layout):
+    name = "FP8 ZeRO"
+
+    @classmethod
+    def applies(cls, spec: LayoutSpec, ranks) -> bool:
+        return ranks.distributed and ranks.tp == ranks.pp == 1 and spec.opt_level == "O3"
+
+    @classmethod
+    def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
+        model, optimizer = wrap(
+            model, optimizer, spec.opt_level, process_group=mesh.group("dp_shard"), **spec.initialize_options
+        )
+        return model, optimizer, cls(ranks, mesh)
