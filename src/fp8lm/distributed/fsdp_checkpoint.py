@@ -42,7 +42,14 @@ from ..optim.state import init_state
 from ..tensor import ScalingTensor
 from .checkpoint import CheckpointError, CheckpointReader, check_finite
 
-__all__ = ["save_fsdp_checkpoint", "load_fsdp_checkpoint", "PlainDataLoadPlanner"]
+__all__ = [
+    "save_fsdp_checkpoint",
+    "load_fsdp_checkpoint",
+    "PlainDataLoadPlanner",
+    "fill_state",
+    "read_dcp",
+    "row_chunked",
+]
 
 _SKIPPED = "skipped_steps"  # the optimizer's own counter, which get_state_dict leaves out
 # Param groups flattened to one entry per parameter name: ranks that hold different parameters
@@ -73,11 +80,14 @@ class PlainDataLoadPlanner(DefaultLoadPlanner):
 def save_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write ``model`` and ``optimizer`` (sharded by FSDP2, or not) to the folder ``path``; every
     rank calls it."""
-    _fill_state(optimizer)
+    fill_state(optimizer)
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)  # the live tensors, not copies
     _agree_weight_scales(model)  # after get_state_dict, whose zero step (torch's optimizers) requantizes
     optim_state[_SKIPPED] = getattr(optimizer, _SKIPPED, 0)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.fspath(path))
+    # which rows a chunked tensor-parallel layer ordered rank by rank (fp8lm.distributed.reshard)
+    chunked = {name: f"{chunks},{tp}" for name, (chunks, tp) in row_chunked(model).items()}
+    state = {"model": model_state, "optim": optim_state, "row_chunks": chunked}
+    dcp.save(state, checkpoint_id=os.fspath(path))
 
 
 def load_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -87,18 +97,12 @@ def load_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: t
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint folder at {path!r}; pass the folder save_fsdp_checkpoint wrote")
-    _fill_state(optimizer)
+    fill_state(optimizer)
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     optim_state[_SKIPPED] = 0
     # Copies: DCP reads in place, and these state dicts hold the live parameters and state.
     state = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), {"model": model_state, "optim": optim_state})
-    try:
-        dcp.load(state, storage_reader=CheckpointReader(path), planner=PlainDataLoadPlanner())
-    except CheckpointException as e:  # DCP wraps every rank's failure in one multi-line exception
-        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
-        if ours:
-            raise ours[0] from None
-        raise
+    read_dcp(state, path, PlainDataLoadPlanner())
     check_finite(_local_tensors(state), path)
     skipped = int(state["optim"].pop(_SKIPPED))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
@@ -106,7 +110,29 @@ def load_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: t
         optimizer.skipped_steps = skipped
 
 
-def _fill_state(optimizer: torch.optim.Optimizer) -> None:
+def read_dcp(state: dict, path: str, planner: DefaultLoadPlanner, coordinated: bool = True) -> None:
+    """``dcp.load`` of ``state`` from ``path`` through the trusting-nothing reader, raising a
+    `CheckpointError` of any rank as itself (DCP wraps every rank's failure in one multi-line
+    exception). ``coordinated=False``: this rank reads alone (no collective)."""
+    try:
+        dcp.load(state, storage_reader=CheckpointReader(path), planner=planner, no_dist=not coordinated)
+    except CheckpointException as e:
+        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
+
+
+def row_chunked(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (chunks, tensor-parallel size) of rows ordered rank by rank."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, spec in getattr(module, "row_chunks", {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = tuple(spec)
+    return out
+
+
+def fill_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every parameter of an fp8lm optimizer its (zero) state, so that ``get_state_dict`` need
     not take its zero-gradient step, which would requantize the weights."""
     if not isinstance(optimizer, (FP8Adam, FP8AdamW)):  # torch's optimizers: that step changes nothing

@@ -96,6 +96,8 @@ def _distribute(module: nn.Module, name: str, placement: Placement, chunks: int,
     local = param.detach() if dim is None else _shard_value(param, dim, chunks, mesh)
     dt = DTensor.from_local(local, mesh, (placement,), run_check=False)
     module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+    if chunks > 1:  # the rows are ordered rank by rank: checkpoints restore the model's order
+        module.row_chunks = {**getattr(module, "row_chunks", {}), name: (chunks, mesh.size())}
 
 
 class _LocalShards:

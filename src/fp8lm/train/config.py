@@ -208,7 +208,6 @@ class TrainConfig:
                 self.grad_sync_scaling != "local",
                 f"--grad-sync-scaling sets FP8DataParallel's all-reduce, which {flag} replaces: drop it",
             ),
-            (self.fallback, f"--fallback with {flag} is not supported: drop --fallback"),
             (
                 self.pp > 1 and self.grad_accum > 1,
                 "--pp splits each step into --pp-microbatches itself: drop --grad-accum",

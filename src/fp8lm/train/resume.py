@@ -176,32 +176,12 @@ def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) 
             f"checkpoint {state['path']!r} was trained with --grad-sync-scaling {saved_scaling}, not "
             f"{cfg.grad_sync_scaling}; resume with --grad-sync-scaling {saved_scaling}"
         )
-    _check_same_layout(cfg, state)
-    saved_world = len(state["ranks"])
-    if saved_world != ranks.world:
-        launch = f"torchrun --nproc_per_node {saved_world}" if saved_world > 1 else "one process (no torchrun)"
-        raise CheckpointError(
-            f"checkpoint {state['path']!r} was written by {saved_world} rank(s), this run has {ranks.world}: "
-            f"each rank's batches and FP8 scaling histories continue exactly only at the same count; resume with {launch}"
-        )
+    # another world size or layout reshards (fp8lm.train.reshard decides what it can)
 
 
 def layout_options(cfg: TrainConfig) -> dict:
     """How a run spreads its state over the ranks, as a checkpoint records it."""
     return {"tp": cfg.tp, "pp": cfg.pp, "fsdp": cfg.fsdp}
-
-
-def _check_same_layout(cfg: TrainConfig, state: dict) -> None:
-    """Refuse another --tp/--pp/--fsdp than the checkpoint's run had: its shards load only into the
-    layout that wrote them (checkpoints without the record: their own checks apply)."""
-    saved = state.get("layout")
-    if saved is None or saved == layout_options(cfg):
-        return
-    theirs = " ".join([f"--tp {saved['tp']}", f"--pp {saved['pp']}", "--fsdp" if saved["fsdp"] else "no --fsdp"])
-    raise CheckpointError(
-        f"checkpoint {state['path']!r} was written with {theirs}: resume with the same options (another layout "
-        "cannot read its shards)"
-    )
 
 
 def _check_same_options(cfg: TrainConfig, state: dict, model: nn.Module) -> None:

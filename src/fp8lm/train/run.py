@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO
 
 import torch
@@ -36,6 +37,7 @@ from .logs import RunLogs, strict_json
 from .measure import saved_tensor_bytes
 from .model import GPT
 from .ranks import barrier, broadcast_from_main, gather_to_main, join, mean_over_ranks
+from .reshard import NEW_STREAM, Reshard, full_state_from_file, load_resharded, merged_scaling, plan_reshard
 from .resume import (
     CHECKPOINT_FORMAT,
     check_output,
@@ -103,8 +105,10 @@ class TrainingRun:
         torch.manual_seed(cfg.seed)
         model = self.build_model()
         resume = load_checkpoint(self.out / "checkpoints") if resuming else None
+        self.reshard: Reshard | None = None  # set when resuming in another layout or rank count
         if resume is not None:
             check_resume(cfg, resume, model, self.ranks)
+            self.reshard = plan_reshard(resume, self.ranks, cfg.opt_level)
         model.to(self.device)
         self.num_params = sum(p.numel() for p in model.parameters())  # the whole model's, before any split
         self.autocast = contextlib.nullcontext() if cfg.opt_level == "fp32" else BF16Autocast(self.device.type)
@@ -125,7 +129,7 @@ class TrainingRun:
         self.core = self.layout.core(self.model)  # the model itself (this rank's stage): evaluation, memory, telemetry
         self.load_data()
         self.telemetry = self._telemetry()
-        self.fallback = PrecisionFallback(self.telemetry.layers) if cfg.fallback else None
+        self.fallback = self._fallback() if cfg.fallback else None
         self.start_step, self.torch_skipped_steps = 0, 0
         self.train_time, self.timed_steps = 0.0, 0  # the first step compiles and warms up: not timed
         self.memory: dict | None = None
@@ -266,6 +270,9 @@ class TrainingRun:
         done = record["step"]
         for r in records:
             r["step"] = done  # the step count, as in metrics.jsonl (Telemetry numbers steps from 0)
+        if self._model_parallel:  # the first replica's ranks hold the layers: judged from all of theirs
+            gathered = gather_to_main(records if self.ranks.dp_rank == 0 else [], self.ranks)
+            records = merge_shard_records(gathered) if gathered is not None else []
         if self.ranks.main and records:
             for r in records:
                 self.logs.telemetry.write(r)
@@ -280,7 +287,8 @@ class TrainingRun:
         events = self.fallback.update(records) if self.ranks.main else []
         switched = broadcast_from_main({n: m.high_precision for n, m in self.fallback.layers.items()}, self.ranks)
         for name, on in switched.items():
-            self.fallback.layers[name].high_precision = on
+            if name in self.fallback.layers:  # under tensor or pipeline parallelism: the layers this rank holds
+                self.fallback.layers[name].high_precision = on
         if events:
             record["fallback"] = events
             for e in events:
@@ -398,21 +406,53 @@ class TrainingRun:
 
     def restore(self, state: dict) -> None:
         """Continue from checkpoint ``state`` (checked by `check_resume`): weights, optimizer,
-        gradient sync state and this rank's scaling, batch and RNG state."""
-        self.layout.load(self.out / "checkpoints", state, self.core, self.optimizer)
+        gradient sync state and this rank's scaling, batch and RNG state; resharded when the
+        checkpoint is of another layout or rank count (`fp8lm.train.reshard`)."""
+        if self.reshard is None:
+            self.layout.load(self.out / "checkpoints", state, self.core, self.optimizer)
+            own = state["ranks"][self.ranks.rank]
+            load_scaling_state_dict(self.core, own["scaling"])
+            self.sampler.load_state_dict(own["sampler"])
+        else:
+            self._restore_resharded(state)
+            own = state["ranks"][0]
         self.layout.load_data_parallel_state(self.model, state["data_parallel"])
-        own = state["ranks"][self.ranks.rank]
-        load_scaling_state_dict(self.core, own["scaling"])
-        self.sampler.load_state_dict(own["sampler"])
         torch.set_rng_state(own["rng"]["torch"])
-        if self.device.type == "cuda" and own["rng"]["cuda"]:
+        if self.device.type == "cuda" and len(own["rng"]["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(own["rng"]["cuda"])
         if self.fallback is not None and state["fallback"] is not None:
-            self.fallback.load_state_dict(state["fallback"])
+            saved = state["fallback"]
+            held = {n: on for n, on in saved["high_precision"].items() if n in self.fallback.layers}
+            self.fallback.load_state_dict({**saved, "high_precision": held})
         self.start_step, self.torch_skipped_steps = int(state["step"]), int(state["skipped_steps"])
         self.memory = state.get("memory")
         timing = state.get("timing") or {"train_time": 0.0, "timed_steps": 0}
         self.train_time, self.timed_steps = float(timing["train_time"]), int(timing["timed_steps"])
+
+    def _restore_resharded(self, state: dict) -> None:
+        """`restore` from a checkpoint of another layout or rank count (`fp8lm.train.reshard`)."""
+        plan, step = self.reshard, int(state["step"])
+        assert plan is not None
+        if self.ranks.main:
+            tqdm.write(f"resuming step {step} resharded: {plan.describe()}")
+        directory = self.out / "checkpoints"
+        if self.cfg.opt_level == "O3":  # FP8 ZeRO shards load at any partition
+            self.layout.load(directory, state, self.core, self.optimizer)
+        else:
+            load_resharded(directory, state, self.core, self.optimizer, lambda: self._full_state_from_file(state))
+        own_scaling = scaling_state_dict(self.core)
+        load_scaling_state_dict(self.core, merged_scaling(state["ranks"], self.core, own_scaling))
+        if plan.same_batches:  # the saved rank of this replica continues its stream
+            saved = next(r for r in range(plan.saved.world) if plan.saved.dp_rank(r) == self.ranks.dp_rank)
+            self.sampler.load_state_dict(state["ranks"][saved]["sampler"])
+        else:
+            self.sampler.generator.manual_seed(self.cfg.seed + self.ranks.dp_rank + NEW_STREAM * step)
+            self.sampler.batches_drawn = step * self.cfg.grad_accum
+
+    def _full_state_from_file(self, state: dict) -> dict:
+        """A checkpoint file's state by parameter name (the names of a plain model's optimizer)."""
+        model = self.build_model()
+        return full_state_from_file(state, model, self.build_optimizer(model))
 
     def summary(self) -> dict:
         """The run's results (rank 0, after the last step), as written to ``summary.json``."""
@@ -465,6 +505,22 @@ class TrainingRun:
             return None
         return Telemetry(self.core, self.layout.local_optimizer(self.optimizer), cfg.telemetry_every)
 
+    @property
+    def _model_parallel(self) -> bool:
+        """Whether the ranks of a replica hold different parts of the model (tensor or pipeline)."""
+        return self.ranks.tp > 1 or self.ranks.pp > 1
+
+    def _fallback(self) -> PrecisionFallback:
+        """The fallback policy over the FP8 layers; under tensor or pipeline parallelism rank 0
+        judges every layer of the model (stand-ins for those other ranks hold) and broadcasts."""
+        assert self.telemetry is not None
+        layers: dict = dict(self.telemetry.layers)
+        if self._model_parallel:
+            names = gather_to_main(sorted(layers), self.ranks)
+            for name in sorted({n for held in names or [] for n in held} - layers.keys()):
+                layers[name] = SimpleNamespace(high_precision=False)  # held by other ranks
+        return PrecisionFallback(layers)
+
     def _warmup_steps(self) -> int:
         return self.cfg.steps // 10 if self.cfg.warmup_steps is None else self.cfg.warmup_steps
 
@@ -479,6 +535,25 @@ class TrainingRun:
         (self.out / "summary.json").unlink(missing_ok=True)
         keep = self.start_step if self.resumed else None
         self.logs = RunLogs.open(self.out, keep, telemetry=self.telemetry is not None)
+
+
+def merge_shard_records(per_rank: list[list[dict]]) -> list[dict]:
+    """Telemetry records of the ranks that hold one model replica, one per layer and kind: a
+    tensor-parallel layer's shards merged to their worst (largest amax, underflow, saturation,
+    smallest scale)."""
+    merged: dict[tuple, dict] = {}
+    for records in per_rank:
+        for r in records:
+            key = (r["layer"], r["kind"])
+            if key not in merged:
+                merged[key] = dict(r)
+                continue
+            for stat in ("amax", "underflow", "saturation"):
+                if stat in r:
+                    merged[key][stat] = max(merged[key][stat], r[stat])
+            if "scale" in r:  # the finest shard's scale goes with the largest amax
+                merged[key]["scale"] = min(merged[key]["scale"], r["scale"])
+    return list(merged.values())
 
 
 def _counted_comm_per_step(records: list[dict]) -> dict:
