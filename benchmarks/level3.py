@@ -1,5 +1,6 @@
-"""FP8-LM's Level 3 through the CLI: `fp8lm compare --levels bf16,O1` with ``--tp``, ``--pp`` or
-``--tp --fsdp`` under torchrun, against the same comparison in one process.
+"""FP8-LM's Level 3 through the CLI: `fp8lm compare` in every parallel layout (``--fsdp``,
+``--tp``, ``--pp`` and their combinations, 3-D on 8 ranks) under torchrun, against the same
+comparison in one process.
 
 Each layout trains the GPT at bf16 (the baseline: BF16 activations and gradients on the
 tensor- and pipeline-parallel wires, FP32 gradient averaging over the data-parallel ranks as DDP
@@ -16,6 +17,10 @@ scaled FP16 weights FSDP2 gathers in E4M3 where O1's FP32 weights travel in FP32
     python benchmarks/level3.py --layout tp --steps 200        # torchrun, 4 ranks: dp 2 x tp 2
     python benchmarks/level3.py --layout pp --steps 200        # dp 2 x pp 2
     python benchmarks/level3.py --layout tp-fsdp --steps 200 --levels bf16  # FSDP2 on dp 2 x TP on tp 2
+    python benchmarks/level3.py --layout all --levels bf16,fp32,O1,O2 --steps 200 --results FILE
+
+Per layout and level it also reports the step time against one process (``time_vs_one_process``:
+tokens per second of one process over the layout's, all ranks sharing this machine's cores).
 
 A layout's result is kept in ``OUT/<layout>/``; with ``--results FILE`` the layouts found in
 ``OUT`` are gathered into one JSON file (the single-process one is the reference of the gaps).
@@ -32,11 +37,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
-LEVELS = ("bf16", "O1", "O2")
-FP8_LEVELS = LEVELS[1:]
-RANKS = 4
-# layout -> the flags of fp8lm compare
-LAYOUTS = {"single": [], "tp": ["--tp", "2"], "pp": ["--pp", "2"], "tp-fsdp": ["--tp", "2", "--fsdp"]}
+LEVELS = ("bf16", "fp32", "O1", "O2", "O3")
+FP8_LEVELS = ("O1", "O2", "O3")
+# layout -> the flags of fp8lm compare and its rank count
+LAYOUTS = {
+    "single": ([], 1),
+    "fsdp": (["--fsdp"], 4),
+    "tp": (["--tp", "2"], 4),
+    "pp": (["--pp", "2"], 4),
+    "tp-fsdp": (["--tp", "2", "--fsdp"], 4),
+    "pp-fsdp": (["--pp", "2", "--fsdp"], 4),
+    "tp-pp": (["--tp", "2", "--pp", "2"], 4),
+    "3d": (["--tp", "2", "--pp", "2", "--fsdp"], 8),
+    "dp-o3": ([], 4),  # FP8 ZeRO over 4 ranks (O3 only)
+    "pp-o3": (["--pp", "2"], 4),  # FP8 ZeRO per stage (O3 only)
+}
 
 
 def command(layout: str, args: argparse.Namespace) -> list[str]:
@@ -58,11 +73,12 @@ def command(layout: str, args: argparse.Namespace) -> list[str]:
         "--out",
         str(Path(args.out) / layout),
         "--no-progress",
-        *LAYOUTS[layout],
+        *LAYOUTS[layout][0],
     ]
     if layout == "single":
         return [sys.executable, *cli]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS), *cli]
+    ranks = str(LAYOUTS[layout][1])
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", ranks, *cli]
 
 
 def level_result(summary: dict) -> dict:
@@ -96,16 +112,34 @@ def gather(out: Path) -> dict:
         levels = result["levels"]
         if single is not None and layout != "single":
             for level, r in levels.items():
-                r["val_loss_vs_one_process"] = r["val_loss"] / single["levels"][level]["val_loss"] - 1
+                one = single["levels"].get(level)
+                if one is not None:
+                    r["val_loss_vs_one_process"] = r["val_loss"] / one["val_loss"] - 1
+                    r["time_vs_one_process"] = one["tokens_per_s"] / r["tokens_per_s"]
         base = levels.get("bf16", {}).get("comm_bytes_per_step")
         for level in (lv for lv in FP8_LEVELS if lv in levels and base):
             result[f"{level.lower()}_over_bf16_bytes"] = levels[level]["comm_bytes_per_step"] / base
     return layouts
 
 
+def train(layout: str, args: argparse.Namespace, out: Path) -> None:
+    """Train ``layout``'s comparison at the asked levels it runs (O3 only in the ZeRO layouts)."""
+    zero = layout.endswith("o3")
+    levels = [lv for lv in args.levels.split(",") if (lv == "O3") == zero or (layout == "single" and lv == "O3")]
+    if not levels:
+        return
+    cmd = command(layout, argparse.Namespace(**{**vars(args), "levels": ",".join(levels)}))
+    (out / layout).mkdir(parents=True, exist_ok=True)
+    (out / layout / "command.json").write_text(json.dumps(cmd[1:]))
+    print(f"== {layout}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layout", choices=list(LAYOUTS), help="train this layout's comparison first")
+    ap.add_argument(
+        "--layout", choices=[*LAYOUTS, "all"], help="train this layout's comparison first (all: every layout)"
+    )
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1337)
@@ -116,11 +150,8 @@ def main() -> None:
     ap.add_argument("--results", help="write the gathered layouts to this JSON file too")
     args = ap.parse_args()
     out = Path(args.out)
-    if args.layout:
-        cmd = command(args.layout, args)
-        (out / args.layout).mkdir(parents=True, exist_ok=True)
-        (out / args.layout / "command.json").write_text(json.dumps(cmd[1:]))
-        subprocess.run(cmd, check=True)
+    for layout in LAYOUTS if args.layout == "all" else [args.layout] if args.layout else []:
+        train(layout, args, out)
     result = {"benchmark": "level3", "preset": args.preset, "steps": args.steps, "layouts": gather(out)}
     result["machine"] = machine()
     text = json.dumps(result, indent=1)

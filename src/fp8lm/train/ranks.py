@@ -38,6 +38,9 @@ class Ranks:
 
     rank: int = 0
     dims: ParallelDims = field(default_factory=ParallelDims)
+    # Launched by torchrun: the distributed code path runs, at world size 1 too (a one-GPU NCCL
+    # run checks it end to end).
+    launched: bool = False
 
     @property
     def world(self) -> int:
@@ -50,7 +53,8 @@ class Ranks:
 
     @property
     def distributed(self) -> bool:
-        return self.world > 1
+        """Whether the run takes the distributed code path (process groups, a mesh, collectives)."""
+        return self.launched or self.world > 1
 
     @property
     def tp(self) -> int:
@@ -88,7 +92,7 @@ def join(tp: int = 1, pp: int = 1, shard: bool = False) -> Ranks:
             f"{world} ranks cannot be split into model replicas of --tp {tp} x --pp {pp} = {tp * pp} ranks: launch a "
             f"multiple of {tp * pp} ranks (world size = dp x tp x pp)"
         )
-    return Ranks(rank, ParallelDims.for_world(world, tp=tp, pp=pp, shard=shard))
+    return Ranks(rank, ParallelDims.for_world(world, tp=tp, pp=pp, shard=shard), launched=True)
 
 
 def restarts_allowed() -> bool:

@@ -8,7 +8,8 @@ import contextlib
 
 from torch import nn
 
-from ...distributed import FP8DataParallel, ddp_bytes, wrap
+from ...amp import initialize
+from ...distributed import FP8DataParallel, ddp_bytes
 from .base import Layout, LayoutSpec
 
 __all__ = ["ReplicatedLayout"]
@@ -23,16 +24,9 @@ class ReplicatedLayout(Layout):
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
-        if spec.fp8:
-            group = mesh.group("dp_replicate")
-            model, optimizer = wrap(
-                model,
-                optimizer,
-                spec.opt_level,
-                process_group=group,
-                scaling=spec.grad_sync_scaling,
-                **spec.initialize_options,
-            )
+        if spec.fp8:  # FP8DataParallel itself, at any world size (one rank included: the code path)
+            model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
+            model = FP8DataParallel(model, mesh.group("dp_replicate"), scaling=spec.grad_sync_scaling)
         else:
             model = nn.parallel.DistributedDataParallel(model, process_group=mesh.group("dp_replicate"))
         return model, optimizer, cls(ranks, mesh)

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...distributed import FP8ZeroOptimizer, wrap
+from ...amp import initialize
+from ...distributed import FP8ZeroOptimizer
 from ...distributed import load_checkpoint as load_sharded
 from ...distributed import save_checkpoint as save_sharded
 from ..checkpoint import shards_name
@@ -56,7 +57,6 @@ class ZeroLayout(ZeroState, Layout):
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
-        model, optimizer = wrap(
-            model, optimizer, spec.opt_level, process_group=mesh.group("dp_shard"), **spec.initialize_options
-        )
+        model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
+        optimizer = FP8ZeroOptimizer(model, optimizer, mesh.group("dp_shard"))  # one rank included
         return model, optimizer, cls(ranks, mesh)
