@@ -3,6 +3,10 @@ final checkpoint and ``summary.json``; each killed run is continued with ``--res
 again) until it finishes, then its ``metrics.jsonl`` is compared with an uninterrupted run's.
 
     python benchmarks/kill_loop.py --runs 4 --kills 3
+    python benchmarks/kill_loop.py --ranks 4 --flags "--tp 2 --pp 2 --pp-microbatches 2" --runs 2 --kills 3
+
+With ``--ranks N`` each attempt is a ``torchrun`` of N ranks (``--flags``: its layout), and a kill
+is a kill -9 of the launcher and every rank at once, as when a node dies.
 
 Prints one JSON object: kills per moment, runs finished, runs whose metrics equal the
 uninterrupted run's byte for byte, attempts that ended before their kill, the last stderr line of
@@ -29,10 +33,15 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MOMENTS = ("random", "saving", "final_gap")
 
 
+LAUNCH: list[str] = []  # set by main: torchrun's command line for --ranks N, empty for one process
+FLAGS: list[str] = []  # set by main: the layout's flags (--flags)
+
+
 def command(out: Path, cache: Path, level: str, steps: int, resume: bool) -> list[str]:
     data = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
     return [
         sys.executable,
+        *LAUNCH,
         "-m",
         "fp8lm.cli",
         "train",
@@ -61,6 +70,7 @@ def command(out: Path, cache: Path, level: str, steps: int, resume: bool) -> lis
         "--out",
         str(out),
         "--no-progress",
+        *FLAGS,
         *(["--resume"] if resume else []),
     ]
 
@@ -68,26 +78,35 @@ def command(out: Path, cache: Path, level: str, steps: int, resume: bool) -> lis
 def seen(out: Path, moment: str, steps: int, pid: int) -> bool:
     """Whether the run in ``out`` (process ``pid``) is at ``moment`` now."""
     checkpoints = out / "checkpoints"
-    if moment == "saving":  # its own temporary checkpoint file, not one a killed run left
-        return checkpoints.is_dir() and any(p.name.endswith(f".pt.tmp{pid}") for p in checkpoints.iterdir())
+    if moment == "saving":  # its own temporary checkpoint file (under torchrun: rank 0's, any pid)
+        suffix = f".pt.tmp{pid}" if not LAUNCH else ".pt.tmp"
+        return checkpoints.is_dir() and any(suffix in p.name for p in checkpoints.iterdir())
     final = checkpoints / f"step_{steps:08d}.pt"
     return final.exists() and not (out / "summary.json").exists()
 
 
 def kill_once(argv: list[str], out: Path, moment: str, steps: int, rng: random.Random, limit_s: float) -> str:
     """Start ``argv``, kill -9 it at ``moment``; returns what happened: killed, finished, or the error line."""
-    proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        argv, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + (rng.uniform(0.5, limit_s) if moment == "random" else 600)
     while proc.poll() is None and time.monotonic() < deadline:
         if moment != "random" and seen(out, moment, steps, proc.pid):
             break
         time.sleep(0.002)
     if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
         proc.wait()
         return "killed"
-    err = proc.stderr.read().strip().splitlines()
-    return "finished" if proc.returncode == 0 else f"exit {proc.returncode}: {err[-1] if err else ''}"
+    return "finished" if proc.returncode == 0 else f"exit {proc.returncode}: {error_line(proc.stderr.read())}"
+
+
+def error_line(stderr: str) -> str:
+    """fp8lm's one-line error of a failed attempt (under torchrun, among the launcher's report)."""
+    lines = stderr.strip().splitlines()
+    ours = [line for line in lines if line.startswith("fp8lm train: error")]
+    return (ours or lines or [""])[-1]
 
 
 def trial(
@@ -112,7 +131,7 @@ def trial(
         return out, True
     done = subprocess.run(command(out, cache, level, steps, resume), env=ENV, capture_output=True, text=True)
     if done.returncode != 0:
-        counts["errors"].append(done.stderr.strip().splitlines()[-1])
+        counts["errors"].append(error_line(done.stderr))
     return out, done.returncode == 0
 
 
@@ -123,7 +142,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="steps per run (default: %(default)s)")
     p.add_argument("--level", default="O2", help="opt level (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments (default: %(default)s)")
+    p.add_argument("--ranks", type=int, default=1, help="torchrun ranks per attempt (default: %(default)s)")
+    p.add_argument("--flags", default="", help="the layout's flags of fp8lm train, e.g. '--tp 2 --pp 2'")
     args = p.parse_args()
+    FLAGS[:] = args.flags.split()
+    if args.ranks > 1:
+        LAUNCH[:] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks)]
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -147,6 +171,8 @@ def main() -> None:
         json.dumps(
             {
                 "level": args.level,
+                "ranks": args.ranks,
+                "flags": args.flags,
                 "steps": args.steps,
                 "runs": args.runs,
                 "finished": finished,

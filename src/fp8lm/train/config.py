@@ -201,8 +201,9 @@ class TrainConfig:
         refusals = [
             (
                 self.opt_level == "O3" and self.tp > 1,
-                f"--tp {self.tp} with O3 is not supported: FP8 ZeRO shards whole tensors, tensor parallelism "
-                "slices them; use --opt-level O2 --fsdp to shard the state",
+                f"--tp {self.tp} with O3 is not supported: E4M3 weights sliced by tensor parallelism need FP16 "
+                "masters with one scale across the slices, which FP8AdamW does not keep; use --opt-level O2 "
+                "(its FP16 weights are the masters) with --fsdp to shard the state",
             ),
             (
                 self.grad_sync_scaling != "local",

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import IO
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -471,6 +472,8 @@ class TrainingRun:
             "skipped_steps": self.skipped_steps,
             "num_params": self.num_params,
             "world_size": ranks.world,
+            "backend": str(dist.get_backend()) if ranks.distributed else None,
+            "layout": self.layout.name,
             "comm_bytes_per_step": sum(r.get("comm_bytes", 0.0) for r in records) / len(records),
             **_counted_comm_per_step(records),
             "ddp_fp32_bytes_per_step": ddp_bytes(self.num_params, 4, ranks.world),
