@@ -111,7 +111,10 @@ def clip_grad_norm_(
     # A non-finite norm (a non-finite gradient, or finite ones so large that float32 sums of squares
     # overflow) makes every gradient NaN rather than zero, as torch's 0 would: the step is then
     # skipped and counted by fp8lm's optimizers, as by a loop that checks the norm. No sync.
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if groups:  # in float64, rounded once to float32 (as fp8lm's distributed clips always have)
+        coef = torch.clamp(max_norm / (total.double() + 1e-6), max=1.0).float()
+    else:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     coef = torch.where(torch.isfinite(total), coef, torch.full_like(coef, float("nan")))
     divided: set[int] = set()  # views of one gradient buffer share their scale: divide it once
     with torch.no_grad():
@@ -144,7 +147,9 @@ def _spread_norm(grads: list[torch.Tensor], norm_type: float, groups: list, stag
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
     for group in groups:
         comm.all_reduce(total, op=op, group=group)
-    return total[0] if norm_type == float("inf") else total[0].pow(1.0 / norm_type)
+    if norm_type == float("inf"):
+        return total[0]
+    return total[0].sqrt() if norm_type == 2.0 else total[0].pow(1.0 / norm_type)
 
 
 def _shards(grad: torch.Tensor) -> int:

@@ -17,6 +17,7 @@ from .collectives import (
 from .data_parallel import FP8DataParallel, broadcast_module
 from .fsdp import fully_shard, precompute_fp8_scales
 from .fsdp_checkpoint import load_fsdp_checkpoint, save_fsdp_checkpoint
+from .mesh import ParallelDims, ParallelMesh
 from .reduction import SCALINGS, FlatLayout, FP8Reduction, LocalScaling, SharedScaling
 from .runtime import is_distributed, rank, setup, shutdown, world_size
 from .tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
@@ -25,6 +26,8 @@ from .zero import FP8ZeroOptimizer, partition_by_size
 
 __all__ = [
     "comm",
+    "ParallelDims",
+    "ParallelMesh",
     "comm_stats",
     "reset_comm_stats",
     "ddp_bytes",
