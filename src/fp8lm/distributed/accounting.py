@@ -22,13 +22,36 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-__all__ = ["KINDS", "collective_bytes", "ddp_bytes", "record", "comm_stats", "reset_comm_stats"]
+__all__ = [
+    "KINDS",
+    "collective_bytes",
+    "ddp_bytes",
+    "record",
+    "comm_stats",
+    "reset_comm_stats",
+    "set_counting",
+    "counting",
+]
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv")
 
 _bytes: dict[str, float] = defaultdict(float)
 _handed: dict[str, int] = defaultdict(int)
 _calls: dict[str, int] = defaultdict(int)
+_counting = True  # off: record() returns at once and torch's functional collectives go uncounted
+
+
+def set_counting(enabled: bool) -> bool:
+    """Turn byte counting on or off (on by default); returns the previous setting. Off, counting
+    costs one check per collective, and no dispatch mode wraps tensor-parallel steps."""
+    global _counting
+    previous, _counting = _counting, bool(enabled)
+    return previous
+
+
+def counting() -> bool:
+    """Whether collectives are being counted (`set_counting`)."""
+    return _counting
 
 
 def collective_bytes(kind: str, full_bytes: float, world_size: int) -> float:
@@ -51,6 +74,8 @@ def ddp_bytes(numel: int, bytes_per_element: int, world_size: int) -> float:
 def record(kind: str, full_bytes: float, world_size: int, handed_bytes: int = 0) -> None:
     """Count one collective of ``kind`` over ``full_bytes`` (the whole tensor, all ranks' parts) to
     which this rank handed a tensor of ``handed_bytes``."""
+    if not _counting:
+        return
     _bytes[kind] += collective_bytes(kind, full_bytes, world_size)
     _handed[kind] += handed_bytes
     _calls[kind] += 1

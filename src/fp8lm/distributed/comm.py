@@ -19,6 +19,7 @@ test can check that nothing CPU-side reaches a collective, without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -41,6 +42,7 @@ __all__ = [
     "send",
     "recv",
     "CountedFunctionalCollectives",
+    "counted_functional_collectives",
     "recording_devices",
     "note_devices",
 ]
@@ -213,6 +215,12 @@ def _record_functional(name: str, args: tuple) -> None:
         if kind == "broadcast" and group.rank() != args[1]:
             handed = 0
         accounting.record(kind, handed * world if kind == "all_gather" else _nbytes(t), world, handed)
+
+
+def counted_functional_collectives() -> contextlib.AbstractContextManager:
+    """`CountedFunctionalCollectives` while counting is on (`accounting.set_counting`), else
+    nothing: off, a tensor-parallel step runs without a dispatch mode."""
+    return CountedFunctionalCollectives() if accounting.counting() else contextlib.nullcontext()
 
 
 class CountedFunctionalCollectives(TorchDispatchMode):

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ...amp import initialize
 from ...distributed import comm, precompute_fp8_scales
-from ...distributed.comm import CountedFunctionalCollectives
+from ...distributed.comm import counted_functional_collectives
 from ...distributed.pipeline import FP8PipelineStage
 from ..gpt_parallel import PipelineStageModule, finish_tensor_parallel_grads
 from .base import Layout, LayoutSpec, ShardedCheckpoints, point_optimizer_at
@@ -133,7 +133,7 @@ class PipelineLayout(ShardedCheckpoints, Layout):
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(loss_parallel())
-        stack.enter_context(CountedFunctionalCollectives())
+        stack.enter_context(counted_functional_collectives())
         return stack
 
     def after_step(self, model: nn.Module) -> None:

@@ -4,7 +4,7 @@ FSDP2 over the data-parallel ranks (``--tp N --fsdp``: 2-D).
 The GPT's plan (`fp8lm.train.gpt_parallel`): FP8 styles at O1/O2, torch's own styles with BF16
 activations at bf16, FP32 at fp32. Forward and backward run under torch's ``loss_parallel``
 (vocabulary-sharded logits) with torch's functional collectives counted while `comm_stats` is on
-(`CountedFunctionalCollectives`); after backward the norms' partial gradients are summed over
+(`CountedFunctionalCollectives`, while `accounting.counting()`); after backward the norms' partial gradients are summed over
 ``tp`` and, without FSDP2, every gradient averaged over the data-parallel replicas (FP8 or FP32,
 as the level's data parallelism).
 """
@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from ...amp import initialize
 from ...distributed import precompute_fp8_scales
-from ...distributed.comm import CountedFunctionalCollectives
+from ...distributed.comm import counted_functional_collectives
 from ..gpt_parallel import finish_tensor_parallel_grads, tensor_parallel_plan, torch_tensor_parallel_plan
 from .base import Layout, LayoutSpec, ShardedCheckpoints, point_optimizer_at
 from .fsdp import fsdp_options, shard_blocks_and_model
@@ -70,13 +70,13 @@ class TensorParallelLayout(ShardedCheckpoints, Layout):
         self.dp_group = mesh.group("dp_replicate") if ranks.dims.dp_replicate > 1 else None
 
     def forward_backward(self, model: nn.Module, batches: list, loss: Callable) -> torch.Tensor:
-        with loss_parallel(), CountedFunctionalCollectives():
+        with loss_parallel(), counted_functional_collectives():
             loss_sum = super().forward_backward(model, batches, loss)
             finish_tensor_parallel_grads(model, self.tp_group, self.dp_group, fp8=self.fp8)
         return replicated_value(loss_sum)
 
     def eval_loss(self, model: nn.Module, batch, loss: Callable) -> torch.Tensor:
-        with loss_parallel(), CountedFunctionalCollectives():
+        with loss_parallel(), counted_functional_collectives():
             return replicated_value(loss(model, batch))
 
     def after_step(self, model: nn.Module) -> None:
