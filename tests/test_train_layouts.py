@@ -153,3 +153,16 @@ def test_one_process_checkpoint_resumes_under_tp2(tmp_path, capsys):
     run = resumed_copy(whole, "tp2")
     assert "one process on 1 rank(s) -> tp 2 on 2 rank(s)" in check(train(2, run, cache, "--tp", "2", "--resume"))
     check_close(run, whole, 0.002)
+
+
+def test_tp2_pp2_trains_at_the_baseline_levels_too(tmp_path):
+    """fp32 and bf16 (torch's own styles and plain stage boundaries) in the 3-D code path."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--levels", "fp32,bf16", *options(out, tmp_path / "cache")[3:], "--tp", "2", "--pp", "2"]
+    argv += ["--pp-microbatches", "2"]
+    args = torchrun(4, "-m", "fp8lm.cli", *argv)
+    check(subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=3 * TIMEOUT_S))
+    for level in ("fp32", "bf16"):
+        summary = json.loads((out / level / "summary.json").read_text())
+        assert summary["layout"] == "pipeline parallel" and summary["world_size"] == 4
+        assert summary["skipped_steps"] == 0 and summary["val_loss"] < 5.6  # from ln(256) = 5.55, learning
