@@ -159,7 +159,7 @@ def test_tp2_pp2_trains_at_the_baseline_levels_too(tmp_path):
     """fp32 and bf16 (torch's own styles and plain stage boundaries) in the 3-D code path."""
     out = tmp_path / "cmp"
     argv = ["compare", "--levels", "fp32,bf16", *options(out, tmp_path / "cache")[3:], "--tp", "2", "--pp", "2"]
-    argv += ["--pp-microbatches", "2"]
+    argv += ["--pp-microbatches", "2", "--steps", "3", "--save-every", "0", "--telemetry-every", "0"]
     args = torchrun(4, "-m", "fp8lm.cli", *argv)
     check(subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=3 * TIMEOUT_S))
     for level in ("fp32", "bf16"):
