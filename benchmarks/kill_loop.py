@@ -6,7 +6,7 @@ again) until it finishes, then its ``metrics.jsonl`` is compared with an uninter
     python benchmarks/kill_loop.py --ranks 4 --flags "--tp 2 --pp 2 --pp-microbatches 2" --runs 2 --kills 3
 
 With ``--ranks N`` each attempt is a ``torchrun`` of N ranks (``--flags``: its layout), and a kill
-is a kill -9 of the launcher and every rank at once, as when a node dies.
+is a kill -9 of the launcher and every rank at once (all stopped first), as when a node dies.
 
 Prints one JSON object: kills per moment, runs finished, runs whose metrics equal the
 uninterrupted run's byte for byte, attempts that ended before their kill, the last stderr line of
@@ -96,10 +96,35 @@ def kill_once(argv: list[str], out: Path, moment: str, steps: int, rng: random.R
             break
         time.sleep(0.002)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        kill_tree(proc.pid)  # the launcher and every rank it started (each in a session of its own)
         proc.wait()
         return "killed"
     return "finished" if proc.returncode == 0 else f"exit {proc.returncode}: {error_line(proc.stderr.read())}"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: torchrun starts each rank in a session of its own,
+    so a kill of the launcher's process group would leave the ranks running)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # gone meanwhile
+            continue
+        for child in children:
+            out += [child, *descendants(child)]
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """kill -9 of ``pid`` and everything below it, stopped first so that none reacts to another's end."""
+    tree = [pid, *descendants(pid)]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for p in tree:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
 
 
 def error_line(stderr: str) -> str:
