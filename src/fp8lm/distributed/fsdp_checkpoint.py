@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..optim import FP8Adam, FP8AdamW, SkipsNonFiniteSteps
-from ..optim.sharded import agree_shard_scales
+from ..optim.sharded import agree_shard_scales, requantize_to
 from ..optim.state import init_state
 from ..tensor import ScalingTensor
 from .checkpoint import CheckpointError, CheckpointReader, check_finite
@@ -49,6 +49,8 @@ __all__ = [
     "fill_state",
     "read_dcp",
     "row_chunked",
+    "weight_scales",
+    "restore_weight_scales",
 ]
 
 _SKIPPED = "skipped_steps"  # the optimizer's own counter, which get_state_dict leaves out
@@ -86,8 +88,10 @@ def save_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: t
     optim_state[_SKIPPED] = getattr(optimizer, _SKIPPED, 0)
     # which rows a chunked tensor-parallel layer ordered rank by rank (fp8lm.distributed.reshard)
     chunked = {name: f"{chunks},{tp}" for name, (chunks, tp) in row_chunked(model).items()}
-    state = {"model": model_state, "optim": optim_state, "row_chunks": chunked}
+    state = {"model": model_state, "optim": optim_state, "row_chunks": chunked, "weight_scales": weight_scales(model)}
     dcp.save(state, checkpoint_id=os.fspath(path))
+    if isinstance(optimizer, (FP8Adam, FP8AdamW)):
+        optimizer.forget_amaxes()  # the next step as a run resumed from here takes it
 
 
 def load_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -101,11 +105,13 @@ def load_fsdp_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: t
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     optim_state[_SKIPPED] = 0
     # Copies: DCP reads in place, and these state dicts hold the live parameters and state.
-    state = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), {"model": model_state, "optim": optim_state})
+    live = {"model": model_state, "optim": optim_state, "weight_scales": weight_scales(model)}
+    state = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), live)
     read_dcp(state, path, PlainDataLoadPlanner())
     check_finite(_local_tensors(state), path)
     skipped = int(state["optim"].pop(_SKIPPED))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
+    restore_weight_scales(model, state["weight_scales"])
     if isinstance(optimizer, SkipsNonFiniteSteps):
         optimizer.skipped_steps = skipped
 
@@ -121,6 +127,28 @@ def read_dcp(state: dict, path: str, planner: DefaultLoadPlanner, coordinated: b
         if ours:
             raise ours[0] from None
         raise
+
+
+def weight_scales(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The scale of every weight stored as a ScalingTensor (one per tensor, its shards agreed), by
+    parameter name: loading the dequantized values alone would pick each shard's scale from its
+    own amax, and the optimizer's next roundings would differ from the run's."""
+    out = {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if isinstance(local, ScalingTensor):
+            out[name] = local.scale.detach().reshape(())
+    return out
+
+
+@torch.no_grad()
+def restore_weight_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> None:
+    """Requantize each ScalingTensor weight (this rank's shard) to its saved scale: exact, the
+    values were stored at that scale."""
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if isinstance(local, ScalingTensor) and name in scales:
+            requantize_to(local.payload, local.scale, scales[name].reshape(local.scale.shape))
 
 
 def row_chunked(model: nn.Module) -> dict[str, tuple[int, int]]:

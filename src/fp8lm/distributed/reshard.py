@@ -24,7 +24,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..optim import SkipsNonFiniteSteps
 from .checkpoint import CheckpointError, CheckpointReader, check_finite
-from .fsdp_checkpoint import PlainDataLoadPlanner, fill_state, read_dcp, row_chunked
+from .fsdp_checkpoint import PlainDataLoadPlanner, fill_state, read_dcp, restore_weight_scales, row_chunked
 
 __all__ = ["read_full_state", "load_full_state", "row_chunked", "ROW_CHUNKS"]
 
@@ -59,7 +59,7 @@ def read_full_state(path: str | os.PathLike) -> dict:
     chunked = {
         k[len(ROW_CHUNKS) :]: tuple(map(int, v.split(","))) for k, v in state.items() if k.startswith(ROW_CHUNKS)
     }
-    full: dict = {"model": {}, "optim": {}}
+    full: dict = {"model": {}, "optim": {}, "weight_scales": {}}
     for key, value in state.items():
         part, _, name = key.partition(".")
         if part in full:
@@ -73,7 +73,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: di
     """Load `read_full_state` output into ``model`` and ``optimizer`` as they are laid out now
     (DTensor shards: each rank takes its part of every full tensor; a pipeline stage: the names
     it holds). Everything is checked before anything changes."""
-    full = {"model": dict(full["model"]), "optim": dict(full["optim"])}
+    full = {"model": dict(full["model"]), "optim": dict(full["optim"]), "weight_scales": full.get("weight_scales", {})}
     for name, (chunks, tp) in row_chunked(model).items():
         _reorder(full, name, lambda t, c=chunks, n=tp: rows_to_rank_order(t, c, n))
     skipped = int(full["optim"].pop("skipped_steps", 0) or 0)
@@ -84,6 +84,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: di
         part: _local_parts(target, full[part]) for part, target in (("model", target_model), ("optim", target_optim))
     }
     set_state_dict(model, optimizer, model_state_dict=local["model"], optim_state_dict=local["optim"], options=_OPTIONS)
+    restore_weight_scales(model, full["weight_scales"])
     if isinstance(optimizer, SkipsNonFiniteSteps):
         optimizer.skipped_steps = skipped
 

@@ -207,6 +207,14 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
         return loss
 
     # -- checkpoints ----------------------------------------------------------------------------
+    def forget_amaxes(self) -> None:
+        """Drop the amaxes of the stored state that the step kept from the last one (measured as it
+        wrote); the next step measures the stored payloads again. A sharded checkpoint's save calls
+        it: a run resumed from it has no such measurements, and where the kept ones differ from a
+        fresh measurement (seen on tensor-parallel shards) the uninterrupted run and the resumed one
+        would choose other scales."""
+        self._param_slots.clear()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a `state_dict`; payload dtypes are kept (torch's loader would cast them to the
         parameter's dtype). Everything is checked before anything changes."""
