@@ -271,4 +271,8 @@ def finished_run(out: str | Path) -> DPORun:
     options = {key: value for key, value in saved.items() if key in known}
     # one step more than were taken: the resume check then accepts the finished run; none is taken
     options.update(out=str(out), resume=True, init_from=None, progress=False, steps=saved["steps"] + 1)
-    return DPORun(DPOConfig(**options))
+    run = DPORun(DPOConfig(**options))
+    if run.lock is not None:  # nothing is written: the folder is free again at once
+        run.lock.release()
+        run.lock = None
+    return run

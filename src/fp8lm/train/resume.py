@@ -4,6 +4,7 @@ saying what to pass instead, raised before anything is written."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -13,7 +14,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, list_checkpoints
 from .config import RunError, TrainConfig
-from .parallel import Ranks, restarts_allowed
+from .parallel import Ranks, broadcast_from_main, restarts_allowed
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -22,6 +23,8 @@ __all__ = [
     "check_output",
     "check_writable_folder",
     "lock_output",
+    "OutputLock",
+    "claim_output",
     "check_state_fits",
     "check_resume",
 ]
@@ -114,6 +117,46 @@ def lock_output(out: Path) -> IO[str]:
     lock.truncate()
     lock.write(f"pid {os.getpid()}\n")
     lock.flush()
+    return lock
+
+
+class OutputLock:
+    """Rank 0's hold on ``OUT/.lock`` for the whole run, from before the first check of ``OUT``
+    (`claim_output`) to the end of training."""
+
+    def __init__(self, out: Path) -> None:
+        check_writable_folder(out, "--out")
+        self.out, self.created = out, not out.exists()
+        self.file: IO[str] | None = lock_output(out)
+
+    def release(self, failed: bool = False) -> None:
+        """Let go of the lock. A run that fails before training, in a folder it created, removes
+        the folder again (it holds nothing but the lock file then), so a refusal leaves no trace."""
+        if self.file is None:
+            return
+        if failed and self.created:
+            (self.out / ".lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty: something was written, keep it
+                self.out.rmdir()
+        self.file.close()
+        self.file = None
+
+
+def claim_output(out: Path, ranks: Ranks) -> OutputLock | None:
+    """Take ``OUT/.lock`` on rank 0 before anything looks at or writes ``OUT``: two runs started on
+    one folder at the same time cannot both pass the folder checks. A refusal is raised on every
+    rank, as the same one line. Returns rank 0's lock (None on the other ranks)."""
+    lock, refusal = None, None
+    if ranks.main:
+        try:
+            lock = OutputLock(out)
+        except RunError as e:
+            refusal = str(e)
+        except OSError as e:  # e.g. creating the folder on a full or read-only disk
+            refusal = f"--out {str(out)!r}: {e.strerror or type(e).__name__}; pass a folder you can write to"
+    refusal = broadcast_from_main(refusal, ranks)
+    if refusal is not None:
+        raise RunError(refusal)
     return lock
 
 

@@ -15,7 +15,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import IO
 
 import torch
 from torch import nn
@@ -28,7 +27,13 @@ from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..ops.gemm import CPUBF16Linear
 from ..optim import SkipsNonFiniteSteps
 from ..telemetry import Telemetry, worst
-from .checkpoint import atomic_write_bytes, load_checkpoint, remove_stale_temporaries, save_checkpoint
+from .checkpoint import (
+    atomic_write_bytes,
+    load_checkpoint,
+    reading_shards,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
 from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents, stdlib_documents
 from .logs import RunLogs, strict_json
@@ -46,7 +51,15 @@ from .parallel import (
     unwrap,
     wrap_for_level,
 )
-from .resume import CHECKPOINT_FORMAT, check_output, check_resume, check_state_fits, lock_output, resume_config
+from .resume import (
+    CHECKPOINT_FORMAT,
+    OutputLock,
+    check_output,
+    check_resume,
+    check_state_fits,
+    claim_output,
+    resume_config,
+)
 
 __all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
 
@@ -99,6 +112,16 @@ class TrainingRun:
                 + (f" x {cfg.pp_microbatches} pipeline micro-batches" if cfg.pp > 1 else "")
             )
         self.out = Path(cfg.out)
+        # Rank 0 holds OUT/.lock from here to the end of fit: no other run checks or writes OUT meanwhile.
+        self.lock: OutputLock | None = claim_output(self.out, self.ranks)
+        try:
+            self._prepare(cfg)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release(failed=True)
+            raise
+
+    def _prepare(self, cfg: TrainConfig) -> None:
         resuming = check_output(cfg)
         self.device = self._device()
         self.model_config = cfg.model_config()
@@ -135,7 +158,6 @@ class TrainingRun:
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.model_config.block_size
         self.logs: RunLogs | None = None
         self.act_bytes_per_token: float | None = None  # measured after the last step
-        self.lock: IO[str] | None = None  # rank 0's hold on OUT/.lock while fit runs
 
     # -- pieces a subclass may override -------------------------------------------------------
 
@@ -298,14 +320,13 @@ class TrainingRun:
         """Train from the first (or the restored) step to ``cfg.steps``: validate every
         ``eval_every`` steps and at the end, checkpoint every ``save_every`` steps and at the end.
         Returns the summary on rank 0, None on the other ranks. Rank 0 holds ``OUT/.lock``
-        throughout, so a second run on the same folder is refused."""
-        self.lock = lock_output(self.out) if self.ranks.main else None
+        (taken when the run was built) throughout, so a second run on the same folder is refused."""
         try:
             self._open_logs()
             return self._train_and_summarize()
         finally:
             if self.lock is not None:
-                self.lock.close()
+                self.lock.release()
 
     def _train_and_summarize(self) -> dict | None:
         cfg = self.cfg
@@ -393,7 +414,8 @@ class TrainingRun:
     def restore(self, state: dict) -> None:
         """Continue from checkpoint ``state`` (checked by `check_resume`): weights, optimizer,
         gradient sync state and this rank's scaling, batch and RNG state."""
-        self.layout.load(self.out / "checkpoints", state, self.core, self.optimizer)
+        with reading_shards(state):  # any failure to load: one CheckpointError line
+            self.layout.load(self.out / "checkpoints", state, self.core, self.optimizer)
         if state["data_parallel"] is not None:
             self.model.set_extra_state(state["data_parallel"])
         own = state["ranks"][self.ranks.rank]
