@@ -243,14 +243,14 @@ def data_fingerprint(docs: list[Document]) -> str:
     return h.hexdigest()[:32]
 
 
-def _stat_key(path: Path) -> tuple[int, int]:
+def _stat_key(path: Path) -> tuple[int, int, int]:
     st = path.stat()
-    return st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns  # ctime: changed by any write, even one that resets mtime
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _file_fingerprint(path: str, size: int, mtime_ns: int) -> str:
-    """``size:hash`` of a file's sampled bytes (cached per size and mtime: a run computes it once)."""
+def _file_fingerprint(path: str, size: int, mtime_ns: int, ctime_ns: int) -> str:
+    """``size:hash`` of a file's sampled bytes (cached per size and times: a run computes it once)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         if size <= _WHOLE_UP_TO:
