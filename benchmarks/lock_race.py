@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import sysconfig
@@ -85,7 +86,7 @@ def trial(out: Path, cache: Path, steps: int, gap: float, solo: dict[str, str]) 
         at_winner_exit = final
     codes = [rc for rc, _ in results]
     refused = [err for rc, err in results if rc != 0]
-    line = refused[0].strip() if len(refused) == 1 else ""
+    line = refused[0].strip().replace(str(out), "OUT") if len(refused) == 1 else ""
     one_line = len(refused) == 1 and refused[0].count("\n") == 1 and line.startswith("fp8lm train: error: ")
     traceback = any("Traceback" in err for _, err in results)
     same_files = sorted(final) == sorted(solo)
@@ -96,7 +97,7 @@ def trial(out: Path, cache: Path, steps: int, gap: float, solo: dict[str, str]) 
         "winner": codes.index(0) if codes.count(0) == 1 else None,
         "one_ran_one_refused": sorted(codes) == [0, 2],
         "refused_in_one_line": one_line,
-        "refusal": line,
+        "refusal": re.sub(r"pid \d+", "pid N", line),
         "traceback": traceback,
         "files_as_a_solo_run": same_files and same_metrics,
         "unchanged_after_winner_exit": at_winner_exit == final,

@@ -69,6 +69,7 @@ def main() -> None:
         if child.returncode:
             raise SystemExit(child.stderr)
         result = json.loads(child.stdout)
+        result.pop("source")  # a temporary path
         packed = sum(f.stat().st_size for f in cache.glob("*.bin"))
     print(
         json.dumps(
