@@ -35,6 +35,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -111,6 +112,7 @@ def outcome(results: list[tuple[int | None, str]], should_run: bool) -> dict:
         kind = "other"
     held = kind == ("ran" if should_run else "refused_in_one_line")
     first = next((err.strip().splitlines()[-1] for _, err in results if err.strip()), "")
+    first = re.sub(re.escape(tempfile.gettempdir()) + r"/tmp\w+", "ROOT", first)  # no machine's paths
     return {"outcome": kind, "held": held, "exit_codes": [c for c, _ in results], "line": first[:400]}
 
 

@@ -342,7 +342,10 @@ def reading_shards(state: dict) -> Iterator[None]:
 
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else '(no message)'}"
+    first = lines[0] if lines else "(no message)"
+    if len(first) > 160:  # torch's messages can run on for a paragraph
+        first = first[:160].rstrip() + " ..."
+    return f"{type(e).__name__}: {first}"
 
 
 def _named_values(tree, prefix: str = ""):
