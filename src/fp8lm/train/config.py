@@ -267,11 +267,15 @@ class TrainConfig:
         for needed, free, where in ((host, available_memory("cpu"), "in host memory"), (step, on_device, device)):
             if free is not None and needed > free:
                 raise RunError(
-                    f"--batch-size {self.batch_size} x --seq-len {model.block_size} with --eval-batches "
-                    f"{self.eval_batches} needs at least {needed / _GIB:.1f} GiB {where}, and "
-                    f"{free / _GIB:.1f} GiB are available: lower --batch-size (use --grad-accum for as many sequences "
-                    "per step) or --eval-batches"
+                    f"{self._sizes(model)} needs at least {needed / _GIB:.1f} GiB {where}, and {free / _GIB:.1f} GiB "
+                    f"are available: {self._memory_fix()}"
                 )
+
+    def _sizes(self, model: GPTConfig) -> str:
+        return f"--batch-size {self.batch_size} x --seq-len {model.block_size} with --eval-batches {self.eval_batches}"
+
+    def _memory_fix(self) -> str:
+        return "lower --batch-size (use --grad-accum for as many sequences per step) or --eval-batches"
 
     def _check_recipe(self) -> None:
         if self.recipe not in RECIPES:

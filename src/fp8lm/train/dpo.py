@@ -83,6 +83,12 @@ class DPOConfig(TrainConfig):
         host, step = pairs.memory_needed(model)
         return host, 2 * step
 
+    def _sizes(self, model: GPTConfig) -> str:
+        return f"--batch-size {self.batch_size} pairs of up to {model.block_size} tokens"
+
+    def _memory_fix(self) -> str:
+        return "lower --batch-size"
+
     def model_config(self) -> GPTConfig:
         """The model of the starting checkpoint (of the run's own when resuming)."""
         state = load_checkpoint(self.init_from or Path(self.out) / "checkpoints")
