@@ -159,6 +159,9 @@ def test_training_checkpoint_shard_path_must_stay_in_the_run(tmp_path, shards):
 
 
 def test_training_checkpoint_with_its_own_shard_folder_loads(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"x": torch.ones(2)}, checkpoint_id=str(tmp_path / "checkpoints" / "step_00000005.dcp"))
     _saved(tmp_path, optimizer_shards="step_00000005.dcp")
     assert train_checkpoint.load_checkpoint(tmp_path)["optimizer_shards"] == "step_00000005.dcp"
 

@@ -12,6 +12,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from .bench import BENCHMARKS, DEFAULT, BenchError, run_benchmark, scripts_dir
 from .recipe import RECIPES
 from .telemetry import KINDS
@@ -470,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"fp8lm {args.command}: error: {_rank_prefix()}{e}", file=sys.stderr)
         code = 2
+    except CheckpointException as e:  # a BaseException: torch's Distributed Checkpoint, every rank's failures
+        print(f"fp8lm {args.command}: error: {_rank_prefix()}{_checkpoint_exception_line(e)}", file=sys.stderr)
+        code = 2
     except KeyboardInterrupt:
         print(f"fp8lm {args.command}: interrupted", file=sys.stderr)
         code = 130
@@ -512,6 +517,20 @@ def _os_error_line(e: OSError) -> str:
     where = f" ({e.filename!r})" if e.filename else ""
     fix = _OS_ERROR_FIXES.get(e.errno, "check the path and the disk")
     return f"{e.strerror or type(e).__name__}{where}; {fix}"
+
+
+def _checkpoint_exception_line(e: CheckpointException) -> str:
+    """One line for a sharded checkpoint that torch could not read or write (its message lists
+    every rank's traceback): the first failure."""
+    failures = [(rank, exc) for rank, (exc, _) in sorted(e.failures.items())]
+    if not failures:
+        return f"sharded checkpoint failed: {(str(e).splitlines() or [''])[0]}"
+    rank, exc = failures[0]
+    first = (str(exc).strip().splitlines() or ["(no message)"])[0]
+    return (
+        f"sharded checkpoint failed on rank {rank}: {type(exc).__name__}: {first}; if resuming, move the newest "
+        "checkpoint out of the run to continue from an older one"
+    )
 
 
 def _in_process_group() -> bool:

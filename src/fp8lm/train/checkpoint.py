@@ -1,18 +1,33 @@
 """Training checkpoints: atomic writes (temporary file, fsync, rename), keep the last k, and
 loading with ``torch.load(weights_only=True)`` (a checkpoint holds only plain tensors, numbers,
-strings, lists and dicts). A loaded checkpoint is refused when a tensor holds inf or NaN, or when
-the shard folder it names is not its own sibling ``step_<n>.dcp``."""
+strings, lists and dicts).
+
+A loaded checkpoint is trusted for nothing: it is refused, as one `CheckpointError` line, when a
+file is not a regular one (a FIFO would block the read forever), when a tensor or a number holds
+inf or NaN or a hyper-parameter is out of its range (`check_numbers`), or when the shard folder it
+names is not its own sibling ``step_<n>.dcp`` or cannot load (`check_shard_folder`: missing, a
+non-regular file in it, unreadable metadata, a data file shorter than the metadata says). What
+torch's Distributed Checkpoint raises while reading shards is the same error (`reading_shards`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import math
 import os
+import pickle
 import re
 import shutil
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from ..distributed.checkpoint import CheckpointError, check_finite
+from ..distributed.checkpoint import CheckpointError, CheckpointReader, check_finite
 
 __all__ = [
     "atomic_write_bytes",
@@ -22,12 +37,26 @@ __all__ = [
     "load_checkpoint",
     "shards_name",
     "remove_stale_temporaries",
+    "check_regular_file",
+    "check_numbers",
+    "check_shard_folder",
+    "reading_shards",
     "CheckpointError",
 ]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _SHARDS = re.compile(r"^step_(\d+)\.dcp$")
 _TEMPORARY = re.compile(r"^\..+\.tmp(\d+)$")  # what _atomic writes before its rename
+# optimizer hyper-parameter -> (low, high, whether each end is allowed); a value outside is refused
+_HYPERPARAMETERS = {
+    "lr": (0.0, math.inf, (True, False)),
+    "initial_lr": (0.0, math.inf, (True, False)),
+    "betas": (0.0, 1.0, (True, False)),
+    "eps": (0.0, math.inf, (False, False)),
+    "weight_decay": (0.0, math.inf, (True, False)),
+}
+# counters a training checkpoint holds: whole numbers >= 0
+_COUNTERS = ("step", "skipped_steps", "batches_drawn", "tokens_drawn", "timed_steps")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -87,24 +116,39 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     path = d / f"step_{step:08d}.pt"
     atomic_torch_save(state, path)
     for old in list_checkpoints(d)[:-keep]:
-        old.unlink()
+        old.unlink()  # first: the checkpoint is no longer complete, its shards no longer needed
+    _fsync_dir(d)
     kept = {p.name.replace(".pt", ".dcp") for p in list_checkpoints(d)}
     for p in d.iterdir():
         m = _SHARDS.match(p.name)
         if m and p.name not in kept and int(m.group(1)) < step:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_folder(p)
     return path
 
 
+def _remove_folder(folder: Path) -> None:
+    """Delete a shard folder so that a kill midway leaves no ``step_<n>.dcp`` behind, empty or
+    partial: it is renamed to a temporary name first (one atomic step), which the next start's
+    `remove_stale_temporaries` deletes if this process dies before it does."""
+    doomed = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    os.replace(folder, doomed)
+    _fsync_dir(folder.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files (``.<name>.tmp<pid>``) that writers killed mid-save left in
-    ``directory``; those of live processes stay. Returns the deleted paths."""
+    """Delete the temporaries (``.<name>.tmp<pid>``: files of saves, shard folders being removed)
+    that processes killed midway left in ``directory``; those of live processes stay. Returns the
+    deleted paths."""
     d = Path(directory)
     stale = [
         p for p in (d.iterdir() if d.is_dir() else []) if (m := _TEMPORARY.match(p.name)) and not _alive(int(m[1]))
     ]
     for p in stale:
-        p.unlink(missing_ok=True)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     return stale
 
 
@@ -129,7 +173,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
                 f"no checkpoint (step_*.pt) in {str(p)!r}; pass a checkpoint file or a run folder that has one"
             )
         p, older = found[-1], found[:-1]
-    if not p.is_file():
+    if not p.exists():
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist; pass a checkpoint file or a run folder")
     try:
         return _read_checkpoint(p, map_location)
@@ -151,17 +195,157 @@ def _readable(path: Path) -> bool:
 
 
 def _read_checkpoint(p: Path, map_location) -> dict:
+    check_regular_file(p, "checkpoint")
     try:
         state = torch.load(p, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises several types for corrupt, empty or foreign files
-        first = (str(e).splitlines() or ["(no message)"])[0]
-        raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {type(e).__name__}: {first}") from None
+        raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {_first_line(e)}") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{str(p)!r} is not an fp8lm training checkpoint (no 'model' entry)")
     check_finite(dict(_named_values(state)), str(p))
+    check_numbers(state, str(p))
     _check_shards(state.get("optimizer_shards"), p)
+    if state.get("optimizer_shards") is not None:
+        check_shard_folder(p.parent / state["optimizer_shards"])
     state["path"] = str(p)
     return state
+
+
+def check_regular_file(path: Path, what: str) -> None:
+    """Refuse, before reading it, a ``path`` that is not a regular file: a FIFO would block the
+    read forever, a device might never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {str(path)!r} does not exist; resume from another checkpoint") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} {str(path)!r}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(
+            f"{what} {str(path)!r} is not a regular file (a FIFO, device, socket or folder): fp8lm did not "
+            "write it; move it out of the run and resume from another checkpoint"
+        )
+
+
+def check_numbers(tree, where: str) -> None:
+    """Refuse (`CheckpointError`) a checkpoint entry that is a number it cannot resume with: a
+    non-finite float anywhere, an optimizer hyper-parameter (``lr``, ``betas``, ``eps``,
+    ``weight_decay`` in any dict, i.e. a param group) outside its range, a negative counter. Tensors
+    are `check_finite`'s."""
+    for name, value in _named_values(tree):
+        key = name.rpartition(".")[2]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            _refuse_number(where, name, value, "a finite number")
+        owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+        limits = _HYPERPARAMETERS.get(key) or (_HYPERPARAMETERS["betas"] if owner == "betas" else None)
+        if limits is not None and not _within(value, limits):
+            low, high, closed = limits
+            interval = f"{'[' if closed[0] else '('}{low}, {high}{']' if closed[1] else ')'}"
+            _refuse_number(where, name, value, f"in {interval}")
+        if key in _COUNTERS and value < 0:
+            _refuse_number(where, name, value, "a count >= 0")
+
+
+def _within(value: float, limits: tuple) -> bool:
+    low, high, closed = limits
+    above = value >= low if closed[0] else value > low
+    below = value <= high if closed[1] else value < high
+    return math.isfinite(value) and above and below
+
+
+def _refuse_number(where: str, name: str, value, needed: str) -> None:
+    raise CheckpointError(
+        f"checkpoint {where!r} holds {name} = {value!r}, not {needed}: fp8lm did not write it; "
+        "resume from an older checkpoint"
+    )
+
+
+def check_shard_folder(folder: Path) -> None:
+    """Refuse a shard folder (``step_<n>.dcp``) that cannot load, before any rank reads a shard:
+    missing, a non-regular file in it, unreadable ``.metadata`` (read by fp8lm's safe unpickler),
+    a data file missing or shorter than the metadata says, a non-tensor entry that does not
+    unpickle as plain data or whose numbers `check_numbers` refuses (FSDP2's param groups). Every
+    rank checks the same folder, so every rank refuses alike, without a collective."""
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"shard folder {str(folder)!r} of the checkpoint next to it is missing; move "
+            f"{folder.with_suffix('.pt').name!r} out of the run to resume from an older checkpoint"
+        )
+    for entry in folder.iterdir():
+        check_regular_file(entry, "shard file")
+    metadata = CheckpointReader(str(folder)).read_metadata()
+    root = folder.resolve()
+    for info in (metadata.storage_data or {}).values():
+        data = (folder / info.relative_path).resolve()
+        if not data.is_relative_to(root):
+            continue  # refused by CheckpointReader before DCP reads anything
+        check_regular_file(data, "shard file")
+        size = data.stat().st_size
+        if size < info.offset + info.length:
+            raise CheckpointError(
+                f"shard file {str(data)!r} is truncated ({size} bytes, its metadata needs "
+                f"{info.offset + info.length}); move {folder.with_suffix('.pt').name!r} out of the run to resume "
+                "from an older checkpoint"
+            )
+    _check_plain_entries(folder, metadata)
+
+
+def _check_plain_entries(folder: Path, metadata: Metadata) -> None:
+    """Read the non-tensor entries of a shard folder (small: param groups, counters) as plain data
+    and check their numbers."""
+    for index, info in (metadata.storage_data or {}).items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        if info.transform_descriptors:  # not written by fp8lm's save: DCP's own read checks it
+            continue
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        try:
+            value = torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"cannot read entry {index.fqn!r} of shard folder {str(folder)!r}: {_first_line(e)}; resume from "
+                "an older checkpoint"
+            ) from None
+        check_finite(dict(_named_values(value, index.fqn)), str(folder))
+        check_numbers({index.fqn: value}, str(folder))
+
+
+@contextlib.contextmanager
+def reading_shards(state: dict) -> Iterator[None]:
+    """Whatever loading checkpoint ``state``'s weights and optimizer state raises (torch's
+    `CheckpointException`, a BaseException that wraps every rank's failure in many lines; a state
+    dict that does not fit) as one `CheckpointError` line."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except CheckpointException as e:
+        failures = [exc for exc, _ in e.failures.values()]
+        ours = [exc for exc in failures if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        cause = _first_line(failures[0]) if failures else _first_line(e)
+        raise CheckpointError(
+            f"cannot read the shards of checkpoint {state['path']!r}: {cause}; move it out of the run to resume "
+            "from an older checkpoint"
+        ) from None
+    except (ValueError, RuntimeError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointError(
+            f"cannot load checkpoint {state['path']!r}: {_first_line(e)}; move it out of the run to resume from an "
+            "older checkpoint"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    first = lines[0] if lines else "(no message)"
+    if len(first) > 160:  # torch's messages can run on for a paragraph
+        first = first[:160].rstrip() + " ..."
+    return f"{type(e).__name__}: {first}"
 
 
 def _named_values(tree, prefix: str = ""):

@@ -15,12 +15,13 @@ files are added. With fewer documents than that gives each side (e.g. a single f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import sysconfig
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +38,14 @@ __all__ = [
     "BatchSampler",
     "eval_batches",
     "DataError",
+    "data_fingerprint",
 ]
 
 _PACK_VERSION = 1
 _HASH_RANGE = 1 << 32
+_CHUNK = 1 << 24  # bytes read and written at a time while packing: the most of a corpus held in memory
+# a file's content fingerprint hashes it whole up to this size, else this many evenly spaced blocks
+_WHOLE_UP_TO, _SAMPLES, _SAMPLE = 1 << 22, 64, 1 << 16
 
 
 class DataError(ValueError):
@@ -49,16 +54,26 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Document:
-    """One unit of the split: ``name`` decides its side, ``read()`` gives its bytes."""
+    """One unit of the split: ``name`` decides its side, ``read()`` gives its bytes (`chunks` gives
+    them a block at a time, so a file is never held whole)."""
 
     name: str
     read: Callable[[], bytes]
     fingerprint: str  # changes when the content may have changed (size, mtime)
+    path: Path | None = None  # the file, when the document is one
+
+    def chunks(self) -> Iterator[bytes]:
+        if self.path is None:
+            yield self.read()
+            return
+        with open(self.path, "rb") as f:
+            while block := f.read(_CHUNK):
+                yield block
 
 
 def _file_document(path: Path, root: Path) -> Document:
     st = path.stat()
-    return Document(path.relative_to(root).as_posix(), path.read_bytes, f"{st.st_size}:{st.st_mtime_ns}")
+    return Document(path.relative_to(root).as_posix(), path.read_bytes, f"{st.st_size}:{st.st_mtime_ns}", path)
 
 
 def stdlib_documents() -> tuple[str, list[Document]]:
@@ -158,6 +173,8 @@ def pack(source: str, docs: list[Document], cache_dir: str | os.PathLike, val_fr
 
     Packed once: a later call with the same documents (names, sizes, mtimes) and split reuses the
     files. Files are written under temporary names and renamed, so an interrupted pack is redone.
+    Streamed: documents are read and written ``_CHUNK`` bytes at a time, so a corpus larger than
+    memory packs (peak memory is a block, not the corpus).
     """
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -172,14 +189,11 @@ def pack(source: str, docs: list[Document], cache_dir: str | os.PathLike, val_fr
         tmp_train, tmp_val = train_path.with_suffix(".tmp"), val_path.with_suffix(".tmp")
         if val_docs and train_docs:
             split = "by-document"
-            n_train = _write_stream(tmp_train, (d.read() for d in train_docs))
-            n_val = _write_stream(tmp_val, (d.read() for d in val_docs))
+            n_train = _write_stream(tmp_train, _chunks(train_docs))
+            n_val = _write_stream(tmp_val, _chunks(val_docs))
         else:
             split = "by-bytes"
-            data = b"".join(d.read() for d in docs)
-            n_val = max(1, int(len(data) * val_fraction))
-            n_train = _write_stream(tmp_train, [data[:-n_val]])
-            _write_stream(tmp_val, [data[-n_val:]])
+            n_train, n_val = _split_tail(_write_stream(tmp_train, _chunks(docs)), tmp_train, tmp_val, val_fraction)
         meta = {
             "source": source,
             "split": split,
@@ -196,6 +210,56 @@ def pack(source: str, docs: list[Document], cache_dir: str | os.PathLike, val_fr
         os.replace(tmp_meta, meta_path)  # last: its presence marks a complete pack
     meta = json.loads(meta_path.read_text())
     return TokenSplits(_memmap(train_path), _memmap(val_path), meta)
+
+
+def _chunks(docs: list[Document]) -> Iterator[bytes]:
+    for d in docs:
+        yield from d.chunks()
+
+
+def _split_tail(n: int, train: Path, val: Path, val_fraction: float) -> tuple[int, int]:
+    """Move the last ``val_fraction`` of the ``n`` bytes written to ``train`` into ``val`` (at least
+    one byte), a block at a time; returns the byte counts of both."""
+    n_val = max(1, int(n * val_fraction))
+    start = max(n - n_val, 0)
+    with open(train, "r+b") as src:
+        src.seek(start)
+        _write_stream(val, iter(lambda: src.read(_CHUNK), b""))
+        src.truncate(start)
+        src.flush()
+        os.fsync(src.fileno())
+    return start, n_val
+
+
+def data_fingerprint(docs: list[Document]) -> str:
+    """A fingerprint of the documents' names and contents that is cheap for big files: each file's
+    size and a hash of its bytes (whole up to 4 MiB, else 64 evenly spaced 64 KiB blocks and its
+    end); documents that are not files contribute their own fingerprint. Another file, another
+    size or other bytes where sampled give another fingerprint."""
+    h = hashlib.sha256()
+    for d in docs:
+        content = _file_fingerprint(str(d.path), *_stat_key(d.path)) if d.path is not None else d.fingerprint
+        h.update(_name_bytes(d.name) + b"\0" + content.encode() + b"\n")
+    return h.hexdigest()[:32]
+
+
+def _stat_key(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns  # ctime: changed by any write, even one that resets mtime
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _file_fingerprint(path: str, size: int, mtime_ns: int, ctime_ns: int) -> str:
+    """``size:hash`` of a file's sampled bytes (cached per size and times: a run computes it once)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _WHOLE_UP_TO:
+            h.update(f.read())
+        else:
+            for i in range(_SAMPLES + 1):
+                f.seek(min(i * (size // _SAMPLES), size - _SAMPLE))
+                h.update(f.read(_SAMPLE))
+    return f"{size}:{h.hexdigest()[:32]}"
 
 
 def _memmap(path: Path) -> np.ndarray:

@@ -14,6 +14,7 @@ synchronized as in ``fp8lm train`` (`FP8DataParallel` at O1/O2, FP8 ZeRO at O3, 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -29,6 +30,7 @@ from .dpo_loss import DPOTerms, dpo_loss, sequence_logprobs, token_kl
 from .model import GPT, GPTConfig
 from .preference import PairBatch, PairSampler, builtin_pairs, encode_pairs, read_pairs, split_pairs
 from .ranks import barrier, mean_over_ranks
+from .resume import check_state_fits, same_option
 from .run import TrainingRun
 
 __all__ = ["DPOConfig", "DPORun", "dpo", "finished_run", "SUMMARY_KEYS"]
@@ -64,8 +66,8 @@ class DPOConfig(TrainConfig):
     telemetry_every: int = 0
 
     def validate(self) -> None:
-        if not self.beta > 0:
-            raise RunError(f"--beta must be > 0, got {self.beta}")
+        if not (math.isfinite(self.beta) and self.beta > 0):  # inf: every loss non-finite, every step skipped
+            raise RunError(f"--beta must be > 0 and finite, got {self.beta}")
         if not (self.init_from or self.resume):
             raise RunError(
                 "fp8lm dpo starts from a trained model: pass --init-from CHECKPOINT (a step_*.pt or a run folder)"
@@ -73,6 +75,19 @@ class DPOConfig(TrainConfig):
         if self.hf_dataset or self.telemetry_every or self.fallback or self.grad_accum != 1:
             raise RunError("fp8lm dpo does not take --hf-dataset, --telemetry-every, --fallback or --grad-accum")
         super().validate()  # last: it reads the checkpoint's model_config
+
+    def memory_needed(self, model: GPTConfig) -> tuple[int, int]:
+        """As `TrainConfig.memory_needed`, for pairs: a step and the held-out batches run the
+        policy and the reference on ``2 x --batch-size`` sequences; no validation windows are held."""
+        pairs = TrainConfig(batch_size=2 * self.batch_size, eval_batches=1, device=self.device)
+        host, step = pairs.memory_needed(model)
+        return host, 2 * step
+
+    def _sizes(self, model: GPTConfig) -> str:
+        return f"--batch-size {self.batch_size} pairs of up to {model.block_size} tokens"
+
+    def _memory_fix(self) -> str:
+        return "lower --batch-size"
 
     def model_config(self) -> GPTConfig:
         """The model of the starting checkpoint (of the run's own when resuming)."""
@@ -141,15 +156,24 @@ class DPORun(TrainingRun):
             self.tokens_per_step = self.sampler.tokens_drawn * self.ranks.world / self.sampler.batches_drawn
 
     def _reference_weights(self) -> dict:
-        path = self.out / "checkpoints" / REFERENCE_FILE
+        """The reference's weights: the starting checkpoint's, or, when resuming, those the run
+        saved, read as any checkpoint is (regular file, plain data, finite, fitting the model)."""
         if not self.cfg.resume:
             return load_checkpoint(self.cfg.init_from)["model"]
-        saved = torch.load(path, weights_only=True)
+        saved = load_checkpoint(self.out / "checkpoints" / REFERENCE_FILE)
+        config = saved.get("config")
+        if not isinstance(config, dict) or any(key not in config for key in _RESUME_KEYS):
+            raise CheckpointError(
+                f"{saved['path']!r} is not the reference of an fp8lm dpo run (no options recorded); "
+                "start a new run in another --out"
+            )
+        with torch.device("meta"):  # shapes only: nothing allocated
+            check_state_fits(GPT(self.model_config), saved, repr(saved["path"]))
         for key in _RESUME_KEYS:
-            if saved["config"][key] != getattr(self.cfg, key):
+            if not same_option(key, config[key], getattr(self.cfg, key)):
                 flag = "--" + key.replace("_", "-")
                 raise CheckpointError(
-                    f"the run in {str(self.out)!r} was trained with {flag} {saved['config'][key]}, "
+                    f"the run in {str(self.out)!r} was trained with {flag} {config[key]}, "
                     f"not {getattr(self.cfg, key)}; resume with the same {flag}"
                 )
         return saved["model"]
@@ -271,4 +295,8 @@ def finished_run(out: str | Path) -> DPORun:
     options = {key: value for key, value in saved.items() if key in known}
     # one step more than were taken: the resume check then accepts the finished run; none is taken
     options.update(out=str(out), resume=True, init_from=None, progress=False, steps=saved["steps"] + 1)
-    return DPORun(DPOConfig(**options))
+    run = DPORun(DPOConfig(**options))
+    if run.lock is not None:  # nothing is written: the folder is free again at once
+        run.lock.release()
+        run.lock = None
+    return run

@@ -3,7 +3,9 @@
 A pair is a prompt with a chosen and a rejected answer, as bytes (the GPT is byte-level).
 
 - ``--data PAIRS.jsonl``: one JSON object per line with ``prompt``, ``chosen`` and ``rejected``
-  strings (other keys are ignored, blank lines skipped), stored as UTF-8.
+  strings (other keys are ignored, blank lines skipped), stored as UTF-8; lines end at ``\n``
+  only, as JSON Lines says. A line that is not such an object, nests too deep, holds a number
+  too long to convert or a lone surrogate is one `DataError` naming the file and line.
 - Built-in (`builtin_pairs`): windows of the default corpus's tokens; the prompt is a window's
   first bytes, the chosen answer the true continuation, the rejected answer that continuation with
   a few bytes replaced by other printable characters: a preference a byte-level model can learn.
@@ -52,6 +54,13 @@ def _parse_line(line: str, where: str) -> PreferencePair:
             f"{where}: not valid JSON ({e.msg}); each line must be one object with "
             "'prompt', 'chosen' and 'rejected' strings"
         ) from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply to read; each line must be one flat object") from None
+    except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise DataError(
+            f"{where}: holds a number too long to read; each line must be one object with 'prompt', 'chosen' and "
+            "'rejected' strings"
+        ) from None
     if not isinstance(record, dict):
         raise DataError(
             f"{where}: a JSON {type(record).__name__}, not an object with 'prompt', 'chosen' and 'rejected'"
@@ -61,7 +70,13 @@ def _parse_line(line: str, where: str) -> PreferencePair:
             raise DataError(f"{where}: no {key!r} key; each line needs 'prompt', 'chosen' and 'rejected' strings")
         if not isinstance(record[key], str) or not record[key]:
             raise DataError(f"{where}: {key!r} must be a non-empty string, got {json.dumps(record[key])[:40]}")
-    return PreferencePair(*(record[key].encode("utf-8") for key in _KEYS))
+    try:
+        return PreferencePair(*(record[key].encode("utf-8") for key in _KEYS))
+    except UnicodeEncodeError as e:  # an escaped lone surrogate (\ud800): no UTF-8 bytes exist for it
+        raise DataError(
+            f"{where}: a string holds a lone surrogate ({e.object[e.start : e.end]!r}), which is not text; "
+            "fix or drop the line"
+        ) from None
 
 
 def read_pairs(path: str | os.PathLike) -> list[PreferencePair]:
@@ -70,7 +85,9 @@ def read_pairs(path: str | os.PathLike) -> list[PreferencePair]:
     if not p.is_file():
         raise DataError(f"preference file {str(p)!r} does not exist; pass a JSON Lines file to --data")
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        # JSON Lines ends lines at "\n" only: U+2028 and other breaks str.splitlines knows may be
+        # inside strings
+        lines = p.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as e:
         raise DataError(
             f"preference file {str(p)!r} is not UTF-8 text (byte {e.start}); pass a JSON Lines file"

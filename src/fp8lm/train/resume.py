@@ -4,6 +4,7 @@ saying what to pass instead, raised before anything is written."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -13,7 +14,8 @@ from torch import nn
 
 from .checkpoint import CheckpointError, list_checkpoints
 from .config import RunError, TrainConfig
-from .ranks import Ranks, restarts_allowed
+from .data import data_fingerprint, path_documents, stdlib_documents
+from .ranks import Ranks, broadcast_from_main, restarts_allowed
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -22,9 +24,12 @@ __all__ = [
     "check_output",
     "check_writable_folder",
     "lock_output",
+    "OutputLock",
+    "claim_output",
     "check_state_fits",
     "check_resume",
     "layout_options",
+    "same_option",
 ]
 
 CHECKPOINT_FORMAT = "fp8lm.train/2"
@@ -118,9 +123,59 @@ def lock_output(out: Path) -> IO[str]:
     return lock
 
 
+class OutputLock:
+    """Rank 0's hold on ``OUT/.lock`` for the whole run, from before the first check of ``OUT``
+    (`claim_output`) to the end of training."""
+
+    def __init__(self, out: Path) -> None:
+        check_writable_folder(out, "--out")
+        self.out, self.created = out, not out.exists()
+        self.file: IO[str] | None = lock_output(out)
+
+    def release(self, failed: bool = False) -> None:
+        """Let go of the lock. A run that fails before training, in a folder it created, removes
+        the folder again (it holds nothing but the lock file then), so a refusal leaves no trace."""
+        if self.file is None:
+            return
+        if failed and self.created:
+            (self.out / ".lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty: something was written, keep it
+                self.out.rmdir()
+        self.file.close()
+        self.file = None
+
+
+def claim_output(out: Path, ranks: Ranks) -> OutputLock | None:
+    """Take ``OUT/.lock`` on rank 0 before anything looks at or writes ``OUT``: two runs started on
+    one folder at the same time cannot both pass the folder checks. A refusal is raised on every
+    rank, as the same one line. Returns rank 0's lock (None on the other ranks)."""
+    lock, refusal = None, None
+    if ranks.main:
+        try:
+            lock = OutputLock(out)
+        except RunError as e:
+            refusal = str(e)
+        except OSError as e:  # e.g. creating the folder on a full or read-only disk
+            refusal = f"--out {str(out)!r}: {e.strerror or type(e).__name__}; pass a folder you can write to"
+    refusal = broadcast_from_main(refusal, ranks)
+    if refusal is not None:
+        raise RunError(refusal)
+    return lock
+
+
 def resume_config(cfg: TrainConfig) -> dict:
-    """What a checkpoint records of ``cfg`` for `check_resume` to compare."""
-    return {key: getattr(cfg, key) for key in RESUME_KEYS}
+    """What a checkpoint records of ``cfg`` for `check_resume` to compare: the `RESUME_KEYS`
+    options and a fingerprint of the data's files (`data_fingerprint`), so that the same path
+    with other contents is not taken for the same data."""
+    return {**{key: getattr(cfg, key) for key in RESUME_KEYS}, "data_fingerprint": _data_fingerprint(cfg)}
+
+
+def _data_fingerprint(cfg: TrainConfig) -> str | None:
+    """The fingerprint of ``--data`` (or of the default corpus); None for a Hugging Face dataset,
+    whose own fingerprint names the packed cache."""
+    if cfg.hf_dataset:
+        return None
+    return data_fingerprint((path_documents(cfg.data) if cfg.data else stdlib_documents())[1])
 
 
 def check_state_fits(model: nn.Module, state: dict, where: str) -> None:
@@ -169,6 +224,7 @@ def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) 
             f"checkpoint {state['path']!r} has format {state.get('format')!r}, this version reads {CHECKPOINT_FORMAT!r}"
         )
     _check_same_options(cfg, state, model)
+    _check_same_data(cfg, state)
     check_state_fits(model, state, repr(state["path"]))
     saved_scaling = (state.get("data_parallel") or {}).get("scaling")
     if saved_scaling is not None and saved_scaling != cfg.grad_sync_scaling:
@@ -193,13 +249,38 @@ def _check_same_options(cfg: TrainConfig, state: dict, model: nn.Module) -> None
     here |= {"--" + key.replace("_", "-"): getattr(cfg, key) for key in RESUME_KEYS}
     saved |= {"--" + key.replace("_", "-"): value for key, value in (state.get("config") or {}).items()}
     for flag, value in saved.items():
-        if flag in here and here[flag] != value:
+        if flag in here and not same_option(flag[2:].replace("-", "_"), value, here[flag]):
             theirs = _as_option(flag, value)
             fix = f"drop {flag}" if theirs.startswith("no ") else f"pass {theirs}"
             raise RunError(
                 f"--resume: the run in {cfg.out!r} was trained with {theirs}, this command has "
                 f"{_as_option(flag, here[flag])}; {fix} to continue it (or choose another --out for a new run)"
             )
+
+
+def _check_same_data(cfg: TrainConfig, state: dict) -> None:
+    """Refuse to continue on data whose files changed since the checkpoint (checkpoints written
+    before fingerprints were recorded are not checked)."""
+    saved = (state.get("config") or {}).get("data_fingerprint")
+    if saved is None or saved == _data_fingerprint(cfg):
+        return
+    what = f"--data {cfg.data}" if cfg.data else "the default corpus (the standard library's sources)"
+    raise RunError(
+        f"--resume: the files of {what} changed since the run in {cfg.out!r} was checkpointed (names, sizes or "
+        "contents); resume on the data it trained on, or start a new run in another --out"
+    )
+
+
+def same_option(key: str, saved, here) -> bool:
+    """Whether option ``key`` has the same value as the run that was saved: ``data`` as the path it
+    names (relative or absolute, the same file), the others as they are."""
+    if key == "data" and saved is not None and here is not None:
+        return _normalized_path(saved) == _normalized_path(here)
+    return saved == here
+
+
+def _normalized_path(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
 
 
 def _as_option(flag: str, value) -> str:

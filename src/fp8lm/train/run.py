@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,13 @@ from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..ops.gemm import CPUBF16Linear
 from ..optim import SkipsNonFiniteSteps
 from ..telemetry import Telemetry, worst
-from .checkpoint import atomic_write_bytes, load_checkpoint, remove_stale_temporaries, save_checkpoint
+from .checkpoint import (
+    atomic_write_bytes,
+    load_checkpoint,
+    reading_shards,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
 from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents, stdlib_documents
 from .layouts import LayoutSpec, PipelineShape, parallelize
@@ -41,11 +46,12 @@ from .ranks import barrier, broadcast_from_main, gather_to_main, join, mean_over
 from .reshard import NEW_STREAM, Reshard, full_state_from_file, load_resharded, merged_scaling, plan_reshard
 from .resume import (
     CHECKPOINT_FORMAT,
+    OutputLock,
     check_output,
     check_resume,
     check_state_fits,
+    claim_output,
     layout_options,
-    lock_output,
     resume_config,
 )
 
@@ -100,6 +106,16 @@ class TrainingRun:
                 + (f" x {cfg.pp_microbatches} pipeline micro-batches" if cfg.pp > 1 else "")
             )
         self.out = Path(cfg.out)
+        # Rank 0 holds OUT/.lock from here to the end of fit: no other run checks or writes OUT meanwhile.
+        self.lock: OutputLock | None = claim_output(self.out, self.ranks)
+        try:
+            self._prepare(cfg)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release(failed=True)
+            raise
+
+    def _prepare(self, cfg: TrainConfig) -> None:
         resuming = check_output(cfg)
         self.device = self._device()
         self.model_config = cfg.model_config()
@@ -140,7 +156,6 @@ class TrainingRun:
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.model_config.block_size
         self.logs: RunLogs | None = None
         self.act_bytes_per_token: float | None = None  # measured after the last step
-        self.lock: IO[str] | None = None  # rank 0's hold on OUT/.lock while fit runs
 
     # -- pieces a subclass may override -------------------------------------------------------
 
@@ -312,14 +327,13 @@ class TrainingRun:
         """Train from the first (or the restored) step to ``cfg.steps``: validate every
         ``eval_every`` steps and at the end, checkpoint every ``save_every`` steps and at the end.
         Returns the summary on rank 0, None on the other ranks. Rank 0 holds ``OUT/.lock``
-        throughout, so a second run on the same folder is refused."""
-        self.lock = lock_output(self.out) if self.ranks.main else None
+        (taken when the run was built) throughout, so a second run on the same folder is refused."""
         try:
             self._open_logs()
             return self._train_and_summarize()
         finally:
             if self.lock is not None:
-                self.lock.close()
+                self.lock.release()
 
     def _train_and_summarize(self) -> dict | None:
         cfg = self.cfg
@@ -409,13 +423,16 @@ class TrainingRun:
         """Continue from checkpoint ``state`` (checked by `check_resume`): weights, optimizer,
         gradient sync state and this rank's scaling, batch and RNG state; resharded when the
         checkpoint is of another layout or rank count (`fp8lm.train.reshard`)."""
+        with reading_shards(state):  # any failure to load: one CheckpointError line
+            if self.reshard is None:
+                self.layout.load(self.out / "checkpoints", state, self.core, self.optimizer)
+            else:
+                self._restore_resharded(state)
         if self.reshard is None:
-            self.layout.load(self.out / "checkpoints", state, self.core, self.optimizer)
             own = state["ranks"][self.ranks.rank]
             load_scaling_state_dict(self.core, own["scaling"])
             self.sampler.load_state_dict(own["sampler"])
         else:
-            self._restore_resharded(state)
             own = state["ranks"][0]
         self.layout.load_data_parallel_state(self.model, state["data_parallel"])
         torch.set_rng_state(own["rng"]["torch"])

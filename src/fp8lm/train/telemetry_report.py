@@ -13,6 +13,7 @@ from .report import save_figure
 __all__ = ["InspectError", "read_telemetry", "worst_table", "heatmap_grid", "plot_heatmap", "STATS"]
 
 STATS = ("underflow", "saturation")
+_KEYS = {"step", "layer", "kind", "fmt", "amax", "scale", *STATS}  # what every telemetry record holds
 
 
 class InspectError(ValueError):
@@ -25,12 +26,40 @@ def read_telemetry(run_dir: str | os.PathLike) -> list[dict]:
     if not run.is_dir():
         raise InspectError(f"run folder {str(run)!r} does not exist; pass the --out folder of an fp8lm train run")
     path = run / "telemetry.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    records = _read_records(path) if path.exists() else []
     if not records:
         raise InspectError(
             f"no telemetry recorded in {str(run)!r}: train at an FP8 level (O1/O2/O3) with --telemetry-every N "
             "(N >= 1, and at most the number of steps)"
         )
+    return records
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The JSON objects of a JSON Lines file, each bad line one `InspectError` naming it."""
+    if not path.is_file():  # a FIFO would block the read forever
+        raise InspectError(f"{str(path)!r} is not a regular file; pass the --out folder of an fp8lm train run")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InspectError(
+            f"{str(path)!r} is not UTF-8 text (byte {e.start}): fp8lm train did not write it; train again with "
+            "--telemetry-every N"
+        ) from None
+    records = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        if not isinstance(record, dict) or not _KEYS <= record.keys():
+            raise InspectError(
+                f"{path}:{n}: not a telemetry record (a JSON object with {', '.join(sorted(_KEYS))}): fp8lm train did "
+                "not write it; train again with --telemetry-every N"
+            )
+        records.append(record)
     return records
 
 
