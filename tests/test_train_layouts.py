@@ -166,3 +166,11 @@ def test_tp2_pp2_trains_at_the_baseline_levels_too(tmp_path):
         summary = json.loads((out / level / "summary.json").read_text())
         assert summary["layout"] == "pipeline parallel" and summary["world_size"] == 4
         assert summary["skipped_steps"] == 0 and summary["val_loss"] < 5.6  # from ln(256) = 5.55, learning
+
+
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    from dist_launch import run_workers
+
+    results = run_workers("dist_layout_skipping.py", 4, str(tmp_path), timeout=300)
+    for r in results:  # one clip over the model's ranks: the NaN reaches every rank's decision
+        assert r["skipped"] == [0, 0, 1, 1] and r["unchanged"] is True
