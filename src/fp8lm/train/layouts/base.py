@@ -187,7 +187,7 @@ class ShardedCheckpoints:
     """Checkpoints of a layout whose ranks hold different parts of the state (DTensor shards,
     pipeline stages): the model and the optimizer in a ``step_<step>.dcp/`` folder (Distributed
     Checkpoint through ``get_state_dict`` / ``set_state_dict``, parameter names as in the whole
-    model), and no full weights in the checkpoint file (``model`` is None there)."""
+    model), and no full weights in the checkpoint file (``model`` is None there; FSDP2 adds them)."""
 
     def save_shards(self, directory: Path, step: int, model: nn.Module, optimizer) -> str:
         name = shards_name(step)

@@ -9,7 +9,6 @@ Checkpoint), and the checkpoint file the full weights (for ``--init-from`` and i
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -17,10 +16,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from ...amp import initialize
-from ...distributed import fully_shard, load_fsdp_checkpoint, precompute_fp8_scales, save_fsdp_checkpoint
-from ..checkpoint import CheckpointError, shards_name
+from ...distributed import fully_shard, precompute_fp8_scales
 from ..config import RunError
-from .base import Layout, LayoutSpec, point_optimizer_at
+from .base import Layout, LayoutSpec, ShardedCheckpoints, point_optimizer_at
 
 __all__ = ["FSDPLayout", "fsdp_options", "shard_blocks_and_model"]
 
@@ -42,7 +40,7 @@ def shard_blocks_and_model(model: nn.Module, options: dict) -> None:
     fully_shard(model, **options)
 
 
-class FSDPLayout(Layout):
+class FSDPLayout(ShardedCheckpoints, Layout):
     name = "FSDP2"
     collective_forward = True
 
@@ -70,25 +68,10 @@ class FSDPLayout(Layout):
     def after_step(self, model: nn.Module) -> None:
         precompute_fp8_scales(model)
 
-    def save_shards(self, directory: Path, step: int, model: nn.Module, optimizer) -> str:
-        name = shards_name(step)
-        save_fsdp_checkpoint(directory / name, model, optimizer)
-        return name
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
-        return None
-
-    def model_state(self, model: nn.Module) -> dict:
+    def model_state(self, model: nn.Module) -> dict:  # type: ignore[override]
+        """The full weights too (gathered to rank 0): for ``--init-from`` and inspection."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0
         return get_model_state_dict(model, options=options)
-
-    def load(self, directory: Path, state: dict, model: nn.Module, optimizer) -> None:
-        if state.get("optimizer_shards") is None:
-            raise CheckpointError(
-                f"checkpoint {state['path']!r} was trained without --fsdp: resume without --fsdp, at the same world size"
-            )
-        load_fsdp_checkpoint(directory / state["optimizer_shards"], model, optimizer)
-        precompute_fp8_scales(model)
 
 
 @contextlib.contextmanager
