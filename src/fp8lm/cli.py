@@ -15,6 +15,8 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .bench import BENCHMARKS, DEFAULT, BenchError, run_benchmark, scripts_dir
+from .export import FORMATS as EXPORT_FORMATS
+from .export import ExportError
 from .recipe import RECIPES
 from .telemetry import KINDS
 from .train.checkpoint import CheckpointError
@@ -23,6 +25,8 @@ from .train.config import GRAD_SYNC_SCALINGS, OPT_LEVELS, SECOND_MOMENT_FORMATS,
 from .train.data import DataError
 from .train.dpo import SUMMARY_KEYS as DPO_SUMMARY_KEYS
 from .train.dpo import DPOConfig, dpo
+from .train.export import export_run
+from .train.generate import generate_ids, load_generator
 from .train.loop import train
 from .train.model import MLP_KINDS, PRESETS
 from .train.telemetry_report import STATS, InspectError, plot_heatmap, read_telemetry, worst_table
@@ -30,7 +34,7 @@ from .train.telemetry_report import STATS, InspectError, plot_heatmap, read_tele
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 # Errors that mean "the user asked for something that cannot work": one line on stderr, exit 2.
-USER_ERRORS = (DataError, CheckpointError, RunError, InspectError, BenchError)
+USER_ERRORS = (DataError, CheckpointError, RunError, InspectError, BenchError, ExportError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -434,6 +438,53 @@ def cmd_dpo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder of fp8lm train or a step_*.pt checkpoint")
+    p.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    p.add_argument(
+        "--format",
+        default="hf",
+        choices=EXPORT_FORMATS,
+        help="hf: BF16 weights; hf-fp8: the linear layers' weights in E4M3 with their scales "
+        "(compressed-tensors) (default: %(default)s)",
+    )
+    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out = export_run(args.source, args.out, args.format, args.step, args.overwrite)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"exported {args.source} as {args.format} to {out} ({size / 2**20:.2f} MiB)")
+    return 0
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="DIR", help="a folder written by fp8lm export, a run folder or a step_*.pt file")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (default: %(default)s)")
+    p.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
+    p.add_argument("--step", type=int, help="of a run folder: the checkpoint of this step (default: the newest)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise ExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ExportError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ExportError(f"--top-k must be >= 1, got {args.top_k}")
+    model = load_generator(args.source, args.step)
+    prompt = model.encode(args.prompt)
+    if not prompt:
+        raise ExportError("--prompt is empty; pass some text to continue")
+    new = generate_ids(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(model.decode(prompt + new))
+    return 0
+
+
 # name -> (help, add options, run)
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a GPT on a real corpus at one precision level", _add_train, cmd_train),
@@ -445,6 +496,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     ),
     "dpo": ("preference-tune a trained GPT with DPO: FP8 policy, frozen FP8 reference", _add_dpo, cmd_dpo),
     "bench": ("run the benchmark scripts of the source checkout and save their JSON", _add_bench, cmd_bench),
+    "export": (
+        "export a run as a Hugging Face model folder, its weights in BF16 or FP8",
+        _add_export,
+        cmd_export,
+    ),
+    "generate": ("continue a prompt with an exported folder or a run's model", _add_generate, cmd_generate),
 }
 
 

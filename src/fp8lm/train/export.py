@@ -1,0 +1,248 @@
+"""``fp8lm export``: a training run's checkpoint as a Hugging Face model folder.
+
+The checkpoint is read through the run's own trust checks (`load_checkpoint`: regular files,
+finite numbers, a shard folder that fits its metadata; the checkpoint format; weights that fit the
+recorded model), its full weights taken from the file or, for a run that keeps them sharded
+(``--tp``/``--pp``), resharded from its DCP folder (`fp8lm.distributed.reshard.read_full_state`).
+The GPT becomes the standard architecture it is equal to (`gpt2_model`: ``GPT2LMHeadModel``) and
+the library (`fp8lm.export.save_pretrained`) writes the folder. `run_model` is fp8lm's own model
+of a checkpoint, as the run evaluates it, for comparisons and ``fp8lm generate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..distributed.reshard import read_full_state
+from ..export import ExportError, save_pretrained
+from ..nn import load_scaling_state_dict, scaling_state_dict
+from ..recipe import DEFAULT_RECIPE, Recipe
+from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, reading_shards
+from .config import FP8_LEVELS
+from .model import GPT, GPTConfig
+from .reshard import merged_scaling
+from .resume import CHECKPOINT_FORMAT, check_state_fits
+
+__all__ = [
+    "read_run_checkpoint",
+    "full_weights",
+    "gpt2_config",
+    "gpt2_state_dict",
+    "gpt2_model",
+    "byte_tokenizer",
+    "export_run",
+    "run_model",
+    "run_autocast",
+]
+
+_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def read_run_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict:
+    """The checkpoint at ``path`` (a ``step_*.pt`` file, a run folder or its ``checkpoints``
+    folder; ``step``: that step's checkpoint of the folder, else the newest), trust-checked."""
+    p = Path(path)
+    if step is not None:
+        if not p.is_dir():
+            raise CheckpointError(f"--step {step} picks a checkpoint of a run folder; {str(p)!r} is not a folder")
+        folder = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        found = {int(c.name[5:-3]): c for c in list_checkpoints(folder)}
+        if step not in found:
+            have = ", ".join(map(str, sorted(found))) or "none"
+            raise CheckpointError(
+                f"no checkpoint of step {step} in {str(folder)!r} (steps there: {have}); pass one of those"
+            )
+        p = found[step]
+    state = load_checkpoint(p)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {state['path']!r} has format {state.get('format')!r}, this version reads {CHECKPOINT_FORMAT!r}"
+        )
+    if not isinstance(state.get("model_config"), dict):
+        raise CheckpointError(f"checkpoint {state['path']!r} has no model_config; pass one written by fp8lm train")
+    try:
+        state["model_config"] = GPTConfig.from_dict(state["model_config"])
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {state['path']!r} records an invalid model: {e}") from None
+    return state
+
+
+def full_weights(state: dict) -> dict[str, torch.Tensor]:
+    """The whole model's weights (float32, the GPT's names) of checkpoint ``state``: from the file,
+    or from its shard folder when the file holds none (a ``--tp``/``--pp`` run)."""
+    weights = state["model"]
+    if weights is None:
+        shards = state.get("optimizer_shards")
+        if shards is None:
+            raise CheckpointError(f"checkpoint {state['path']!r} holds no weights; pass one written by fp8lm train")
+        with reading_shards(state):
+            weights = read_full_state(Path(state["path"]).parent / shards)["model"]
+    with torch.device("meta"):
+        shape = GPT(state["model_config"])
+    check_state_fits(shape, {"model": weights}, repr(state["path"]))
+    return {name: weights[name].float() for name in shape.state_dict()}
+
+
+def gpt2_config(cfg: GPTConfig):
+    """The ``transformers.GPT2Config`` that computes what ``GPT(cfg)`` computes: exact (erf) GELU,
+    LayerNorm eps 1e-5, learned positions, an untied head, the same MLP width."""
+    if cfg.mlp != "gelu":
+        raise ExportError(
+            f"a GPT with --mlp {cfg.mlp} has no Hugging Face equivalent (GPT-2 has a GELU MLP); "
+            "export runs trained with --mlp gelu"
+        )
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.block_size,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_inner=cfg.mlp_hidden,
+        activation_function="gelu",
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        layer_norm_epsilon=1e-5,
+        scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False,
+        reorder_and_upcast_attn=False,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def gpt2_state_dict(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """``GPT`` weights under ``GPT2LMHeadModel``'s names: its ``Conv1D`` layers hold (in, out)
+    weights (transposed); a GPT without biases gets zero biases (what it adds)."""
+    out = {}
+    for name, value in weights.items():
+        if name == "lm_head.weight":
+            out[name] = value
+            continue
+        hf = name.replace("blocks.", "h.", 1) if name.startswith("blocks.") else name
+        out["transformer." + hf] = value.t().contiguous() if name.endswith(_TRANSPOSED) else value
+    if not cfg.bias:
+        widths = {"ln_1": cfg.n_embd, "ln_2": cfg.n_embd, "attn.c_attn": 3 * cfg.n_embd}
+        widths |= {"attn.c_proj": cfg.n_embd, "mlp.c_fc": cfg.mlp_hidden, "mlp.c_proj": cfg.n_embd}
+        for i in range(cfg.n_layer):
+            for layer, width in widths.items():
+                out[f"transformer.h.{i}.{layer}.bias"] = torch.zeros(width)
+        out["transformer.ln_f.bias"] = torch.zeros(cfg.n_embd)
+    return out
+
+
+def gpt2_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
+    """A ``transformers.GPT2LMHeadModel`` (float32, eval mode) holding ``GPT(cfg)``'s ``weights``."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(gpt2_config(cfg))
+    model.load_state_dict(gpt2_state_dict(weights, cfg), strict=True)
+    return model.eval()
+
+
+def byte_tokenizer():
+    """A ``tokenizers.Tokenizer`` whose ids 0..255 are the UTF-8 bytes of the text, as fp8lm's
+    byte-level data makes them (`fp8lm.train.data`): a byte-level BPE with no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character of each byte (the byte-level pre-tokenizer's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def export_run(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    format: str = "hf",
+    step: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export the checkpoint of a run (see `read_run_checkpoint`) to the folder ``out`` in
+    ``format`` (``"hf"`` or ``"hf-fp8"``, `fp8lm.export.save_pretrained`)."""
+    state = read_run_checkpoint(path, step)
+    cfg = state["model_config"]
+    model = gpt2_model(full_weights(state), cfg)
+    return save_pretrained(
+        model, out, format=format, tokenizer=byte_tokenizer(), readme=_readme(state, format), overwrite=overwrite
+    )
+
+
+def _readme(state: dict, format: str) -> str:
+    cfg: GPTConfig = state["model_config"]
+    checkpoint = Path(state["path"])
+    run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    weights = (
+        "BF16"
+        if format == "hf"
+        else "E4M3 weights of the linear layers with per-tensor scales (compressed-tensors float-quantized), "
+        "output head and the rest in BF16"
+    )
+    recipe = (state.get("config") or {}).get("recipe") or DEFAULT_RECIPE
+    return "\n".join(
+        [
+            f"# {run.name} (step {state['step']})",
+            "",
+            f"A GPT trained with fp8lm at opt level {state.get('opt_level')} (recipe {recipe}), exported from "
+            f"the run `{run.name}`, checkpoint `{checkpoint.name}`, as `GPT2LMHeadModel`.",
+            "",
+            f"- model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size}, "
+            f"vocabulary {cfg.vocab_size} (UTF-8 bytes)",
+            f"- format `{format}`: {weights}",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            'model = AutoModelForCausalLM.from_pretrained("THIS_FOLDER")',
+            'tokenizer = AutoTokenizer.from_pretrained("THIS_FOLDER")',
+            "```",
+            "",
+        ]
+    )
+
+
+def run_model(state: dict, weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """fp8lm's own model of checkpoint ``state`` as the run evaluates it: the GPT at the run's opt
+    level (FP8 layers with the run's recipe and its saved scaling state), in eval mode. Use it
+    under `run_autocast`."""
+    cfg = state["model_config"]
+    model = GPT(cfg)
+    model.load_state_dict(full_weights(state) if weights is None else weights)
+    level = state.get("opt_level")
+    if level in FP8_LEVELS:
+        from ..amp import initialize
+
+        recipe = (state.get("config") or {}).get("recipe") or DEFAULT_RECIPE
+        model, _ = initialize(model, None, level, recipe=Recipe.from_name(recipe))
+        own = scaling_state_dict(model)
+        load_scaling_state_dict(model, merged_scaling(state["ranks"], model, own))
+    return model.eval()
+
+
+def run_autocast(state: dict):
+    """The autocast the run evaluated in: BF16 at every level but fp32."""
+    from .run import BF16Autocast
+
+    return contextlib.nullcontext() if state.get("opt_level") == "fp32" else BF16Autocast("cpu")
