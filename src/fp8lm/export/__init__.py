@@ -9,10 +9,11 @@ of the ``fp8lm`` command into one is the command's (``fp8lm export``). Needs ``t
 
 from .folder import ExportError, atomic_folder
 from .fp8 import dequantize_weight, quantization_config, quantize_weight
-from .pretrained import FORMATS, WEIGHTS_NAME, save_pretrained
+from .pretrained import FORMATS, WEIGHTS_NAME, require_hf, save_pretrained
 
 __all__ = [
     "save_pretrained",
+    "require_hf",
     "FORMATS",
     "WEIGHTS_NAME",
     "ExportError",

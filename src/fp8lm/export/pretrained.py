@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from ..nn.linear import FP8Linear, is_conv1d
 from .folder import ExportError, atomic_folder, check_destination
 from .fp8 import quantization_config, quantize_weight
 
-__all__ = ["save_pretrained", "FORMATS", "WEIGHTS_NAME"]
+__all__ = ["save_pretrained", "require_hf", "FORMATS", "WEIGHTS_NAME"]
 
 FORMATS = ("hf", "hf-fp8")
 WEIGHTS_NAME = "model.safetensors"
@@ -41,6 +42,7 @@ def save_pretrained(
     existing non-empty ``out`` is refused unless ``overwrite``. Returns ``out``."""
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r}: use one of {', '.join(FORMATS)}")
+    require_hf("compressed_tensors" if format == "hf-fp8" else None)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise ExportError(
@@ -64,6 +66,14 @@ def save_pretrained(
             _as_transformers_tokenizer(tokenizer).save_pretrained(tmp)
         (tmp / "README.md").write_text(readme if readme is not None else _default_readme(type(model).__name__, format))
     return out
+
+
+def require_hf(extra: str | None = None) -> None:
+    """Raise one `ExportError` line when a package an export needs is missing."""
+    for name in ("transformers", "safetensors", "tokenizers", *([extra] if extra else [])):
+        if importlib.util.find_spec(name) is None:
+            package = name.replace("_", "-")
+            raise ExportError(f"exports need the {package!r} package: pip install {package} (or fp8lm[hf])")
 
 
 def _weights(model: nn.Module, fp8: bool) -> tuple[dict[str, torch.Tensor], list[nn.Module]]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..distributed.reshard import read_full_state
-from ..export import ExportError, save_pretrained
+from ..export import ExportError, require_hf, save_pretrained
 from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..recipe import DEFAULT_RECIPE, Recipe
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, reading_shards
@@ -96,6 +96,7 @@ def gpt2_config(cfg: GPTConfig):
             f"a GPT with --mlp {cfg.mlp} has no Hugging Face equivalent (GPT-2 has a GELU MLP); "
             "export runs trained with --mlp gelu"
         )
+    require_hf()
     from transformers import GPT2Config
 
     return GPT2Config(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..export import ExportError
+from ..export import ExportError, require_hf
 from .export import byte_tokenizer, read_run_checkpoint, run_autocast, run_model
 
 __all__ = ["Generator", "load_generator", "generate_ids", "next_token", "is_exported_folder"]
@@ -77,6 +77,7 @@ def load_generator(path: str | os.PathLike, step: int | None = None) -> Generato
 
 
 def _hf_generator(folder: Path) -> Generator:
+    require_hf()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()

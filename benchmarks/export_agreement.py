@@ -1,0 +1,122 @@
+"""How faithfully an export serves the model fp8lm trained: each run's checkpoint exported as
+``hf`` (BF16) and ``hf-fp8`` (E4M3 linear weights, compressed-tensors), loaded with
+``transformers`` on the CPU as a user would (BF16, the dtype the folder names), and compared with
+fp8lm's own model of the checkpoint (its opt level, recipe and saved scaling state, BF16
+autocast: what the run's validation computes) on held-out tokens of the run's validation split.
+
+    PYTHONPATH=src python benchmarks/export_agreement.py --run o2=runs/o2 --run fsdp=runs/fsdp \\
+        --tokens 1000 > benchmarks/results/export_agreement_cpu.json
+
+Per run and format: ``agreement`` (share of positions whose most likely next token is fp8lm's),
+``mean_kl`` (KL(fp8lm || export) of the next-token distributions, nats, mean over positions),
+``perplexity`` (of the held-out tokens) and ``size_bytes`` (the folder on disk); fp8lm's own
+perplexity as ``reference_perplexity``. The same GPT without FP8 GEMMs (FP32, the checkpoint's
+weights) is a second reference, ``vs_high_precision``: it separates what the export changes from
+what FP8 activations change (fp8lm's forward quantizes each linear layer's input to E4M3; the
+exports run their activations in BF16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+
+from fp8lm.export import FORMATS  # noqa: E402
+from fp8lm.train.data import pack, path_documents, stdlib_documents  # noqa: E402
+from fp8lm.train.export import (  # noqa: E402
+    export_run,
+    full_weights,
+    read_run_checkpoint,
+    run_autocast,
+    run_model,
+)
+from fp8lm.train.model import GPT  # noqa: E402
+
+
+def held_out(run: Path, state: dict, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)``: windows of the run's context length, evenly spaced over its
+    validation split, ``tokens`` predictions in all (the last window cut short)."""
+    config = state.get("config") or {}
+    source, docs = path_documents(config["data"]) if config.get("data") else stdlib_documents()
+    split = pack(source, docs, run / "cache", config.get("val_fraction", 0.05)).val
+    block = state["model_config"].block_size
+    count = math.ceil(tokens / block)
+    starts = torch.linspace(0, len(split) - block - 1, count).long().tolist()
+    windows = torch.tensor([list(split[s : s + block + 1]) for s in starts], dtype=torch.long)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def logits_of(model, inputs: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(inputs)
+    return (out.logits if hasattr(out, "logits") else out[0]).double()
+
+
+def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, tokens: int) -> dict:
+    ref = F.log_softmax(reference.reshape(-1, reference.shape[-1])[:tokens], dim=-1)
+    got = F.log_softmax(logits.reshape(-1, logits.shape[-1])[:tokens], dim=-1)
+    target = targets.reshape(-1)[:tokens]
+    return {
+        "agreement": (ref.argmax(-1) == got.argmax(-1)).double().mean().item(),
+        "mean_kl": (ref.exp() * (ref - got)).sum(-1).mean().item(),
+        "perplexity": math.exp(F.nll_loss(got, target).item()),
+    }
+
+
+def measure(run: Path, tokens: int, work: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    state = read_run_checkpoint(run)
+    inputs, targets = held_out(run, state, tokens)
+    weights = full_weights(state)
+    with run_autocast(state):
+        reference = logits_of(run_model(state, weights), inputs)
+    plain = GPT(state["model_config"])
+    plain.load_state_dict(weights)
+    high_precision = logits_of(plain.eval(), inputs)
+    result = {
+        "checkpoint": Path(state["path"]).name,
+        "opt_level": state.get("opt_level"),
+        "layout": state.get("layout"),
+        "world_size": len(state["ranks"]),
+        "tokens": min(tokens, targets.numel()),
+        "reference_perplexity": compare(reference, reference, targets, tokens)["perplexity"],
+        "high_precision_perplexity": compare(high_precision, high_precision, targets, tokens)["perplexity"],
+        "high_precision": compare(reference, high_precision, targets, tokens),
+    }
+    for fmt in FORMATS:
+        folder = export_run(run, work / f"{run.name}-{fmt}", fmt)
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()  # BF16, as config.json says
+        logits = logits_of(model, inputs)
+        result[fmt] = compare(reference, logits, targets, tokens)
+        hp = compare(high_precision, logits, targets, tokens)
+        result[fmt]["vs_high_precision"] = {"agreement": hp["agreement"], "mean_kl": hp["mean_kl"]}
+        result[fmt]["dtype"] = str(model.dtype).removeprefix("torch.")
+        result[fmt]["size_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
+        result[fmt]["weights_bytes"] = (folder / "model.safetensors").stat().st_size
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", action="append", required=True, metavar="NAME=RUN_DIR", help="a run to export")
+    parser.add_argument("--tokens", type=int, default=1000, help="held-out next-token predictions (default: 1000)")
+    args = parser.parse_args()
+    runs = dict(spec.split("=", 1) for spec in args.run)
+    with tempfile.TemporaryDirectory() as work:
+        results = {name: measure(Path(path), args.tokens, Path(work)) for name, path in runs.items()}
+    print(json.dumps({"machine": machine(), "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
