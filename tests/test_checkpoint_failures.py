@@ -130,7 +130,7 @@ def test_the_cli_reports_a_checkpoint_exception_in_one_line(monkeypatch, capsys,
     def fail(cfg):
         raise CheckpointException("Failed to load", {0: (ValueError("bad shard\nmore"), None)})
 
-    monkeypatch.setattr("fp8lm.cli.train", fail)
+    monkeypatch.setattr("fp8lm.train.loop.train", fail)
     rc, _, err = run_main(["train", "--out", str(tmp_path / "run")], capsys)
     assert rc == 2 and err.count("\n") == 1
     assert err.startswith("fp8lm train: error: sharded checkpoint failed on rank 0: ValueError: bad shard;")

@@ -6,37 +6,47 @@ formats & scaling -> FP8 tensor & kernels -> nn modules -> optimizers -> distrib
 
 from importlib import import_module
 
-from .formats import BF16, E4M3, E5M2, FP16, FP32, Format
-from .recipe import Recipe
-from .scaling import ScalingMeta, compute_scale
-from .tensor import ScalingTensor, quantize
-
 __version__ = "0.1.0"
 
-# Higher layers load on first use, so `import fp8lm` stays light and the core has no upward import.
+# Every name loads on first use: `import fp8lm` imports no torch (the `fp8lm` command answers
+# `--help` at once), and the core has no upward import.
 _LAZY = {
+    "Format": "formats",
+    "E4M3": "formats",
+    "E5M2": "formats",
+    "FP16": "formats",
+    "BF16": "formats",
+    "FP32": "formats",
+    "Recipe": "recipe",
+    "compute_scale": "scaling",
+    "ScalingMeta": "scaling",
+    "ScalingTensor": "tensor",
+    "quantize": "tensor",
     "initialize": "amp",
     "memory_report": "memory",
     "clip_grad_norm_": "grad",
     "zero_grad": "grad",
     "grads_are_finite": "grad",
 }
-_SUBPACKAGES = {"nn", "optim", "distributed", "train", "policy", "ops"}
+_SUBPACKAGES = {
+    "nn",
+    "optim",
+    "distributed",
+    "train",
+    "policy",
+    "ops",
+    "formats",
+    "recipe",
+    "scaling",
+    "tensor",
+    "amp",
+    "memory",
+    "grad",
+    "telemetry",
+    "fallback",
+}
 
-__all__ = [
-    "Format",
-    "E4M3",
-    "E5M2",
-    "FP16",
-    "BF16",
-    "FP32",
-    "Recipe",
-    "compute_scale",
-    "ScalingMeta",
-    "ScalingTensor",
-    "quantize",
-    *_LAZY,
-]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str):

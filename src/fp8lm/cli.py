@@ -10,31 +10,34 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import Field
 from pathlib import Path
 
-from torch.distributed.checkpoint.api import CheckpointException
+from .train.config import DPOConfig, TrainConfig, option_default, option_fields, option_flag
 
-from .bench import BENCHMARKS, DEFAULT, BenchError, run_benchmark, scripts_dir
-from .export import FORMATS as EXPORT_FORMATS
-from .export import ExportError
-from .recipe import RECIPES
-from .telemetry import KINDS
-from .train.checkpoint import CheckpointError
-from .train.compare import compare, parse_levels, parse_seeds
-from .train.config import GRAD_SYNC_SCALINGS, OPT_LEVELS, SECOND_MOMENT_FORMATS, RunError, TrainConfig
-from .train.data import DataError
-from .train.dpo import SUMMARY_KEYS as DPO_SUMMARY_KEYS
-from .train.dpo import DPOConfig, dpo
-from .train.export import export_run
-from .train.generate import generate_ids, load_generator
-from .train.loop import train
-from .train.model import MLP_KINDS, PRESETS
-from .train.telemetry_report import STATS, InspectError, plot_heatmap, read_telemetry, worst_table
+# Nothing that imports torch is imported here: `fp8lm --help` answers at once, and each command
+# imports what it runs when it runs (`fp8lm.train.config`, where the options are defined, imports
+# no torch).
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "add_config_options", "config_from_args"]
 
-# Errors that mean "the user asked for something that cannot work": one line on stderr, exit 2.
-USER_ERRORS = (DataError, CheckpointError, RunError, InspectError, BenchError, ExportError)
+
+def __getattr__(name: str):
+    if name == "USER_ERRORS":  # loaded on first use: the error classes live in modules that import torch
+        return _user_errors()
+    raise AttributeError(f"module 'fp8lm.cli' has no attribute {name!r}")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "the user asked for something that cannot work": one line on stderr, exit 2."""
+    from .bench import BenchError
+    from .export import ExportError
+    from .train.checkpoint import CheckpointError
+    from .train.config import RunError
+    from .train.data import DataError
+    from .train.telemetry_report import InspectError
+
+    return (DataError, CheckpointError, RunError, InspectError, BenchError, ExportError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,219 +45,61 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by train and compare (everything but the precision level)."""
-    d = TrainConfig()
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default=d.model, choices=list(PRESETS), help="size preset (default: %(default)s)")
-    m.add_argument("--n-layer", type=int, help="override the preset's number of blocks")
-    m.add_argument("--n-head", type=int, help="override the preset's attention heads")
-    m.add_argument("--n-embd", type=int, help="override the preset's width (keep it a multiple of 16 for FP8)")
-    m.add_argument("--mlp", choices=MLP_KINDS, help="MLP kind (preset default: gelu)")
-    o = p.add_argument_group("optimization")
-    o.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
-    o.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default: %(default)s)"
-    )
-    o.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step (default: %(default)s)")
-    o.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
-    o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
-    o.add_argument(
-        "--min-lr-ratio",
-        type=float,
-        default=d.min_lr_ratio,
-        help="final lr / peak lr of the cosine decay (default: %(default)s)",
-    )
-    o.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: a tenth of --steps)")
-    o.add_argument(
-        "--weight-decay",
-        type=float,
-        default=d.weight_decay,
-        help="AdamW weight decay of matrices (default: %(default)s)",
-    )
-    o.add_argument(
-        "--grad-clip", type=float, default=d.grad_clip, help="max gradient norm, 0 = no clipping (default: %(default)s)"
-    )
-    o.add_argument(
-        "--exp-avg-sq",
-        choices=SECOND_MOMENT_FORMATS,
-        type=str.upper,
-        help="O2: format of Adam's second moment (default FP16; E4M3/E5M2 store it in FP8)",
-    )
-    o.add_argument(
-        "--seed", type=int, default=d.seed, help="seed of the weights and the batch order (default: %(default)s)"
-    )
-    o.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
-    _add_data_and_output_options(p)
-    _add_parallel_options(p)
-    _add_numerics_options(p)
+_TYPES = {"int": int, "float": float, "str": str}
 
 
-def _add_data_and_output_options(p: argparse.ArgumentParser) -> None:
-    """What a run reads and writes."""
-    d = TrainConfig()
-    g = p.add_argument_group("data")
-    g.add_argument(
-        "--data", help="a text file or a folder of text files (default: the Python standard library's .py sources)"
-    )
-    g.add_argument("--hf-dataset", help="a Hugging Face dataset name (its 'text' column; needs the 'datasets' package)")
-    g.add_argument(
-        "--val-fraction",
-        type=float,
-        default=d.val_fraction,
-        help="share of documents held out for validation (default: %(default)s)",
-    )
-    g.add_argument("--cache-dir", help="where packed tokens are cached (default: OUT/cache)")
-    r = p.add_argument_group("evaluation and output")
-    r.add_argument(
-        "--eval-every",
-        type=int,
-        default=d.eval_every,
-        help="validate every N steps and at the end (default: %(default)s)",
-    )
-    r.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches (default: %(default)s)")
-    r.add_argument(
-        "--save-every",
-        type=int,
-        default=d.save_every,
-        help="checkpoint every N steps; the final step is always saved (default: %(default)s)",
-    )
-    r.add_argument(
-        "--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept (default: %(default)s)"
-    )
-    r.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
-    r.add_argument(
-        "--init-from",
-        metavar="CHECKPOINT",
-        help="start from a checkpoint's weights (fine-tuning): a step_*.pt file or a run folder",
-    )
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+def add_config_options(
+    p: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = (), grouped: bool = True
+) -> None:
+    """Add the options of config class ``cls`` (its fields made with `fp8lm.train.config.option`)
+    to ``p``, each under its group (when ``grouped``), with the field's default."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in option_fields(cls):
+        if f.name in exclude:
+            continue
+        group = f.metadata["group"] if grouped else None
+        target = p if group is None else groups.setdefault(group, p.add_argument_group(group))
+        target.add_argument(option_flag(f), dest=f.name, help=_help(f), **_argument(f))
 
 
-def _add_parallel_options(p: argparse.ArgumentParser) -> None:
-    """How a run under torchrun spreads over its ranks."""
-    d = p.add_argument_group("parallelism (under torchrun)")
-    d.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="shard weights, gradients and optimizer state with FSDP2: O1/O2 gather weights and reduce-scatter "
-        "gradients in FP8, bf16 in BF16 (torch's MixedPrecisionPolicy), fp32 in FP32; not with O3 (FP8 ZeRO); "
-        "with --tp: FSDP2 over the data-parallel ranks (2-D)",
+def _argument(f: Field) -> dict:
+    """argparse's keywords for option field ``f``: a switch for a bool, else a typed value."""
+    default, meta = option_default(f), f.metadata
+    annotation = (f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))).replace(
+        " | None", ""
     )
-    d.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="tensor + sequence parallel ranks per model replica: FP8 activations and gradients on the wire at "
-        "O1/O2, BF16 at bf16 (world size = dp x tp x pp) (default: %(default)s)",
-    )
-    d.add_argument(
-        "--pp",
-        type=int,
-        default=1,
-        help="pipeline stages per model replica (GPipe): FP8 activations and gradients between stages at O1/O2, "
-        "BF16 at bf16 (default: %(default)s)",
-    )
-    d.add_argument(
-        "--pp-microbatches",
-        type=int,
-        default=TrainConfig().pp_microbatches,
-        help="with --pp: micro-batches each step's batch is split into (default: %(default)s)",
-    )
+    if annotation == "bool":
+        return {"action": "store_false" if default else "store_true"}
+    kwargs = {"default": default, "type": meta["type"] or _TYPES[annotation]}
+    if meta["choices"]:
+        kwargs["choices"] = list(meta["choices"])
+    if meta["metavar"]:
+        kwargs["metavar"] = meta["metavar"]
+    return kwargs
 
 
-def _add_numerics_options(p: argparse.ArgumentParser) -> None:
-    """How the FP8 layers scale, and what watches them."""
-    d = TrainConfig()
-    n = p.add_argument_group("FP8 numerics")
-    n.add_argument(
-        "--telemetry-every",
-        type=int,
-        default=d.telemetry_every,
-        help="record FP8 telemetry (amax, scale, underflow, saturation of every FP8 layer's tensors) to "
-        "OUT/telemetry.jsonl every N steps; 0 = off (default: %(default)s)",
-    )
-    n.add_argument(
-        "--grad-sync-scaling",
-        choices=GRAD_SYNC_SCALINGS,
-        default=d.grad_sync_scaling,
-        help="O1/O2 under torchrun: scaling of the FP8 gradient all-reduce. local: each rank scales its "
-        "own tensors, sums in FP32; shared: one scale per bucket with the automatic factor mu of "
-        "FP8-LM, logged as grad_sync_mu (default: %(default)s)",
-    )
-    n.add_argument(
-        "--recipe",
-        choices=list(RECIPES),
-        default=d.recipe,
-        help="FP8 levels: the fp8lm.Recipe of the FP8 layers (formats, delayed or current scaling, "
-        "amax history) (default: %(default)s)",
-    )
-    n.add_argument(
-        "--fallback",
-        action="store_true",
-        help="move a layer to BF16 while its telemetry shows too much underflow or saturation, and back "
-        "(fp8lm.fallback; switches logged to metrics.jsonl)",
-    )
+def _help(f: Field) -> str:
+    text = f.metadata["help"].replace("%", "%%")
+    default = option_default(f)
+    if default is None or isinstance(default, bool) or "default" in text:
+        return text
+    return text + " (default: %(default)s)"
 
 
-def _config(args: argparse.Namespace, opt_level: str) -> TrainConfig:
-    return TrainConfig(
-        model=args.model,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        mlp=args.mlp,
-        opt_level=opt_level,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        min_lr_ratio=args.min_lr_ratio,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        exp_avg_sq=args.exp_avg_sq,
-        seed=args.seed,
-        device=args.device,
-        data=args.data,
-        hf_dataset=args.hf_dataset,
-        val_fraction=args.val_fraction,
-        cache_dir=args.cache_dir,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        out=args.out,
-        save_every=args.save_every,
-        keep_checkpoints=args.keep_checkpoints,
-        resume=args.resume,
-        init_from=args.init_from,
-        progress=not args.no_progress,
-        telemetry_every=args.telemetry_every,
-        fallback=args.fallback,
-        grad_sync_scaling=args.grad_sync_scaling,
-        fsdp=args.fsdp,
-        tp=args.tp,
-        pp=args.pp,
-        pp_microbatches=args.pp_microbatches,
-        recipe=args.recipe,
-    )
+def config_from_args(cls: type, args: argparse.Namespace, **values):
+    """An instance of config class ``cls`` from parsed options (those ``args`` has), and ``values``."""
+    given = {f.name: getattr(args, f.name) for f in option_fields(cls) if hasattr(args, f.name)}
+    return cls(**{**given, **values})
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--opt-level",
-        default="bf16",
-        choices=OPT_LEVELS,
-        help="fp32; bf16 (autocast + FP32 AdamW, the baseline); O1 (FP8 GEMMs, FP8 weight gradients, "
-        "FP32 weights); O2 (O1 + FP16 weights + FP8AdamW); O3 (O2 with FP8 weights; under torchrun, FP8 ZeRO) "
-        "(default: %(default)s)",
-    )
-    p.add_argument("--out", default="runs/train", help="output folder (default: %(default)s)")
-    _add_run_options(p)
+    add_config_options(p, TrainConfig)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    summary = train(_config(args, args.opt_level))
+    from .train import loop
+
+    summary = loop.train(config_from_args(TrainConfig, args))
     if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     keys = ("opt_level", "steps", "tokens", "train_loss", "val_loss", "tokens_per_s", "bytes_per_param")
@@ -266,6 +111,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _add_compare(p: argparse.ArgumentParser) -> None:
+    from .train.config import OPT_LEVELS
+
     p.add_argument(
         "--levels",
         default="bf16,O1,O2",
@@ -280,13 +127,15 @@ def _add_compare(p: argparse.ArgumentParser) -> None:
         help="train every level at each of these seeds (OUT/seed<S>/<level>/) and report each level's gap to "
         "bf16 per seed, its mean and spread; --seed is then ignored",
     )
-    _add_run_options(p)
+    add_config_options(p, TrainConfig, exclude=("opt_level", "out"))
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from .train.compare import compare, parse_levels, parse_seeds
+
     levels = parse_levels(args.levels)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
-    result = compare(_config(args, levels[0]), levels, seeds)
+    result = compare(config_from_args(TrainConfig, args, opt_level=levels[0]), levels, seeds)
     if result is None:  # a rank other than 0 under torchrun
         return 0
     per = f"per level and seed, seeds {args.seeds}" if seeds else "per level"
@@ -299,14 +148,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# what `fp8lm inspect` offers (fp8lm.telemetry.KINDS, fp8lm.train.telemetry_report.STATS), spelled
+# here so that its options import no torch; tests/test_options.py checks them
+TELEMETRY_KINDS = ("input", "weight", "grad_output", "weight_grad", "exp_avg", "exp_avg_sq")
+TELEMETRY_STATS = ("underflow", "saturation")
+
+
 def _add_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the --out folder of a run trained with --telemetry-every N")
     p.add_argument("--top", type=int, default=10, help="tensors listed per statistic (default: %(default)s)")
-    p.add_argument("--kind", default="grad_output", choices=KINDS, help="tensors of the heatmap (default: %(default)s)")
-    p.add_argument("--stat", default="underflow", choices=STATS, help="statistic of the heatmap (default: %(default)s)")
+    p.add_argument(
+        "--kind", default="grad_output", choices=TELEMETRY_KINDS, help="tensors of the heatmap (default: %(default)s)"
+    )
+    p.add_argument(
+        "--stat", default="underflow", choices=TELEMETRY_STATS, help="statistic of the heatmap (default: %(default)s)"
+    )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from .train.telemetry_report import STATS, InspectError, plot_heatmap, read_telemetry, worst_table
+
     if args.top < 1:
         raise InspectError(f"--top must be >= 1, got {args.top}")
     records = read_telemetry(args.run_dir)
@@ -321,6 +182,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
+    from .bench import BENCHMARKS, DEFAULT
+
     p.add_argument(
         "names",
         nargs="*",
@@ -333,6 +196,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import BENCHMARKS, DEFAULT, BenchError, run_benchmark, scripts_dir
+
     names = args.names or list(DEFAULT)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
@@ -347,98 +212,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_dpo(p: argparse.ArgumentParser) -> None:
-    d = DPOConfig()
-    p.add_argument(
-        "--init-from",
-        metavar="CHECKPOINT",
-        help="the pretrained model: a step_*.pt file or a run folder of fp8lm train (required unless --resume)",
-    )
-    p.add_argument(
-        "--opt-level",
-        default=d.opt_level,
-        choices=OPT_LEVELS,
-        help="the policy's level, as in fp8lm train; the frozen reference is stored in E4M3 at O1/O2/O3, "
-        "in BF16 at bf16 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--data",
-        metavar="PAIRS.jsonl",
-        help="JSON Lines with 'prompt', 'chosen', 'rejected' strings (default: built-in pairs from the "
-        "standard library's sources: true continuation chosen, a corrupted one rejected)",
-    )
-    p.add_argument("--beta", type=float, default=d.beta, help="DPO's beta (default: %(default)s)")
-    p.add_argument("--out", default=d.out, help="output folder (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="pairs per step (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
-    p.add_argument(
-        "--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps (default: %(default)s)"
-    )
-    p.add_argument(
-        "--weight-decay",
-        type=float,
-        default=d.weight_decay,
-        help="AdamW weight decay of matrices (default: %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the pair order (default: %(default)s)")
-    p.add_argument(
-        "--val-fraction",
-        type=float,
-        default=d.val_fraction,
-        help="share of --data pairs held out (default: %(default)s)",
-    )
-    p.add_argument("--cache-dir", help="where the built-in pairs' corpus is packed (default: OUT/cache)")
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        default=d.eval_every,
-        help="evaluate held-out pairs every N steps and at the end (default: %(default)s)",
-    )
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=d.save_every,
-        help="checkpoint every N steps; the final step is always saved (default: %(default)s)",
-    )
-    p.add_argument(
-        "--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept (default: %(default)s)"
-    )
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_options(p, DPOConfig, grouped=False)
 
 
 def cmd_dpo(args: argparse.Namespace) -> int:
-    cfg = DPOConfig(
-        init_from=args.init_from,
-        opt_level=args.opt_level,
-        data=args.data,
-        beta=args.beta,
-        out=args.out,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        seed=args.seed,
-        val_fraction=args.val_fraction,
-        cache_dir=args.cache_dir,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        keep_checkpoints=args.keep_checkpoints,
-        resume=args.resume,
-        device=args.device,
-        progress=not args.no_progress,
-    )
-    summary = dpo(cfg)
+    from .train.dpo import SUMMARY_KEYS, dpo
+
+    summary = dpo(config_from_args(DPOConfig, args))
     if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
-    print(json.dumps({k: summary[k] for k in ("opt_level", "steps", *DPO_SUMMARY_KEYS)}, indent=1))
+    print(json.dumps({k: summary[k] for k in ("opt_level", "steps", *SUMMARY_KEYS)}, indent=1))
     print(f"summary: {args.out}/summary.json")
     return 0
 
 
 def _add_export(p: argparse.ArgumentParser) -> None:
+    from .export import FORMATS as EXPORT_FORMATS
+
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder of fp8lm train or a step_*.pt checkpoint")
     p.add_argument("--out", required=True, help="the folder to write (new or empty)")
     p.add_argument(
@@ -453,6 +243,8 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from .train.export import export_run
+
     out = export_run(args.source, args.out, args.format, args.step, args.overwrite)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"exported {args.source} as {args.format} to {out} ({size / 2**20:.2f} MiB)")
@@ -470,6 +262,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .export import ExportError
+    from .train.generate import generate_ids, load_generator
+
     if args.max_new_tokens < 1:
         raise ExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
@@ -505,12 +300,18 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; with ``only``, of that one (the others are listed with their
+    help, without their options): a command builds just its own options."""
+    from . import __version__
+
     parser = _Parser(prog="fp8lm", description="FP8 training for LLMs on stock PyTorch")
+    parser.add_argument("--version", action="version", version=f"fp8lm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (help_text, add, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        add(p)
+        if only is None or only == name:
+            add(p)
         p.set_defaults(func=run)
     return parser
 
@@ -519,41 +320,51 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Arguments after "--" are passed through (fp8lm bench hands them to the benchmark scripts).
     argv, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = build_parser()
+    command = next((a for a in argv if not a.startswith("-")), "")  # the top level takes no values
+    parser = build_parser(only=command)
     args = parser.parse_args(argv)
     if extra and args.command != "bench":
         parser.error(f"arguments after -- ({' '.join(extra)}) are for fp8lm bench only")
     args.extra = extra
     try:
         code = args.func(args)
-    except USER_ERRORS as e:
-        print(f"fp8lm {args.command}: error: {_rank_prefix()}{e}", file=sys.stderr)
-        code = 2
-    except CheckpointException as e:  # a BaseException: torch's Distributed Checkpoint, every rank's failures
-        print(f"fp8lm {args.command}: error: {_rank_prefix()}{_checkpoint_exception_line(e)}", file=sys.stderr)
-        code = 2
     except KeyboardInterrupt:
         print(f"fp8lm {args.command}: interrupted", file=sys.stderr)
         code = 130
-    except OSError as e:  # the disk, permissions, paths: the system's answer is the user's to act on
-        print(f"fp8lm {args.command}: error: {_rank_prefix()}{_os_error_line(e)}", file=sys.stderr)
-        code = 2
-    except Exception as e:
-        if not _in_process_group():
-            raise
-        # Under torchrun one rank's failure (often another rank dying) is reported with its
-        # traceback, then one line saying which rank stopped and why.
-        traceback.print_exc()
-        first = (str(e).splitlines() or [""])[0]
-        print(
-            f"fp8lm {args.command}: error: {_rank_prefix()}stopped: {type(e).__name__}: {first} "
-            "(if another rank died or hung, its log says why)",
-            file=sys.stderr,
-        )
-        code = 1
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        code = _failed(args.command, e)
     if _in_process_group():
         _leave_process_group(code)
     return code
+
+
+def _failed(command: str, e: BaseException) -> int:
+    """The exit code of a command that raised ``e``, after one line on stderr saying why (a user's
+    error, the disk, a sharded checkpoint) or, under torchrun, the traceback and which rank stopped;
+    anything else is raised on."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, _user_errors()):
+        print(f"fp8lm {command}: error: {_rank_prefix()}{e}", file=sys.stderr)
+        return 2
+    if isinstance(e, CheckpointException):  # torch's Distributed Checkpoint, every rank's failures
+        print(f"fp8lm {command}: error: {_rank_prefix()}{_checkpoint_exception_line(e)}", file=sys.stderr)
+        return 2
+    if isinstance(e, OSError):  # the disk, permissions, paths: the system's answer is the user's to act on
+        print(f"fp8lm {command}: error: {_rank_prefix()}{_os_error_line(e)}", file=sys.stderr)
+        return 2
+    if not isinstance(e, Exception) or not _in_process_group():
+        raise e
+    # Under torchrun one rank's failure (often another rank dying) is reported with its
+    # traceback, then one line saying which rank stopped and why.
+    traceback.print_exc()
+    first = (str(e).splitlines() or [""])[0]
+    print(
+        f"fp8lm {command}: error: {_rank_prefix()}stopped: {type(e).__name__}: {first} "
+        "(if another rank died or hung, its log says why)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 # errno -> what to do about it
@@ -576,7 +387,7 @@ def _os_error_line(e: OSError) -> str:
     return f"{e.strerror or type(e).__name__}{where}; {fix}"
 
 
-def _checkpoint_exception_line(e: CheckpointException) -> str:
+def _checkpoint_exception_line(e) -> str:
     """One line for a sharded checkpoint that torch could not read or write (its message lists
     every rank's traceback): the first failure."""
     failures = [(rank, exc) for rank, (exc, _) in sorted(e.failures.items())]
@@ -591,6 +402,8 @@ def _checkpoint_exception_line(e: CheckpointException) -> str:
 
 
 def _in_process_group() -> bool:
+    if "torch" not in sys.modules:  # no command imported torch: no process group
+        return False
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()

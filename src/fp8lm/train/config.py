@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    from .model import GPTConfig
 
-from ..distributed import SCALINGS
-from ..policy import FP8_LEVELS
-from ..recipe import DEFAULT_RECIPE, RECIPES, Recipe
-from .model import GPTConfig, preset
+# This module imports no torch (nor any module that does) at import time: the command line's
+# options are generated from `TrainConfig` and `fp8lm --help` must not wait for torch.
 
 __all__ = [
     "OPT_LEVELS",
@@ -31,15 +31,26 @@ __all__ = [
     "FP8_OPTIMIZER_LEVELS",
     "SECOND_MOMENT_FORMATS",
     "TrainConfig",
+    "DPOConfig",
     "RunError",
     "default_device",
+    "option",
+    "option_fields",
 ]
+
+# Names the options offer, spelled here so that they import no torch; tests/test_options.py checks
+# each against the module that owns it.
+FP8_LEVELS = ("O1", "O2", "O3")  # fp8lm.policy.FP8_LEVELS
+GRAD_SYNC_SCALINGS = ("local", "shared")  # fp8lm.distributed.SCALINGS: FP8DataParallel's scaling modes
+RECIPE_NAMES = ("tensorwise-delayed", "tensorwise-current")  # fp8lm.recipe.RECIPES
+DEFAULT_RECIPE = "tensorwise-delayed"  # fp8lm.recipe.DEFAULT_RECIPE
+MODEL_PRESETS = ("tiny", "small", "base", "gpt2")  # fp8lm.train.model.PRESETS
+MLP_KINDS = ("gelu", "swiglu")  # fp8lm.train.model.MLP_KINDS
 
 OPT_LEVELS = ("fp32", "bf16", *FP8_LEVELS)  # the two baselines, then fp8lm's levels
 SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
 FP8_OPTIMIZER_LEVELS = ("O2", "O3")  # the levels that replace AdamW by fp8lm.optim.FP8AdamW
 FP8_DATA_PARALLEL_LEVELS = ("O1", "O2")  # under torchrun: fp8lm.distributed.FP8DataParallel
-GRAD_SYNC_SCALINGS = SCALINGS  # FP8DataParallel's scaling modes (--grad-sync-scaling)
 # option -> (low, high, whether each end is allowed): what validate accepts
 _NUMBER_RANGES = {
     "lr": (0.0, math.inf, (False, False)),
@@ -61,61 +72,173 @@ class RunError(ValueError):
 
 
 def default_device() -> str:
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def option(
+    default: Any = None,
+    help: str | None = None,
+    *,
+    group: str | None = None,
+    flag: str | None = None,
+    choices: tuple | None = None,
+    type: Any = None,
+    metavar: str | None = None,
+) -> Any:
+    """A configuration field that is also a command-line option: ``help`` (its text; a field
+    without one is no option), ``group`` (the heading it is listed under), ``flag`` (default:
+    ``--`` and the name with dashes), ``choices``, ``type`` (default: the field's annotation) and
+    ``metavar``. A bool is a switch: ``--flag`` sets True, or, for a field whose default is True,
+    a ``--no-...`` flag sets False. The command line's default is the field's default."""
+    metadata = {"help": help, "group": group, "flag": flag, "choices": choices, "type": type, "metavar": metavar}
+    return field(default=default, metadata=metadata)
+
+
+def option_fields(cls: type) -> list[Field]:
+    """The fields of config class ``cls`` that are command-line options, in the order its
+    ``OPTIONS`` lists them (all fields with a help text, in their order, when it lists none)."""
+    found = {f.name: f for f in fields(cls) if f.metadata.get("help")}
+    names = cls.OPTIONS if cls.OPTIONS is not None else tuple(found)
+    return [found[name] for name in names]
+
+
+def option_flag(f: Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def option_default(f: Field) -> Any:
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+
+
+_MODEL, _OPTIM, _DATA, _OUTPUT = "model", "optimization", "data", "evaluation and output"
+_PARALLEL, _NUMERICS = "parallelism (under torchrun)", "FP8 numerics"
 
 
 @dataclass
 class TrainConfig:
-    # model: a preset, with explicit sizes overriding it
-    model: str = "small"
-    n_layer: int | None = None
-    n_head: int | None = None
-    n_embd: int | None = None
-    mlp: str | None = None
+    """What a training run is asked to do. Each field with a help text is also an option of
+    ``fp8lm train`` and ``fp8lm compare`` (`option`): adding an option is adding a field."""
+
+    # the fields the command offers, in order (None: every field with a help text)
+    OPTIONS: ClassVar[tuple[str, ...] | None] = None
+
     # precision
-    opt_level: str = "bf16"
+    opt_level: str = option(
+        "bf16",
+        "fp32; bf16 (autocast + FP32 AdamW, the baseline); O1 (FP8 GEMMs, FP8 weight gradients, FP32 weights); "
+        "O2 (O1 + FP16 weights + FP8AdamW); O3 (O2 with FP8 weights; under torchrun, FP8 ZeRO)",
+        choices=OPT_LEVELS,
+    )
+    out: str = option("runs/train", "output folder")
+    # model: a preset, with explicit sizes overriding it
+    model: str = option("small", "size preset", group=_MODEL, choices=MODEL_PRESETS)
+    n_layer: int | None = option(None, "override the preset's number of blocks", group=_MODEL)
+    n_head: int | None = option(None, "override the preset's attention heads", group=_MODEL)
+    n_embd: int | None = option(None, "override the preset's width (keep it a multiple of 16 for FP8)", group=_MODEL)
+    mlp: str | None = option(None, "MLP kind (preset default: gelu)", group=_MODEL, choices=MLP_KINDS)
     # optimization
-    steps: int = 500
-    batch_size: int = 16
-    grad_accum: int = 1
-    seq_len: int | None = None  # default: the preset's block_size
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
-    warmup_steps: int | None = None  # default: a tenth of the steps
-    weight_decay: float = 0.1
+    steps: int = option(500, "optimizer steps", group=_OPTIM)
+    batch_size: int = option(16, "sequences per micro-batch", group=_OPTIM)
+    grad_accum: int = option(1, "micro-batches per step", group=_OPTIM)
+    seq_len: int | None = option(None, "tokens per sequence (default: the preset's block size)", group=_OPTIM)
+    lr: float = option(3e-3, "peak learning rate", group=_OPTIM)
+    min_lr_ratio: float = option(0.1, "final lr / peak lr of the cosine decay", group=_OPTIM)
+    warmup_steps: int | None = option(None, "linear warmup steps (default: a tenth of --steps)", group=_OPTIM)
+    weight_decay: float = option(0.1, "AdamW weight decay of matrices", group=_OPTIM)
     beta1: float = 0.9
     beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 disables clipping
-    seed: int = 1337
-    device: str | None = None
+    grad_clip: float = option(1.0, "max gradient norm, 0 = no clipping", group=_OPTIM)
+    # O2/O3: format of Adam's second moment (default FP16; E4M3/E5M2 = FP8)
+    exp_avg_sq: str | None = option(
+        None,
+        "O2: format of Adam's second moment (default FP16; E4M3/E5M2 store it in FP8)",
+        group=_OPTIM,
+        choices=SECOND_MOMENT_FORMATS,
+        type=str.upper,
+    )
+    seed: int = option(1337, "seed of the weights and the batch order", group=_OPTIM)
+    device: str | None = option(None, "cpu, cuda, cuda:1, ... (default: cuda when available)", group=_OPTIM)
     # data
-    data: str | None = None
-    hf_dataset: str | None = None
-    val_fraction: float = 0.05
-    cache_dir: str | None = None  # default: <out>/cache
+    data: str | None = option(
+        None,
+        "a text file or a folder of text files (default: the Python standard library's .py sources)",
+        group=_DATA,
+    )
+    hf_dataset: str | None = option(
+        None, "a Hugging Face dataset name (its 'text' column; needs the 'datasets' package)", group=_DATA
+    )
+    val_fraction: float = option(0.05, "share of documents held out for validation", group=_DATA)
+    cache_dir: str | None = option(None, "where packed tokens are cached (default: OUT/cache)", group=_DATA)
     # evaluation and output
-    eval_every: int = 100
-    eval_batches: int = 8
-    out: str = "runs/train"
-    save_every: int = 0  # 0: only the final checkpoint
-    keep_checkpoints: int = 2
-    resume: bool = False
-    init_from: str | None = None
-    progress: bool = True
-    exp_avg_sq: str | None = None  # O2/O3: format of Adam's second moment (default FP16; E4M3/E5M2 = FP8)
+    eval_every: int = option(100, "validate every N steps and at the end", group=_OUTPUT)
+    eval_batches: int = option(8, "validation batches", group=_OUTPUT)
+    save_every: int = option(
+        0, "checkpoint every N steps; the final step is always saved", group=_OUTPUT
+    )  # 0: only the final checkpoint
+    keep_checkpoints: int = option(2, "checkpoints kept", group=_OUTPUT)
+    resume: bool = option(False, "continue the run in --out from its newest checkpoint", group=_OUTPUT)
+    init_from: str | None = option(
+        None,
+        "start from a checkpoint's weights (fine-tuning): a step_*.pt file or a run folder",
+        group=_OUTPUT,
+        metavar="CHECKPOINT",
+    )
+    progress: bool = option(True, "no progress bar", group=_OUTPUT, flag="--no-progress")
+    # parallelism
+    fsdp: bool = option(
+        False,
+        "shard weights, gradients and optimizer state with FSDP2: O1/O2 gather weights and reduce-scatter "
+        "gradients in FP8, bf16 in BF16 (torch's MixedPrecisionPolicy), fp32 in FP32; not with O3 (FP8 ZeRO); "
+        "with --tp: FSDP2 over the data-parallel ranks (2-D)",
+        group=_PARALLEL,
+    )
+    tp: int = option(
+        1,
+        "tensor + sequence parallel ranks per model replica: FP8 activations and gradients on the wire at "
+        "O1/O2, BF16 at bf16 (world size = dp x tp x pp)",
+        group=_PARALLEL,
+    )
+    pp: int = option(
+        1,
+        "pipeline stages per model replica (GPipe): FP8 activations and gradients between stages at O1/O2, "
+        "BF16 at bf16",
+        group=_PARALLEL,
+    )
+    pp_microbatches: int = option(4, "with --pp: micro-batches each step's batch is split into", group=_PARALLEL)
     # FP8 numerics
-    telemetry_every: int = 100  # record FP8 telemetry every N steps; 0 = off
-    fallback: bool = False  # move layers to BF16 (and back) by telemetry (fp8lm.fallback)
-    # O1/O2 under torchrun: scaling of the FP8 gradient all-reduce (fp8lm.distributed.FP8DataParallel)
-    grad_sync_scaling: str = "local"
-    fsdp: bool = False  # under torchrun: shard with FSDP2 (fp8lm.distributed.fully_shard) instead
-    tp: int = 1  # under torchrun: tensor + sequence parallel ranks per model replica
-    pp: int = 1  # under torchrun: pipeline stages per model replica
-    pp_microbatches: int = 4  # with pp > 1: micro-batches per step (the schedule's)
-    recipe: str = DEFAULT_RECIPE  # FP8 levels: the named fp8lm.Recipe of every FP8Linear
+    telemetry_every: int = option(
+        100,
+        "record FP8 telemetry (amax, scale, underflow, saturation of every FP8 layer's tensors) to "
+        "OUT/telemetry.jsonl every N steps; 0 = off",
+        group=_NUMERICS,
+    )
+    grad_sync_scaling: str = option(
+        "local",
+        "O1/O2 under torchrun: scaling of the FP8 gradient all-reduce. local: each rank scales its own "
+        "tensors, sums in FP32; shared: one scale per bucket with the automatic factor mu of FP8-LM, logged "
+        "as grad_sync_mu",
+        group=_NUMERICS,
+        choices=GRAD_SYNC_SCALINGS,
+    )
+    recipe: str = option(
+        DEFAULT_RECIPE,
+        "FP8 levels: the fp8lm.Recipe of the FP8 layers (formats, delayed or current scaling, amax history)",
+        group=_NUMERICS,
+        choices=RECIPE_NAMES,
+    )
+    fallback: bool = option(
+        False,
+        "move a layer to BF16 while its telemetry shows too much underflow or saturation, and back "
+        "(fp8lm.fallback; switches logged to metrics.jsonl)",
+        group=_NUMERICS,
+    )
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
     def model_config(self) -> GPTConfig:
+        from .model import preset
+
         return preset(
             self.model,
             n_layer=self.n_layer,
@@ -257,7 +380,7 @@ class TrainConfig:
         host, step = self.memory_needed(model)
         device = self.device or default_device()
         on_device = available_memory(device)
-        if torch.device(device).type == "cpu":
+        if device.split(":")[0] == "cpu":
             host, step, on_device = host + step, 0, None
         for needed, free, where in ((host, available_memory("cpu"), "in host memory"), (step, on_device, device)):
             if free is not None and needed > free:
@@ -273,8 +396,8 @@ class TrainConfig:
         return "lower --batch-size (use --grad-accum for as many sequences per step) or --eval-batches"
 
     def _check_recipe(self) -> None:
-        if self.recipe not in RECIPES:
-            raise RunError(f"unknown --recipe {self.recipe!r}: use one of {', '.join(RECIPES)}")
+        if self.recipe not in RECIPE_NAMES:
+            raise RunError(f"unknown --recipe {self.recipe!r}: use one of {', '.join(RECIPE_NAMES)}")
         if self.recipe == DEFAULT_RECIPE:
             return
         if self.opt_level not in FP8_LEVELS:
@@ -288,6 +411,8 @@ class TrainConfig:
 
     def initialize_options(self) -> dict:
         """Keyword options of `fp8lm.initialize` for this run."""
+        from ..recipe import Recipe
+
         options = dict(self.amp_options)
         if self.recipe != DEFAULT_RECIPE:
             options["recipe"] = Recipe.from_name(self.recipe)
@@ -297,7 +422,100 @@ class TrainConfig:
         return options
 
 
+@dataclass
+class DPOConfig(TrainConfig):
+    """`TrainConfig` with DPO's defaults and options (``fp8lm dpo``): ``data`` is a JSON Lines file
+    of pairs (None: the built-in set), ``batch_size`` counts pairs, the model comes from ``init_from``."""
+
+    OPTIONS: ClassVar[tuple[str, ...] | None] = (
+        "init_from",
+        "opt_level",
+        "data",
+        "beta",
+        "out",
+        "steps",
+        "batch_size",
+        "lr",
+        "warmup_steps",
+        "weight_decay",
+        "seed",
+        "val_fraction",
+        "cache_dir",
+        "eval_every",
+        "save_every",
+        "keep_checkpoints",
+        "resume",
+        "device",
+        "progress",
+    )
+
+    init_from: str | None = option(
+        None,
+        "the pretrained model: a step_*.pt file or a run folder of fp8lm train (required unless --resume)",
+        metavar="CHECKPOINT",
+    )
+    opt_level: str = option(
+        "O2",
+        "the policy's level, as in fp8lm train; the frozen reference is stored in E4M3 at O1/O2/O3, in BF16 at bf16",
+        choices=OPT_LEVELS,
+    )
+    data: str | None = option(
+        None,
+        "JSON Lines with 'prompt', 'chosen', 'rejected' strings (default: built-in pairs from the standard "
+        "library's sources: true continuation chosen, a corrupted one rejected)",
+        metavar="PAIRS.jsonl",
+    )
+    beta: float = option(0.1, "DPO's beta")
+    out: str = option("runs/dpo", "output folder")
+    steps: int = option(200, "optimizer steps")
+    batch_size: int = option(16, "pairs per step")
+    lr: float = option(3e-4, "peak learning rate")
+    warmup_steps: int | None = option(10, "linear warmup steps")
+    weight_decay: float = option(0.0, "AdamW weight decay of matrices")
+    seed: int = option(1337, "seed of the pair order")
+    val_fraction: float = option(0.05, "share of --data pairs held out")
+    cache_dir: str | None = option(None, "where the built-in pairs' corpus is packed (default: OUT/cache)")
+    eval_every: int = option(50, "evaluate held-out pairs every N steps and at the end")
+    telemetry_every: int = 0
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.beta) and self.beta > 0):  # inf: every loss non-finite, every step skipped
+            raise RunError(f"--beta must be > 0 and finite, got {self.beta}")
+        if not (self.init_from or self.resume):
+            raise RunError(
+                "fp8lm dpo starts from a trained model: pass --init-from CHECKPOINT (a step_*.pt or a run folder)"
+            )
+        if self.hf_dataset or self.telemetry_every or self.fallback or self.grad_accum != 1:
+            raise RunError("fp8lm dpo does not take --hf-dataset, --telemetry-every, --fallback or --grad-accum")
+        super().validate()  # last: it reads the checkpoint's model_config
+
+    def memory_needed(self, model: GPTConfig) -> tuple[int, int]:
+        """As `TrainConfig.memory_needed`, for pairs: a step and the held-out batches run the
+        policy and the reference on ``2 x --batch-size`` sequences; no validation windows are held."""
+        pairs = TrainConfig(batch_size=2 * self.batch_size, eval_batches=1, device=self.device)
+        host, step = pairs.memory_needed(model)
+        return host, 2 * step
+
+    def _sizes(self, model: GPTConfig) -> str:
+        return f"--batch-size {self.batch_size} pairs of up to {model.block_size} tokens"
+
+    def _memory_fix(self) -> str:
+        return "lower --batch-size"
+
+    def model_config(self) -> GPTConfig:
+        """The model of the starting checkpoint (of the run's own when resuming)."""
+        from .checkpoint import CheckpointError, load_checkpoint
+        from .model import GPTConfig
+
+        state = load_checkpoint(self.init_from or Path(self.out) / "checkpoints")
+        if "model_config" not in state:
+            raise CheckpointError(f"checkpoint {state['path']!r} has no model_config; pass one written by fp8lm train")
+        return GPTConfig.from_dict(state["model_config"])
+
+
 def _check_device(name: str) -> None:
+    import torch
+
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -316,6 +534,8 @@ def _check_device(name: str) -> None:
 def available_memory(device: str) -> int | None:
     """Bytes ``device`` can still allocate (None when unknown): for the CPU, the kernel's
     ``MemAvailable`` and what is left under this process's cgroup limit, whichever is smaller."""
+    import torch
+
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.cuda.mem_get_info(dev.index or 0)[0] if torch.cuda.is_available() else None

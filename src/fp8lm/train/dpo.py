@@ -14,9 +14,8 @@ synchronized as in ``fp8lm train`` (`FP8DataParallel` at O1/O2, FP8 ZeRO at O3, 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from ..memory import memory_report
 from ..nn import freeze_fp8
 from .checkpoint import CheckpointError, atomic_torch_save, load_checkpoint
-from .config import FP8_LEVELS, RunError, TrainConfig
+from .config import FP8_LEVELS, DPOConfig, RunError
 from .data import pack, stdlib_documents
 from .dpo_loss import DPOTerms, dpo_loss, sequence_logprobs, token_kl
 from .model import GPT, GPTConfig
@@ -48,53 +47,6 @@ SUMMARY_KEYS = (
 )
 REFERENCE_FILE = "reference.pt"
 _RESUME_KEYS = ("beta", "batch_size", "lr", "seed", "data", "val_fraction")  # what makes the pairs and the loss
-
-
-@dataclass
-class DPOConfig(TrainConfig):
-    """`TrainConfig` with DPO's defaults: ``data`` is a JSON Lines file of pairs (None: the built-in
-    set), ``batch_size`` counts pairs, the model comes from ``init_from``."""
-
-    beta: float = 0.1
-    opt_level: str = "O2"
-    steps: int = 200
-    lr: float = 3e-4
-    warmup_steps: int | None = 10
-    weight_decay: float = 0.0
-    eval_every: int = 50
-    out: str = "runs/dpo"
-    telemetry_every: int = 0
-
-    def validate(self) -> None:
-        if not (math.isfinite(self.beta) and self.beta > 0):  # inf: every loss non-finite, every step skipped
-            raise RunError(f"--beta must be > 0 and finite, got {self.beta}")
-        if not (self.init_from or self.resume):
-            raise RunError(
-                "fp8lm dpo starts from a trained model: pass --init-from CHECKPOINT (a step_*.pt or a run folder)"
-            )
-        if self.hf_dataset or self.telemetry_every or self.fallback or self.grad_accum != 1:
-            raise RunError("fp8lm dpo does not take --hf-dataset, --telemetry-every, --fallback or --grad-accum")
-        super().validate()  # last: it reads the checkpoint's model_config
-
-    def memory_needed(self, model: GPTConfig) -> tuple[int, int]:
-        """As `TrainConfig.memory_needed`, for pairs: a step and the held-out batches run the
-        policy and the reference on ``2 x --batch-size`` sequences; no validation windows are held."""
-        pairs = TrainConfig(batch_size=2 * self.batch_size, eval_batches=1, device=self.device)
-        host, step = pairs.memory_needed(model)
-        return host, 2 * step
-
-    def _sizes(self, model: GPTConfig) -> str:
-        return f"--batch-size {self.batch_size} pairs of up to {model.block_size} tokens"
-
-    def _memory_fix(self) -> str:
-        return "lower --batch-size"
-
-    def model_config(self) -> GPTConfig:
-        """The model of the starting checkpoint (of the run's own when resuming)."""
-        state = load_checkpoint(self.init_from or Path(self.out) / "checkpoints")
-        if "model_config" not in state:
-            raise CheckpointError(f"checkpoint {state['path']!r} has no model_config; pass one written by fp8lm train")
-        return GPTConfig.from_dict(state["model_config"])
 
 
 def _preferences(cfg: DPOConfig, mcfg: GPTConfig, out: Path):
