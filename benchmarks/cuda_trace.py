@@ -621,12 +621,10 @@ def run_variant(variant: str, args, log: OpLog) -> dict:
         if variant == "torchao":
             import torchao.float8  # noqa: F401
         if variant.startswith("fp8lm"):
-            from fp8lm.nn.linear import SCALE_MATH
-            from fp8lm.ops.cast import FUSED_CAST
+            from fp8lm.ops.fastpath import COMPILED_CASTS
 
             # The switch FP8LM_FUSED_CAST=0 sets (an eager-only run) or leaves on: compiled casts and scale arithmetic.
-            fused = variant != "fp8lm_eager" and os.environ.get("FP8LM_FUSED_CAST") != "0"
-            FUSED_CAST.enabled = SCALE_MATH.enabled = fused
+            COMPILED_CASTS.on = variant != "fp8lm_eager" and os.environ.get("FP8LM_FUSED_CAST") != "0"
         out = {"linear": [linear_case(variant, m, k, n, log) for m, k, n in args.shapes]}
         width, tokens, seq = args.block
         out["block"] = block_case(variant, width, tokens, seq, log)

@@ -432,7 +432,7 @@ def test_compiled_cpu_graph_holds_the_c_kernels_or_the_plain_casts(kernels, monk
 
     from fp8lm.ops import native
 
-    monkeypatch.setattr(native.KERNELS, "enabled", kernels)
+    monkeypatch.setattr(native.KERNELS.switch, "on", kernels)
     torch.manual_seed(0)
     layer = FP8Linear(64, 32)
     eager = copy.deepcopy(layer)

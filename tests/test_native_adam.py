@@ -130,7 +130,7 @@ def test_native_and_compiled_optimizer_steps_agree(monkeypatch):
 
     runs = {}
     for use_native in (True, False):
-        monkeypatch.setattr(kernels.KERNELS, "enabled", use_native)
+        monkeypatch.setattr(kernels.KERNELS.switch, "on", use_native)
         model, opt = make()
         gen = torch.Generator().manual_seed(5)
         for _ in range(5):

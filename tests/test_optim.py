@@ -520,7 +520,8 @@ def test_optimizer_falls_back_with_a_warning_when_the_native_kernel_cannot_be_bu
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("FP8LM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native.KERNELS, "enabled", True)
+    monkeypatch.setattr(native.KERNELS.switch, "on", True)
+    monkeypatch.setattr(native.KERNELS, "failed", None)
     with pytest.warns(UserWarning, match="native CPU kernels unavailable"):
         assert not native.available()
     ref, ours = _linear(), _linear()

@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats import E4M3, FP16, FP32, Format, format_of
 from ..ops.cast import saturating_cast_dequantized, saturating_cast_transposed, saturating_cast_with_amax
-from ..ops.fastpath import FastPath
+from ..ops.fastpath import COMPILED_CASTS, FastPath
 from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm, wants_laid_out_operands
 from ..ops.library import traceable_amax, traceable_cast, traceable_cast_dequantized, traceable_upcast
 from ..recipe import SCALING_MODES, Recipe, recipe_from
@@ -52,7 +52,7 @@ T = TypeVar("T")
 # Off the CPU, the amax and scale arithmetic of one cast (an amax reduction and a dozen ops on a
 # few scalars) runs as one compiled function, a reduction and one small kernel instead of a dozen
 # launches. While torch.compile traces the layer it is inlined; FP8LM_FUSED_CAST=0 turns it off.
-SCALE_MATH = FastPath("compiled scale arithmetic", fallback="eager ops", env_switch="FP8LM_FUSED_CAST")
+SCALE_MATH = FastPath("compiled scale arithmetic", fallback="eager ops", switch=COMPILED_CASTS)
 _compiled_scale_math: dict[Callable, Callable] = {}
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..formats import Format
 from . import native
-from .fastpath import FastPath
+from .fastpath import COMPILED_CASTS, FastPath
 
 __all__ = [
     "amax",
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 FUSED_MIN_NUMEL = 1 << 18
-FUSED_CAST = FastPath("fused cast", fallback="eager ops", env_switch="FP8LM_FUSED_CAST")
+FUSED_CAST = FastPath("fused cast", fallback="eager ops", switch=COMPILED_CASTS)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:

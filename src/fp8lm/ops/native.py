@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .fastpath import FastPath
+from .fastpath import NATIVE, FastPath, NativeBuildError
 
 __all__ = [
     "KERNELS",
@@ -68,7 +68,7 @@ _SIGNATURES = {
 
 _library: ctypes.CDLL | None = None
 # Where the library cannot be built, fp8lm warns once and uses its torch paths.
-KERNELS = FastPath("native CPU kernels", fallback="torch ops", env_switch="FP8LM_NATIVE")
+KERNELS = FastPath("native CPU kernels", fallback="torch ops", switch=NATIVE)
 
 
 def _cpu_signature() -> str:
@@ -103,7 +103,7 @@ def _build() -> Path:
         cmd = [compiler, *_FLAGS, f"-I{_CSRC}", *map(str, sources), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            raise NativeBuildError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
