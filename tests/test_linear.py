@@ -312,6 +312,42 @@ def test_weight_is_cast_once_per_change_of_the_weight(monkeypatch):
     assert forward_matches_a_fresh_copy() == 0
 
 
+def test_the_weight_operand_is_layer_state_and_every_weight_write_invalidates_it(monkeypatch):
+    """The cached FP8 weight operand lives on the layer (no module-level cache), copies of the layer
+    start without it, and each way of writing the weight (FP8AdamW's step, load_state_dict, an
+    in-place copy_ of the parameter) makes the next forward cast anew, matching a fresh copy."""
+    import copy
+
+    import fp8lm.nn.linear as linear
+    from fp8lm.optim import FP8AdamW
+
+    assert not any(isinstance(v, dict) and "OPERAND" in k for k, v in vars(linear).items())
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 16, recipe=fp8lm.Recipe(backend="scaled_mm"))
+    opt = FP8AdamW(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 32)
+    calls = _count_weight_casts(monkeypatch)
+
+    def casts_in_forward():
+        expected = copy.deepcopy(layer)(x)
+        before = len(calls)
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+        return len(calls) - before
+
+    layer(x)
+    assert layer._weight_operand._entry is not None and copy.deepcopy(layer)._weight_operand._entry is None
+    assert casts_in_forward() == 0
+    layer(x).sum().backward()
+    opt.step()
+    assert casts_in_forward() == 1
+    layer.load_state_dict(nn.Linear(32, 16).state_dict())
+    assert casts_in_forward() == 1
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(16, 32))
+    assert casts_in_forward() == 1
+    assert casts_in_forward() == 0
+
+
 def _count_weight_amaxes(monkeypatch, layer: FP8Linear) -> list:
     """Amax reductions FP8Linear runs over ``layer``'s weight payload, counted."""
     import fp8lm.nn.linear as linear
@@ -337,7 +373,6 @@ def test_weight_amax_comes_from_the_optimizer_step(monkeypatch, backend, optimiz
     import copy
 
     from fp8lm.optim import FP8AdamW
-    from fp8lm.tensor import known_payload_amax, note_payload_amax
 
     torch.manual_seed(0)
     layer = FP8Linear(32, 16, recipe=fp8lm.Recipe(backend=backend))
@@ -346,7 +381,7 @@ def test_weight_amax_comes_from_the_optimizer_step(monkeypatch, backend, optimiz
     layer(x).sum().backward()
     opt.step()
     payload = layer.weight.payload
-    assert known_payload_amax(payload) == payload.float().abs().amax()
+    assert layer.weight.known_payload_amax() == payload.float().abs().amax()
     calls = _count_weight_amaxes(monkeypatch, layer)
     expected = copy.deepcopy(layer)(x)  # a new payload: nothing noted for it, its amax measured
     assert len(calls) == 0
@@ -354,21 +389,21 @@ def test_weight_amax_comes_from_the_optimizer_step(monkeypatch, backend, optimiz
     assert len(calls) == 0
     with torch.no_grad():
         layer.weight.mul_(-2.0)  # an in-place op requantizes: it notes the new amax
-    assert known_payload_amax(layer.weight.payload) == layer.weight.payload.float().abs().amax()
+    assert layer.weight.known_payload_amax() == layer.weight.payload.float().abs().amax()
     torch.testing.assert_close(layer(x), copy.deepcopy(layer)(x), rtol=0, atol=0)
     with torch.no_grad():
         layer.weight.mul_(0.5)  # a positive factor changes the scale alone: the amax still holds
-    assert known_payload_amax(layer.weight.payload) == layer.weight.payload.float().abs().amax()
+    assert layer.weight.known_payload_amax() == layer.weight.payload.float().abs().amax()
     torch.testing.assert_close(layer(x), copy.deepcopy(layer)(x), rtol=0, atol=0)
     assert len(calls) == 0
     layer.weight.payload.mul_(0.5)  # a write of the payload itself: the noted amax no longer holds
-    assert known_payload_amax(layer.weight.payload) is None
+    assert layer.weight.known_payload_amax() is None
     torch.testing.assert_close(layer(x), copy.deepcopy(layer)(x), rtol=0, atol=0)
     assert len(calls) == 1
     # The reader does use a noted amax: a wrong one (2**10 x) scales small weights into underflow.
     true_amax = layer.weight.payload.float().abs().amax()
     layer.weight.payload.add_(0)  # a new version: nothing cached from the last forward
-    note_payload_amax(layer.weight.payload, true_amax * 2**10)
+    layer.weight.note_payload_amax(true_amax * 2**10)
     assert not torch.equal(layer(x), copy.deepcopy(layer)(x))
 
 

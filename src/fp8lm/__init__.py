@@ -22,6 +22,7 @@ _LAZY = {
     "ScalingMeta": "scaling",
     "ScalingTensor": "tensor",
     "quantize": "tensor",
+    "allow_dequantize_fallback": "tensor",
     "initialize": "amp",
     "memory_report": "memory",
     "clip_grad_norm_": "grad",

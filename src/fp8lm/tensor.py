@@ -2,22 +2,34 @@
 
 A ScalingTensor presents itself as a tensor of its high-precision dtype (``.dtype``, shape,
 strides, device) while storing only ``payload`` (FP8 or FP16) and a float32 ``scale`` with
-``value = payload / scale``. Because it is a wrapper subclass with `__torch_dispatch__`:
+``value = payload / scale``. It is a wrapper subclass whose `__torch_dispatch__` handles an explicit
+table of aten ops (`SUPPORTED_OPS`, listed in docs/api.md):
 
 - views, copies, ``detach``, ``split``, ``cat`` of equally scaled tensors, ``.to(device)``,
-  ``clone``, ``deepcopy`` and ``torch.save`` keep the payload and the scale;
-- every other op sees the dequantized values, so code that does not know about fp8lm
-  (torch.optim, clip_grad_norm_, loss functions) computes with the right numbers;
-- an in-place op on a ScalingTensor (``p.add_(u)``, ``grad += g``) dequantizes, applies the op
-  and requantizes with a fresh scale from the result's amax, in place.
+  ``clone``, ``new_zeros``, ``deepcopy`` and ``torch.save`` keep the payload and the scale;
+- the value ops that code which does not know about fp8lm runs on its tensors (the GEMM of a layer
+  left in high precision, torch.optim's updates, ``clip_grad_norm_``'s norm, comparisons) see the
+  dequantized values and return plain tensors;
+- the in-place value ops of torch's optimizers and of gradient accumulation (``p.add_(u)``,
+  ``grad += g``, ``lerp_``, ``addcdiv_``) dequantize, apply the op and requantize with a fresh
+  scale from the result's amax, in place; ``copy_`` and ``mul_`` by a positive number keep the
+  payload where they can.
+
+Any other op raises ``NotImplementedError`` naming it: dequantizing silently would hide a
+full-precision copy (and, in place, a requantization) in code meant to stay in low precision. Code
+that needs such an op on a ScalingTensor opts in with `allow_dequantize_fallback`, or calls
+``dequantize()`` first.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .formats import E4M3, Format, format_of
 from .ops.cast import FP8_DTYPES, saturating_cast, upcast
@@ -27,10 +39,11 @@ from .scaling import compute_scale
 __all__ = [
     "ScalingTensor",
     "quantize",
+    "SUPPORTED_OPS",
+    "OP_KINDS",
+    "allow_dequantize_fallback",
     "fsdp_gather_format",
     "fsdp_shard_amax",
-    "note_payload_amax",
-    "known_payload_amax",
 ]
 
 aten = torch.ops.aten
@@ -64,6 +77,123 @@ _COPY_OPS = {aten.clone.default}
 # new_zeros / new_empty of a ScalingTensor: a ScalingTensor of the same payload format (zeros are
 # exact at any scale), so a padded FSDP2 shard keeps its low-precision storage.
 _NEW_OPS = {aten.new_zeros.default, aten.new_empty.default}
+# Ops that write a ScalingTensor keeping its payload where they can (`_copy_into`, `_fold_into_scale`).
+_MUL_OPS = {aten.mul_.Tensor, aten.mul_.Scalar}
+_WRITE_OPS = {aten.copy_.default, *_MUL_OPS}
+# Ops that read only a tensor's shape, dtype and device: they run on an empty plain tensor of the
+# same metadata (no dequantized copy) and return plain tensors.
+_METADATA_OPS = {
+    aten.zeros_like.default,
+    aten.empty_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.is_same_size.default,
+}
+# Questions about the storage (DCP asks whether a tensor is pinned): answered by the payload's.
+_PAYLOAD_QUERY_OPS = {aten.is_pinned.default}
+# Value ops that code unaware of fp8lm runs on its tensors: a layer kept in high precision (its
+# GEMM or lookup with a ScalingTensor weight), torch.optim's and clip_grad_norm_'s arithmetic,
+# comparisons in checks. They compute with the dequantized values and return plain tensors.
+_VALUE_OPS = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.embedding.default,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.mul.Scalar,
+    aten.div.Tensor,
+    aten.neg.default,
+    aten.abs.default,
+    aten.sqrt.default,
+    aten.addcmul.default,
+    aten.addcdiv.default,
+    aten.sum.default,
+    aten.sum.dim_IntList,
+    aten.amax.default,
+    aten.linalg_vector_norm.default,
+    aten.eq.Tensor,
+    aten.ne.Tensor,
+    aten.equal.default,
+    aten.isfinite.default,
+    aten.isnan.default,
+    aten.isinf.default,
+    aten.maximum.default,
+}
+# Value ops of other libraries, by name (their library loads with its package): FSDP2's copy of
+# the gradients into its reduce-scatter buffer.
+_NAMED_VALUE_OPS = {"fsdp.chunk_cat.default"}
+# Ops whose result is the dequantized values' (a cat of differently scaled tensors too).
+_READ_OPS = {*_VALUE_OPS, aten.cat.default}
+# In-place value ops of torch's optimizers (SGD, Adam, AdamW) and of gradient accumulation on a
+# ScalingTensor: dequantize, apply, requantize with a scale fitted to the result (`_inplace`).
+_INPLACE_OPS = {
+    aten.add_.Tensor,
+    aten.add_.Scalar,
+    aten.sub_.Tensor,
+    aten.div_.Tensor,
+    aten.div_.Scalar,
+    aten.addcmul_.default,
+    aten.addcdiv_.default,
+    aten.lerp_.Scalar,
+    aten.lerp_.Tensor,
+    aten.zero_.default,
+    aten.fill_.Scalar,
+    aten.clamp_.default,
+}
+
+OP_KINDS: Mapping[str, str] = {
+    "view": "applied to the payload; the result is a ScalingTensor sharing the scale",
+    "copy": "applied to the payload; the result is a ScalingTensor with its own scale (`_to_copy` to "
+    "another dtype and `cat` of differently scaled tensors return plain tensors)",
+    "write": "writes payload and scale, keeping the payload where it can (`copy_` of the same format, "
+    "`mul_` by a positive number folded into the scale); else requantizes",
+    "metadata": "reads only shape, dtype and device (`is_pinned`: the payload's storage); plain result",
+    "value": "computes with the dequantized values; plain result",
+    "inplace": "dequantizes, applies the op and requantizes in place with a scale from the result's amax",
+}
+# The name of every op a ScalingTensor handles, by kind (`OP_KINDS`); docs/api.md lists them.
+_OPS_BY_KIND: dict[str, set] = {
+    "view": _VIEW_OPS,
+    "copy": {*_COPY_OPS, *_NEW_OPS, aten._to_copy.default, aten.cat.default},
+    "write": _WRITE_OPS,
+    "metadata": {*_METADATA_OPS, *_PAYLOAD_QUERY_OPS},
+    "value": {*_VALUE_OPS, *_NAMED_VALUE_OPS},
+    "inplace": _INPLACE_OPS,
+}
+SUPPORTED_OPS: Mapping[str, frozenset[str]] = {
+    kind: frozenset(str(op) for op in ops) for kind, ops in _OPS_BY_KIND.items()
+}
+
+_FALLBACK: ContextVar[bool] = ContextVar("fp8lm_dequantize_fallback", default=False)
+
+
+@contextlib.contextmanager
+def allow_dequantize_fallback(enabled: bool = True) -> Iterator[None]:
+    """Within this context (or a function it decorates), an op that `SUPPORTED_OPS` does not list
+    runs on a ScalingTensor's dequantized values instead of raising, and an in-place one
+    requantizes its result in place: for code that does not know about fp8lm and needs such an
+    op. ``enabled=False`` turns a surrounding opt-in off."""
+    token = _FALLBACK.set(enabled)
+    try:
+        yield
+    finally:
+        _FALLBACK.reset(token)
+
+
+def _supported(func) -> bool:
+    """Whether ``func`` is an op that reads a ScalingTensor's values or writes them in place."""
+    return func in _READ_OPS or func in _INPLACE_OPS or func in _MUL_OPS or str(func) in _NAMED_VALUE_OPS
+
+
+def _unsupported(func) -> NotImplementedError:
+    inplace = " and requantize in place" if func._schema.is_mutable else ""
+    return NotImplementedError(
+        f"fp8lm: ScalingTensor does not support {func} (docs/api.md lists the ops it does); call "
+        f".dequantize() first, or run it under fp8lm.allow_dequantize_fallback() to compute with the "
+        f"dequantized values{inplace}"
+    )
 
 
 class ScalingTensor(torch.Tensor):
@@ -74,6 +204,9 @@ class ScalingTensor(torch.Tensor):
     # For a view of part of another ScalingTensor (``t[0]``): the payload it shares its scale
     # with (views made inside __torch_dispatch__ are not tracked by autograd: no ``_base``).
     _shared_with: torch.Tensor | None = None
+    # The exact amax of the payload as its writer measured it, with the payload's version then
+    # (`note_payload_amax`). Kept on this object only: copies and pickles do not carry it.
+    _noted_amax: tuple[int, torch.Tensor] | None = None
 
     @staticmethod
     def __new__(cls, payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
@@ -135,8 +268,21 @@ class ScalingTensor(torch.Tensor):
         if isinstance(self, torch.nn.Parameter) and not torch.compiler.is_compiling():
             # For FP8Linear's weight cast (gradients have no reader of it). Rounding is monotonic,
             # so the payload's amax is the rounded amax: no second pass.
-            note_payload_amax(self._data, saturating_cast(value_amax, scale, self.fmt).float())
+            self.note_payload_amax(saturating_cast(value_amax, scale, self.fmt).float())
         return self
+
+    def note_payload_amax(self, amax: torch.Tensor) -> None:
+        """Record ``amax`` (a 0-dim float32 tensor on the payload's device) as the exact
+        ``payload.abs().amax()`` of the payload as it is now: the writer that measured it (the FP8
+        optimizer, `requantize_`) hands it to readers (`fp8lm.nn.FP8Linear` scaling the weight to
+        FP8), which then need not read the whole payload again."""
+        self._noted_amax = (self._data._version, amax)
+
+    def known_payload_amax(self) -> torch.Tensor | None:
+        """The amax noted for the payload (`note_payload_amax`), or None when none was noted or the
+        payload changed since: any in-place write of the payload bumps its version."""
+        noted = self._noted_amax
+        return noted[1] if noted is not None and noted[0] == self._data._version else None
 
     def _partial_view(self) -> bool:
         """Whether other elements (of the tensor this is a view of) share the scale."""
@@ -230,13 +376,18 @@ class ScalingTensor(torch.Tensor):
                 return out
         if func in _MUL_OPS and _fold_into_scale(args):
             return args[0]
+        if func in _PAYLOAD_QUERY_OPS:
+            return func(args[0]._data, *args[1:], **kwargs)
+        if func in _METADATA_OPS:
+            return func(*tree_map(_empty_like_leaf, args), **kwargs)
+        if not (_supported(func) or _FALLBACK.get()):
+            raise _unsupported(func)
         if func._schema.is_mutable:
             return _inplace(func, args, kwargs)
         args, kwargs = tree_map(_dequantize_leaf, (args, kwargs))
         return func(*args, **kwargs)
 
 
-_MUL_OPS = {aten.mul_.Tensor, aten.mul_.Scalar}
 # Factors folded into the scale: far from under- or overflowing it.
 _FOLDED_FACTORS = (2.0**-20, 2.0**20)
 
@@ -291,6 +442,12 @@ def _dequantize_leaf(x):
     return x.dequantize(x.dtype) if isinstance(x, ScalingTensor) else x
 
 
+def _empty_like_leaf(x):
+    if not isinstance(x, ScalingTensor):
+        return x
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+
 def _the_scaling_tensor(args) -> ScalingTensor:
     return next(a for a in tree_flatten(args)[0] if isinstance(a, ScalingTensor))
 
@@ -325,26 +482,6 @@ def _count_write(t: ScalingTensor) -> None:
     what is derived from them (`fp8lm.nn.FP8Linear`'s FP8 weight) sees the change."""
     if not torch.compiler.is_compiling():
         torch.autograd.graph.increment_version([t._data, t._scale])
-
-
-# The exact amax of a payload as its writer measured it (the FP8 optimizer measures every weight it
-# stores), so that a reader (`fp8lm.nn.FP8Linear` scaling the weight to FP8) need not read the whole
-# payload again. Valid while the payload's version is the one it was noted at: any later in-place
-# write bumps the version. Keyed weakly: an entry goes with its payload.
-_PAYLOAD_AMAXES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def note_payload_amax(payload: torch.Tensor, amax: torch.Tensor) -> None:
-    """Record ``amax`` (a 0-dim float32 tensor on ``payload``'s device) as the exact
-    ``payload.abs().amax()`` of ``payload`` as it is now."""
-    _PAYLOAD_AMAXES[payload] = (payload._version, amax)
-
-
-def known_payload_amax(payload: torch.Tensor) -> torch.Tensor | None:
-    """The amax noted for ``payload`` (`note_payload_amax`), or None when none was noted or the
-    payload changed since."""
-    entry = _PAYLOAD_AMAXES.get(payload)
-    return entry[1] if entry is not None and entry[0] == payload._version else None
 
 
 def _requantize_shared_(

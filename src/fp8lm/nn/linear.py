@@ -25,13 +25,13 @@ delayed-scaled tensor streams.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats import E4M3, FP16, FP32, Format, format_of
 from ..ops.cast import saturating_cast_dequantized, saturating_cast_transposed, saturating_cast_with_amax
@@ -40,7 +40,7 @@ from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm, want
 from ..ops.library import traceable_amax, traceable_cast, traceable_cast_dequantized, traceable_upcast
 from ..recipe import SCALING_MODES, Recipe, recipe_from
 from ..scaling import ScalingMeta, ScalingSpec, compute_scale, record_, scale_for_amax_
-from ..tensor import ScalingTensor, known_payload_amax, quantize
+from ..tensor import ScalingTensor, quantize
 from .state import dequantize_entries
 
 __all__ = ["FP8Linear", "SCALING_MODES"]
@@ -175,7 +175,7 @@ def _weight_scales(
     """The weight's amax, the scale to cast its ``payload`` to ``fmt`` with (None: it is already
     ``fmt``) and the inverse of the combined scale (the weight's values, not its payload's),
     which carries non-finite values. ``payload_amax``: the payload's amax where its writer
-    measured it (`fp8lm.tensor.known_payload_amax`), else None (measured here)."""
+    measured it (`ScalingTensor.known_payload_amax`), else None (measured here)."""
     if payload_amax is None:
         payload_amax = traceable_amax(payload)
     value_amax = payload_amax if stored_scale is None else payload_amax / stored_scale
@@ -213,23 +213,39 @@ def _weight_operand(
     return FP8Operand(data, scale_inv, finite, dequantized=deq)
 
 
-# The FP8 operand of each ScalingTensor weight's payload, made once per change of the weight (an
-# optimizer step, a load, FSDP2's all-gather) rather than once per forward: every in-place change
-# of a payload or its scale bumps its version. Keyed weakly: an entry goes with its payload.
-_WEIGHT_OPERANDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+class _WeightOperandCache:
+    """An FP8Linear's FP8 operand of its ScalingTensor weight, made once per change of the weight
+    (an optimizer step, a load, an in-place op, FSDP2's all-gather) rather than once per forward.
+    Valid while the weight, its payload and its scale are the tensors it was made from, unchanged:
+    every in-place change bumps a tensor's version (torch's ops, `ScalingTensor.requantize_`, the
+    optimizer's custom op). The layer clears it where it replaces its state in other ways (loads,
+    ``.to()``). Copies and pickles of the layer start empty; the payload is held weakly (an
+    all-gathered weight is freed after its forward)."""
 
+    def __init__(self) -> None:
+        self._entry: tuple | None = None
 
-def _cached_weight_operand(weight: ScalingTensor, fmt: Format, relaid: bool) -> FP8Operand:
-    """`_weight_operand` of ``weight`` for an FP8 GEMM (no emulation), from `_WEIGHT_OPERANDS`
-    while neither its payload nor its scale changed since it was made."""
-    payload, scale = weight.payload, weight.scale
-    key = (weight._version, payload._version, id(scale), scale._version, fmt, relaid)
-    entry = _WEIGHT_OPERANDS.get(payload)
-    if entry is not None and entry[0] == key:
-        return entry[1]
-    operand = _weight_operand(payload, scale, fmt, None, relaid, known_payload_amax(payload))
-    _WEIGHT_OPERANDS[payload] = (key, operand, scale)  # the scale kept alive: its id stays its own
-    return operand
+    def clear(self) -> None:
+        self._entry = None
+
+    def get(self, weight: ScalingTensor, fmt: Format, relaid: bool) -> FP8Operand:
+        """`_weight_operand` of ``weight`` for an FP8 GEMM (no emulation), made anew when ``weight``
+        changed since the cached one was made."""
+        payload, scale = weight.payload, weight.scale
+        key = (weight._version, payload._version, scale._version, fmt, relaid)
+        if self._entry is not None:
+            payload_ref, scale_ref, cached_key, operand = self._entry
+            if payload_ref() is payload and scale_ref() is scale and cached_key == key:
+                return operand
+        operand = _weight_operand(payload, scale, fmt, None, relaid, weight.known_payload_amax())
+        self._entry = (weakref.ref(payload), weakref.ref(scale), key, operand)
+        return operand
+
+    def __deepcopy__(self, memo) -> _WeightOperandCache:
+        return _WeightOperandCache()
+
+    def __reduce__(self):
+        return (_WeightOperandCache, ())
 
 
 def _grad_scale(grad: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -399,6 +415,7 @@ class FP8Linear(nn.Module):
         self.high_precision = False
         # Checkpoints of a layer converted from a GPT-2 Conv1D keep Conv1D's (in, out) weight layout.
         self.transposed_checkpoint = False
+        self._weight_operand = _WeightOperandCache()
         self.input_meta = ScalingMeta(recipe.input_format, history_len=recipe.steps, margin=recipe.margin)
         self.grad_output_meta = ScalingMeta(recipe.grad_output_format, history_len=recipe.steps, margin=recipe.margin)
         factory = {"device": device, "dtype": dtype or torch.get_default_dtype()}
@@ -472,9 +489,9 @@ class FP8Linear(nn.Module):
             weight_op = weight_amax = None  # an emulated GEMM also reads the weight upcast: not kept between steps
             if isinstance(weight, ScalingTensor) and choose_backend(x.device, self.recipe.backend) == "scaled_mm":
                 laid_out = wants_laid_out_operands(x.device, self.recipe.backend)
-                weight_op = _cached_weight_operand(weight, self.recipe.weight_format, laid_out)
+                weight_op = self._weight_operand.get(weight, self.recipe.weight_format, laid_out)
             elif isinstance(weight, ScalingTensor):
-                weight_amax = known_payload_amax(payload)
+                weight_amax = weight.known_payload_amax()
             eager = _Eager(weight_op, weight_amax, self.input_meta, self.grad_output_meta)
         return _FP8LinearFunction.apply(
             x,
@@ -503,6 +520,7 @@ class FP8Linear(nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
+        self._weight_operand.clear()
         key = prefix + "weight"
         if self.transposed_checkpoint and isinstance(state_dict.get(key), torch.Tensor):
             state_dict = {**state_dict, key: state_dict[key].t()}

@@ -159,7 +159,7 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
             entry = self._param_slots.get(p)
             if entry is not None:
                 entry.remember_versions()
-                entry.hand_over_weight_amax()
+                entry.hand_over_weight_amax(local_tensor(p))
             state = self.state[p]
             state["step"] += 1
             if "master" in state:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Format, format_of
-from ..tensor import ScalingTensor, note_payload_amax
+from ..tensor import ScalingTensor
 from .dtensor import local_tensor
 
 __all__ = ["AdamSlot", "ParamSlot"]
@@ -171,9 +171,10 @@ class ParamSlot:
     def remember_versions(self) -> None:
         self.versions = tuple(b._version if b is not None else None for b in self.bases)
 
-    def hand_over_weight_amax(self) -> None:
-        """After a step: note the amax the pass measured of the stored weight's payload for its
-        readers (`fp8lm.tensor.note_payload_amax`: FP8Linear then need not measure it again)."""
+    def hand_over_weight_amax(self, weight: torch.Tensor) -> None:
+        """After a step: note the amax the pass measured of the stored payload on ``weight`` (this
+        rank's parameter) for its readers (`ScalingTensor.note_payload_amax`: FP8Linear then need
+        not measure it again), where the pass wrote ``weight``'s own payload (not a master)."""
         amax, self.slot.written_w_amax = self.slot.written_w_amax, None
-        if amax is not None and self.bases[0] is not None:
-            note_payload_amax(self.bases[0], amax)
+        if amax is not None and isinstance(weight, ScalingTensor) and weight.payload is self.bases[0]:
+            weight.note_payload_amax(amax)
