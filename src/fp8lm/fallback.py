@@ -24,7 +24,7 @@ __all__ = ["FallbackPolicy", "PrecisionFallback"]
 class FallbackPolicy:
     underflow: float = 0.05  # fraction of non-zero output-gradient values lost to zero
     # fraction of the stored FP8 weight gradient that is zero: per-tensor scaling flushes the rows
-    # of rare tokens in an output head (docs/training.md, "Loss fidelity")
+    # of rare tokens in an output head (docs/measurements/training.md, "Loss fidelity")
     weight_grad_underflow: float = 0.1
     saturation: float = 1e-3  # fraction of input values clipped at the format's max
     recover_below: float = 0.5  # back to FP8 below this fraction of the thresholds

@@ -109,7 +109,7 @@ def no_stall(
     Rounding to nearest has fixed points for a decaying value: in E4M3's subnormals ``0.9 * 2`` units
     round back to 2, so a first moment whose gradient has gone to zero never reaches zero, and Adam
     keeps stepping that element by ``m / sqrt(v)`` (both stuck) every step, the same way, forever
-    (measured in docs/training.md, "Loss fidelity"). Above the subnormals a decay by ``1 - beta1`` more
+    (measured in docs/measurements/training.md, "Loss fidelity"). Above the subnormals a decay by ``1 - beta1`` more
     than half a relative code (``2**-(mantissa bits + 1)``: ``beta1 < 15/16`` for E4M3) always moves
     a value, and rounding there is left alone: forcing it down wherever a slowly shrinking value
     rounds back biases every first moment low. Payloads are
