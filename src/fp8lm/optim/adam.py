@@ -4,7 +4,7 @@ master weight, each with a power-of-two scale (FP8-LM level 2).
 The classes are thin: the state layout and its checks are `fp8lm.optim.state`, the step is
 `fp8lm.optim.fused.fused_adam_step_` over the `fp8lm.optim.slots` of all parameters, the math is
 `fp8lm.optim.functional`, and skipping a non-finite step follows `fp8lm.optim.skipping`.
-docs/optimizer.md has the reasoning and the measurements.
+docs/optimizer.md has the reasoning, docs/measurements/optimizer.md the measurements.
 """
 
 from __future__ import annotations

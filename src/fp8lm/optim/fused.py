@@ -14,7 +14,7 @@ step need not re-read the state) and `torch.compile`-s the pass per tensor elsew
 one graph per combination of dtypes, whatever the tensor sizes); ``"compile"`` always uses the
 compiled pass; ``"eager"`` runs it eagerly on bounded chunks. All give the same stored values (the C
 kernel up to torch's CPU ``sqrt`` being 1 ulp off, rarely). docs/optimizer.md has the reasoning and
-the measurements.
+docs/measurements/optimizer.md the measurements.
 """
 
 from __future__ import annotations
