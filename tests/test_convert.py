@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import fp8lm
-from fp8lm import ScalingTensor
+from fp8lm import Recipe, ScalingTensor
 from fp8lm.nn import (
     FP8Linear,
     convert_linears,
@@ -153,7 +153,7 @@ def test_replace_unknown_name_changes_nothing():
 
 def test_scaling_state_round_trip():
     model, _ = make_pair()
-    convert_linears(model, history_len=4)
+    convert_linears(model, recipe=Recipe(history_len=4))
     model(torch.randint(0, 256, (2, 16)))[0].sum().backward()
     state = scaling_state_dict(model)
     assert set(state) == {f"{n}.{m}" for n in ("c_fc", "proj", "head") for m in ("input_meta", "grad_output_meta")}
@@ -161,13 +161,13 @@ def test_scaling_state_round_trip():
     torch.save(state, buf)
     buf.seek(0)
     other, _ = make_pair()
-    convert_linears(other, history_len=4)
+    convert_linears(other, recipe=Recipe(history_len=4))
     load_scaling_state_dict(other, torch.load(buf, weights_only=True))
     assert torch.equal(other.proj.input_meta.amax_history, model.proj.input_meta.amax_history)
     assert other.proj.input_meta.step == 1
 
     short, _ = make_pair()
-    convert_linears(short, history_len=2)
+    convert_linears(short, recipe=Recipe(history_len=2))
     with pytest.raises(ValueError, match="history_len"):
         load_scaling_state_dict(short, state)
     with pytest.raises(ValueError, match="missing"):

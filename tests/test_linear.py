@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import fp8lm
-from fp8lm import ScalingTensor
+from fp8lm import Recipe, ScalingTensor
 from fp8lm.nn import FP8Linear
 
 
@@ -133,8 +133,8 @@ def test_microbatch_accumulation_matches_one_big_batch():
 
 
 def test_delayed_and_current_scaling():
-    delayed = FP8Linear(64, 32, history_len=4)
-    current = FP8Linear(64, 32, scaling="current")
+    delayed = FP8Linear(64, 32, recipe=Recipe(history_len=4))
+    current = FP8Linear(64, 32, recipe="tensorwise-current")
     for step in range(6):
         x = torch.randn(16, 64) * (10.0**step)
         delayed(x)
@@ -237,11 +237,11 @@ def test_conv1d_layout():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="delayed, current"):
-        FP8Linear(16, 16, scaling="lazy")
+        FP8Linear(16, 16, recipe=Recipe(scaling="lazy"))
     with pytest.raises(ValueError, match="history_len"):
-        FP8Linear(16, 16, history_len=0)
+        FP8Linear(16, 16, recipe=Recipe(history_len=0))
     with pytest.raises(ValueError, match="auto, scaled_mm, emulated"):
-        FP8Linear(16, 16, backend="tensor-cores")
+        FP8Linear(16, 16, recipe=Recipe(backend="tensor-cores"))
     with pytest.raises(ValueError, match="unknown format"):
         FP8Linear(16, 16, weight_format="E3M4")
     with pytest.raises(TypeError, match="nn.Linear or a GPT-2 Conv1D"):
@@ -251,8 +251,8 @@ def test_bad_arguments():
 def test_scaled_mm_backend_matches_emulation():
     torch.manual_seed(6)
     ref = nn.Linear(128, 64)
-    a = FP8Linear.from_linear(ref, backend="scaled_mm")
-    b = FP8Linear.from_linear(ref, backend="emulated")
+    a = FP8Linear.from_linear(ref, recipe=Recipe(backend="scaled_mm"))
+    b = FP8Linear.from_linear(ref, recipe=Recipe(backend="emulated"))
     x = torch.randn(256, 128)
     ya, yb = a(x), b(x)
     # same FP8 operands, FP32 accumulation in a different order: see test_gemm for the bound

@@ -537,14 +537,10 @@ def test_optimizer_falls_back_with_a_warning_when_the_native_kernel_cannot_be_bu
 # -- the kernel option ----------------------------------------------------------------------------
 
 
-def test_compiled_is_a_deprecated_name_of_kernel():
+def test_kernel_is_checked_and_compiled_is_gone():
     p = nn.Parameter(torch.zeros(2))
-    with pytest.warns(DeprecationWarning, match="kernel='eager'"):
-        assert FP8AdamW([p], compiled=False).kernel == "eager"
-    with pytest.warns(DeprecationWarning, match="kernel='auto'"):
-        assert FP8Adam([p], compiled=True).kernel == "auto"
-    assert FP8AdamW([p]).kernel == "auto"
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        FP8AdamW([p], compiled=False)
+    assert FP8AdamW([p]).kernel == "auto" and FP8Adam([p], kernel="eager").kernel == "eager"
     with pytest.raises(ValueError, match="kernel must be one of 'auto', 'compile', 'eager'"):
         FP8AdamW([p], kernel="native")
-    with pytest.raises(ValueError, match="pass kernel= only"):
-        FP8AdamW([p], kernel="eager", compiled=False)

@@ -59,15 +59,14 @@ def test_layer_takes_the_recipe_and_its_margin():
     assert current.scaling == "current" and current.input_meta.history_len == 0
 
 
-def test_deprecated_keywords_warn_with_the_recipe_to_use():
-    with pytest.warns(DeprecationWarning, match=r"pass recipe=fp8lm.Recipe.from_name\('tensorwise-current'\)"):
-        layer = FP8Linear(16, 16, scaling="current")
-    assert layer.recipe == fp8lm.Recipe.from_name("tensorwise-current")
-    with pytest.warns(DeprecationWarning, match=r"pass recipe=fp8lm.Recipe\(history_len=4\)"):
-        model, _ = fp8lm.initialize(nn.Sequential(nn.Linear(16, 16)), opt_level="O1", history_len=4)
+def test_the_old_keywords_are_gone_a_recipe_says_it():
+    for old in ({"scaling": "current"}, {"history_len": 4}, {"backend": "emulated"}):
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            FP8Linear(16, 16, **old)
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            fp8lm.initialize(nn.Sequential(nn.Linear(16, 16)), opt_level="O1", **old)
+    model, _ = fp8lm.initialize(nn.Sequential(nn.Linear(16, 16)), opt_level="O1", recipe=fp8lm.Recipe(history_len=4))
     assert model[0].recipe.history_len == 4
-    with pytest.raises(ValueError, match="not both"):
-        FP8Linear(16, 16, recipe="tensorwise-delayed", history_len=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fp8lm.initialize(nn.Sequential(nn.Linear(16, 16)), opt_level="O1", recipe="tensorwise-current")
@@ -90,7 +89,10 @@ def test_train_config_recipe():
     for bad, message in [
         (TrainConfig(opt_level="O1", recipe="x"), "unknown --recipe 'x'"),
         (TrainConfig(opt_level="bf16", recipe="tensorwise-current"), "--recipe sets the FP8 layers"),
-        (TrainConfig(opt_level="O1", recipe="tensorwise-current", amp_options={"history_len": 4}), "pass one of them"),
+        (
+            TrainConfig(opt_level="O1", recipe="tensorwise-current", amp_options={"recipe": "tensorwise-delayed"}),
+            "pass one of them",
+        ),
     ]:
         with pytest.raises(RunError, match=message):
             bad.validate()

@@ -56,9 +56,6 @@ def initialize(
     policy: Policy | dict | None = None,
     multiple_of: int = 16,
     recipe: Recipe | str | None = None,
-    history_len: int | None = None,
-    scaling: str | None = None,
-    backend: str | None = None,
     optimizer_options: dict | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` in place to FP8 training at ``opt_level`` and adapt ``optimizer``.
@@ -75,13 +72,13 @@ def initialize(
     whose features are not multiples of ``multiple_of`` (16) stay high precision. ``policy``: a
     `fp8lm.policy.Policy`, or ``{pattern: {field: format, "fp8_gemm": bool}}`` overrides of the
     level's preset. ``recipe``: the `fp8lm.Recipe` (or its name) of every FP8Linear (default
-    ``"tensorwise-delayed"``); ``history_len``, ``scaling``, ``backend`` are its deprecated spellings.
+    ``"tensorwise-delayed"``).
     ``optimizer_options`` go to the FP8 optimizer under O2/O3 (e.g. ``{"kernel": "eager"}``).
     Returns ``(model, optimizer)``: the model to use (the same object, or the new `FP8Linear` when
     ``model`` itself is an ``nn.Linear`` or ``Conv1D``) and the optimizer to use from now on.
     """
     _check_arguments(model, optimizer, opt_level, optimizer_options)
-    recipe = recipe_from(recipe, "initialize", history_len=history_len, scaling=scaling, backend=backend)
+    recipe = recipe_from(recipe, "initialize")
     policy = _resolve_policy(policy, opt_level)
     layer_options = {"recipe": recipe}
     plan = _build(model, policy, linear_targets(model, module_filter, multiple_of), layer_options)

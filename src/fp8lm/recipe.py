@@ -10,7 +10,6 @@ combinations; later ones (row-wise, blocks) are new names.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 
 from .formats import E4M3, E5M2, Format, format_of
@@ -85,21 +84,11 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def recipe_from(recipe: Recipe | str | None, where: str, **deprecated) -> Recipe:
+def recipe_from(recipe: Recipe | str | None, where: str) -> Recipe:
     """The recipe a layer or `initialize` runs with: ``recipe`` (a `Recipe`, a name, or None for the
-    default), or the recipe the deprecated keywords ``history_len``, ``scaling``, ``backend``
-    describe (None: not given), with a DeprecationWarning that names it."""
-    given = {key: value for key, value in deprecated.items() if value is not None}
+    default)."""
     if isinstance(recipe, str):
-        recipe = Recipe.from_name(recipe)
-    elif recipe is not None and not isinstance(recipe, Recipe):
+        return Recipe.from_name(recipe)
+    if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"{where}: recipe must be an fp8lm.Recipe or a recipe name, got {type(recipe).__name__}")
-    if not given:
-        return recipe if recipe is not None else RECIPES[DEFAULT_RECIPE]
-    keywords = ", ".join(f"{key}={value!r}" for key, value in given.items())
-    if recipe is not None:
-        raise ValueError(f"{where}: pass recipe= or {keywords}, not both; use recipe=recipe.replace({keywords})")
-    resolved = Recipe().replace(**given)
-    spelled = f"fp8lm.Recipe.from_name({resolved.name!r})" if resolved.name else f"fp8lm.Recipe({keywords})"
-    warnings.warn(f"{where}({keywords}) is deprecated: pass recipe={spelled}", DeprecationWarning, stacklevel=3)
-    return resolved
+    return recipe if recipe is not None else RECIPES[DEFAULT_RECIPE]

@@ -383,7 +383,6 @@ class FP8Linear(nn.Module):
             FP32 gives a plain gradient of the weight's dtype.
         recipe: an `fp8lm.Recipe` or a recipe name (default ``"tensorwise-delayed"``): operand
             formats, delayed or current scaling, amax history length, margin, GEMM backend.
-        history_len, scaling, backend: deprecated (a DeprecationWarning names the recipe to pass).
     """
 
     weight: nn.Parameter
@@ -400,12 +399,9 @@ class FP8Linear(nn.Module):
         weight_format: Format | str = FP16,
         weight_grad_format: Format | str = E4M3,
         recipe: Recipe | str | None = None,
-        history_len: int | None = None,
-        scaling: str | None = None,
-        backend: str | None = None,
     ):
         super().__init__()
-        recipe = recipe_from(recipe, "FP8Linear", history_len=history_len, scaling=scaling, backend=backend)
+        recipe = recipe_from(recipe, "FP8Linear")
         self.in_features = in_features
         self.out_features = out_features
         self.weight_format = format_of(weight_format)

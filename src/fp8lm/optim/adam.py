@@ -9,7 +9,6 @@ docs/optimizer.md has the reasoning, docs/measurements/optimizer.md the measurem
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,15 +28,7 @@ from .state import FORMAT_KEYS, check_param_dtype, checked_state, init_state, va
 __all__ = ["FP8Adam", "FP8AdamW"]
 
 
-def _kernel_option(name: str, kernel: str, compiled: bool | None) -> str:
-    """``kernel``, or its value from the deprecated ``compiled`` flag (warning once per call site)."""
-    if compiled is not None:
-        if kernel != "auto":
-            raise ValueError(f"{name}: pass kernel= only (compiled= is its deprecated old name)")
-        kernel = "auto" if compiled else "eager"
-        warnings.warn(
-            f"{name}(compiled={compiled}) is deprecated; use kernel={kernel!r}", DeprecationWarning, stacklevel=3
-        )
+def _kernel_option(name: str, kernel: str) -> str:
     if kernel not in KERNELS:
         raise ValueError(f"{name}: kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     return kernel
@@ -62,19 +53,17 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
         exp_avg_sq_dtype: Format | str | torch.dtype = FP16,
         master_dtype: Format | str | torch.dtype = FP16,
         kernel: str = "auto",
-        compiled: bool | None = None,
     ):
         """``weight_decay=None`` is the class's default: 1e-2 for FP8AdamW (as torch's AdamW), 0 for
         FP8Adam. ``kernel``: where the step runs, ``"auto"`` (fp8lm's C kernel for CPU tensors,
         ``torch.compile`` elsewhere), ``"compile"`` or ``"eager"`` (plain torch ops in bounded chunks);
-        all give the same results. ``compiled`` is its deprecated old name (True: "auto", False:
-        "eager")."""
+        all give the same results."""
         if weight_decay is None:
             weight_decay = self.default_weight_decay
         name = type(self).__name__
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True; use torch.optim.{name[3:]} for AMSGrad")
-        self.kernel = _kernel_option(name, kernel, compiled)
+        self.kernel = _kernel_option(name, kernel)
         defaults: dict[str, Any] = dict(
             lr=lr,
             betas=betas,
