@@ -41,6 +41,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 class _Parser(argparse.ArgumentParser):
+    subcommands: dict[str, argparse.ArgumentParser]  # the top level's: name -> its parser
+
     def error(self, message: str):  # one line, not argparse's usage block
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -96,10 +98,24 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     add_config_options(p, TrainConfig)
 
 
+def _resumed(cfg, args: argparse.Namespace):
+    """``cfg``, and with --resume the options the command did not give taken from the run it
+    continues (`fp8lm.train.resume.resume_options`); what changes is said in one line each."""
+    if not cfg.resume:
+        return cfg
+    from .train.resume import resume_options
+
+    cfg, lines = resume_options(cfg, args.given)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in lines:
+            print(line, flush=True)
+    return cfg
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .train import loop
 
-    summary = loop.train(config_from_args(TrainConfig, args))
+    summary = loop.train(_resumed(config_from_args(TrainConfig, args), args))
     if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     keys = ("opt_level", "steps", "tokens", "train_loss", "val_loss", "tokens_per_s", "bytes_per_param")
@@ -218,7 +234,7 @@ def _add_dpo(p: argparse.ArgumentParser) -> None:
 def cmd_dpo(args: argparse.Namespace) -> int:
     from .train.dpo import SUMMARY_KEYS, dpo
 
-    summary = dpo(config_from_args(DPOConfig, args))
+    summary = dpo(_resumed(config_from_args(DPOConfig, args), args))
     if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     print(json.dumps({k: summary[k] for k in ("opt_level", "steps", *SUMMARY_KEYS)}, indent=1))
@@ -308,11 +324,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="fp8lm", description="FP8 training for LLMs on stock PyTorch")
     parser.add_argument("--version", action="version", version=f"fp8lm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.subcommands = {}
     for name, (help_text, add, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if only is None or only == name:
             add(p)
         p.set_defaults(func=run)
+        parser.subcommands[name] = p
     return parser
 
 
@@ -326,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "bench":
         parser.error(f"arguments after -- ({' '.join(extra)}) are for fp8lm bench only")
     args.extra = extra
+    args.given = _given(command, argv)
     try:
         code = args.func(args)
     except KeyboardInterrupt:
@@ -336,6 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     if _in_process_group():
         _leave_process_group(code)
     return code
+
+
+def _given(command: str, argv: list[str]) -> set[str]:
+    """The options (their destinations) that ``argv`` gives: parsed again with no defaults."""
+    parser = build_parser(only=command)
+    for action in parser.subcommands[command]._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) - {"command", "func"}
 
 
 def _failed(command: str, e: BaseException) -> int:

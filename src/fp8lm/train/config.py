@@ -86,13 +86,26 @@ def option(
     choices: tuple | None = None,
     type: Any = None,
     metavar: str | None = None,
+    resume: str = "keep",
 ) -> Any:
     """A configuration field that is also a command-line option: ``help`` (its text; a field
     without one is no option), ``group`` (the heading it is listed under), ``flag`` (default:
     ``--`` and the name with dashes), ``choices``, ``type`` (default: the field's annotation) and
     ``metavar``. A bool is a switch: ``--flag`` sets True, or, for a field whose default is True,
-    a ``--no-...`` flag sets False. The command line's default is the field's default."""
-    metadata = {"help": help, "group": group, "flag": flag, "choices": choices, "type": type, "metavar": metavar}
+    a ``--no-...`` flag sets False. The command line's default is the field's default.
+
+    ``resume``: what ``--resume`` does with it (`fp8lm.train.resume.resume_options`): ``"keep"``,
+    the run's value is taken and another one refused; ``"free"``, it may change (how long, where,
+    how often to evaluate or save); ``"layout"``, it may change and the run reshards."""
+    metadata = {
+        "help": help,
+        "group": group,
+        "flag": flag,
+        "choices": choices,
+        "type": type,
+        "metavar": metavar,
+        "resume": resume,
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -131,7 +144,7 @@ class TrainConfig:
         "O2 (O1 + FP16 weights + FP8AdamW); O3 (O2 with FP8 weights; under torchrun, FP8 ZeRO)",
         choices=OPT_LEVELS,
     )
-    out: str = option("runs/train", "output folder")
+    out: str = option("runs/train", "output folder", resume="free")
     # model: a preset, with explicit sizes overriding it
     model: str = option("small", "size preset", group=_MODEL, choices=MODEL_PRESETS)
     n_layer: int | None = option(None, "override the preset's number of blocks", group=_MODEL)
@@ -139,13 +152,21 @@ class TrainConfig:
     n_embd: int | None = option(None, "override the preset's width (keep it a multiple of 16 for FP8)", group=_MODEL)
     mlp: str | None = option(None, "MLP kind (preset default: gelu)", group=_MODEL, choices=MLP_KINDS)
     # optimization
-    steps: int = option(500, "optimizer steps", group=_OPTIM)
+    steps: int = option(500, "optimizer steps", group=_OPTIM, resume="free")
     batch_size: int = option(16, "sequences per micro-batch", group=_OPTIM)
     grad_accum: int = option(1, "micro-batches per step", group=_OPTIM)
     seq_len: int | None = option(None, "tokens per sequence (default: the preset's block size)", group=_OPTIM)
     lr: float = option(3e-3, "peak learning rate", group=_OPTIM)
     min_lr_ratio: float = option(0.1, "final lr / peak lr of the cosine decay", group=_OPTIM)
-    warmup_steps: int | None = option(None, "linear warmup steps (default: a tenth of --steps)", group=_OPTIM)
+    warmup_steps: int | None = option(None, "linear warmup steps (default: a tenth of --decay-steps)", group=_OPTIM)
+    decay_steps: int | None = option(
+        None,
+        "length of the learning-rate schedule, warmup included: cosine decay to lr x --min-lr-ratio at this "
+        "step, constant after it (default: --steps; --resume keeps the run's, pass it to decay again over a "
+        "longer run)",
+        group=_OPTIM,
+        resume="free",
+    )
     weight_decay: float = option(0.1, "AdamW weight decay of matrices", group=_OPTIM)
     beta1: float = 0.9
     beta2: float = 0.95
@@ -159,7 +180,9 @@ class TrainConfig:
         type=str.upper,
     )
     seed: int = option(1337, "seed of the weights and the batch order", group=_OPTIM)
-    device: str | None = option(None, "cpu, cuda, cuda:1, ... (default: cuda when available)", group=_OPTIM)
+    device: str | None = option(
+        None, "cpu, cuda, cuda:1, ... (default: cuda when available)", group=_OPTIM, resume="free"
+    )
     # data
     data: str | None = option(
         None,
@@ -170,22 +193,31 @@ class TrainConfig:
         None, "a Hugging Face dataset name (its 'text' column; needs the 'datasets' package)", group=_DATA
     )
     val_fraction: float = option(0.05, "share of documents held out for validation", group=_DATA)
-    cache_dir: str | None = option(None, "where packed tokens are cached (default: OUT/cache)", group=_DATA)
+    cache_dir: str | None = option(
+        None, "where packed tokens are cached (default: OUT/cache)", group=_DATA, resume="free"
+    )
     # evaluation and output
-    eval_every: int = option(100, "validate every N steps and at the end", group=_OUTPUT)
-    eval_batches: int = option(8, "validation batches", group=_OUTPUT)
+    eval_every: int = option(100, "validate every N steps and at the end", group=_OUTPUT, resume="free")
+    eval_batches: int = option(8, "validation batches", group=_OUTPUT, resume="free")
     save_every: int = option(
-        0, "checkpoint every N steps; the final step is always saved", group=_OUTPUT
+        0, "checkpoint every N steps; the final step is always saved", group=_OUTPUT, resume="free"
     )  # 0: only the final checkpoint
-    keep_checkpoints: int = option(2, "checkpoints kept", group=_OUTPUT)
-    resume: bool = option(False, "continue the run in --out from its newest checkpoint", group=_OUTPUT)
+    keep_checkpoints: int = option(2, "checkpoints kept", group=_OUTPUT, resume="free")
+    resume: bool = option(
+        False,
+        "continue the run in --out from its newest checkpoint, with the options it was started with (an option "
+        "given that differs is refused; --steps extends it)",
+        group=_OUTPUT,
+        resume="free",
+    )
     init_from: str | None = option(
         None,
         "start from a checkpoint's weights (fine-tuning): a step_*.pt file or a run folder",
         group=_OUTPUT,
         metavar="CHECKPOINT",
+        resume="free",
     )
-    progress: bool = option(True, "no progress bar", group=_OUTPUT, flag="--no-progress")
+    progress: bool = option(True, "no progress bar", group=_OUTPUT, flag="--no-progress", resume="free")
     # parallelism
     fsdp: bool = option(
         False,
@@ -193,18 +225,21 @@ class TrainConfig:
         "gradients in FP8, bf16 in BF16 (torch's MixedPrecisionPolicy), fp32 in FP32; not with O3 (FP8 ZeRO); "
         "with --tp: FSDP2 over the data-parallel ranks (2-D)",
         group=_PARALLEL,
+        resume="layout",
     )
     tp: int = option(
         1,
         "tensor + sequence parallel ranks per model replica: FP8 activations and gradients on the wire at "
         "O1/O2, BF16 at bf16 (world size = dp x tp x pp)",
         group=_PARALLEL,
+        resume="layout",
     )
     pp: int = option(
         1,
         "pipeline stages per model replica (GPipe): FP8 activations and gradients between stages at O1/O2, "
         "BF16 at bf16",
         group=_PARALLEL,
+        resume="layout",
     )
     pp_microbatches: int = option(4, "with --pp: micro-batches each step's batch is split into", group=_PARALLEL)
     # FP8 numerics
@@ -213,6 +248,7 @@ class TrainConfig:
         "record FP8 telemetry (amax, scale, underflow, saturation of every FP8 layer's tensors) to "
         "OUT/telemetry.jsonl every N steps; 0 = off",
         group=_NUMERICS,
+        resume="free",
     )
     grad_sync_scaling: str = option(
         "local",
@@ -254,7 +290,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise RunError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "save_every", "telemetry_every"):
+        for name in ("warmup_steps", "decay_steps", "save_every", "telemetry_every"):
             if (getattr(self, name) or 0) < 0:
                 raise RunError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_numbers()
@@ -402,12 +438,24 @@ class TrainConfig:
             return
         if self.opt_level not in FP8_LEVELS:
             raise RunError(f"--recipe sets the FP8 layers of {'/'.join(FP8_LEVELS)} (this run is {self.opt_level})")
-        legacy = sorted(set(self.amp_options) & {"recipe", "history_len", "scaling", "backend"})
-        if legacy:
-            raise RunError(f"--recipe {self.recipe} and fp8lm.initialize options {', '.join(legacy)}: pass one of them")
+        if "recipe" in self.amp_options:
+            raise RunError(f"--recipe {self.recipe} and the fp8lm.initialize option recipe: pass one of them")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def schedule(self) -> tuple[int, int]:
+        """(warmup steps, schedule length) of the learning rate, defaults resolved."""
+        length = self.steps if self.decay_steps is None else self.decay_steps
+        return (length // 10 if self.warmup_steps is None else self.warmup_steps), length
+
+    def options(self) -> dict:
+        """The command-line options of this run as a checkpoint records them for ``--resume``, the
+        schedule's defaults resolved (an extended run keeps its schedule)."""
+        options = {f.name: getattr(self, f.name) for f in option_fields(type(self))}
+        if "warmup_steps" in options:
+            options["warmup_steps"], options["decay_steps"] = self.schedule()
+        return options
 
     def initialize_options(self) -> dict:
         """Keyword options of `fp8lm.initialize` for this run."""
@@ -437,6 +485,7 @@ class DPOConfig(TrainConfig):
         "batch_size",
         "lr",
         "warmup_steps",
+        "decay_steps",
         "weight_decay",
         "seed",
         "val_fraction",

@@ -13,7 +13,7 @@ from typing import IO
 from torch import nn
 
 from .checkpoint import CheckpointError, list_checkpoints
-from .config import RunError, TrainConfig
+from .config import RunError, TrainConfig, option_fields, option_flag
 from .data import data_fingerprint, path_documents, stdlib_documents
 from .ranks import Ranks, broadcast_from_main, restarts_allowed
 
@@ -30,6 +30,7 @@ __all__ = [
     "check_resume",
     "layout_options",
     "same_option",
+    "resume_options",
 ]
 
 CHECKPOINT_FORMAT = "fp8lm.train/2"
@@ -167,7 +168,13 @@ def resume_config(cfg: TrainConfig) -> dict:
     """What a checkpoint records of ``cfg`` for `check_resume` to compare: the `RESUME_KEYS`
     options and a fingerprint of the data's files (`data_fingerprint`), so that the same path
     with other contents is not taken for the same data."""
-    return {**{key: getattr(cfg, key) for key in RESUME_KEYS}, "data_fingerprint": _data_fingerprint(cfg)}
+    return {**_resume_values(cfg), "data_fingerprint": _data_fingerprint(cfg)}
+
+
+def _resume_values(cfg: TrainConfig) -> dict:
+    values = {key: getattr(cfg, key) for key in RESUME_KEYS}
+    values["warmup_steps"] = cfg.schedule()[0]  # resolved: an extended run (more --steps) keeps it
+    return values
 
 
 def _data_fingerprint(cfg: TrainConfig) -> str | None:
@@ -176,6 +183,68 @@ def _data_fingerprint(cfg: TrainConfig) -> str | None:
     if cfg.hf_dataset:
         return None
     return data_fingerprint((path_documents(cfg.data) if cfg.data else stdlib_documents())[1])
+
+
+def resume_options(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, list[str]]:
+    """``cfg`` (a command line's, ``--resume``) completed by the options the run in ``cfg.out`` was
+    started with: each option the command did not give (``given``: field names) takes the run's
+    value, from its newest checkpoint. One given with another value is refused in one line, unless
+    it may change (`fp8lm.train.config.option`'s ``resume``: how long, how often, where; the layout,
+    which reshards). Returns the config and the lines that say what changes (an extension's
+    learning-rate schedule). Without a checkpoint ``cfg`` is returned as it is: the run refuses it."""
+    from dataclasses import replace
+
+    from .checkpoint import list_checkpoints, load_checkpoint
+
+    if not list_checkpoints(Path(cfg.out) / "checkpoints"):
+        return cfg, []
+    state = load_checkpoint(Path(cfg.out) / "checkpoints")
+    saved = _saved_options(state)
+    options = {f.name: f for f in option_fields(type(cfg))}
+    known = {name for name in saved if hasattr(cfg, name)}
+    for name in sorted(known & given & options.keys()):
+        f = options[name]
+        if f.metadata["resume"] == "keep" and not same_option(name, saved[name], getattr(cfg, name)):
+            flag = option_flag(f)
+            raise RunError(
+                f"--resume: the run in {cfg.out!r} was trained with {_as_option(flag, saved[name])}, this command "
+                f"has {_as_option(flag, getattr(cfg, name))}; drop {flag} to continue it with its own (or choose "
+                "another --out for a new run)"
+            )
+    keep = {"out", "resume", "progress", "init_from"}
+    taken = {name: saved[name] for name in known - given - keep}
+    resumed = replace(cfg, **taken)
+    return resumed, _schedule_lines(saved, resumed, given, int(state["step"]))
+
+
+def _saved_options(state: dict) -> dict:
+    """The options a checkpoint records; for one written before they were recorded, those it has
+    (the options of `RESUME_KEYS`, the level and the model's sizes)."""
+    if "options" in state:
+        return dict(state["options"])
+    saved = {k: v for k, v in (state.get("config") or {}).items() if k != "data_fingerprint"}
+    model = state.get("model_config") or {}
+    sizes = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "mlp": "mlp", "block_size": "seq_len"}
+    saved |= {option: model[key] for key, option in sizes.items() if key in model}
+    return saved | ({"opt_level": state["opt_level"]} if "opt_level" in state else {})
+
+
+def _schedule_lines(saved: dict, cfg: TrainConfig, given: set[str], step: int) -> list[str]:
+    """What an extension (more --steps than the run had) does to the learning rate."""
+    before = saved.get("steps")
+    if before is None or cfg.steps <= before:
+        return []
+    warmup, length = cfg.schedule()
+    if "decay_steps" in given and length != saved.get("decay_steps"):
+        return [
+            f"--resume: extending the run from {before} to {cfg.steps} steps with a new learning-rate schedule "
+            f"(--decay-steps {length}, warmup {warmup}): the lr is that schedule's from step {step + 1} on"
+        ]
+    return [
+        f"--resume: extending the run from {before} to {cfg.steps} steps; its learning-rate schedule keeps its "
+        f"length: the lr reaches {cfg.lr * cfg.min_lr_ratio:.2e} at step {length} and stays there (pass "
+        f"--decay-steps {cfg.steps} to decay over the new length instead)"
+    ]
 
 
 def check_state_fits(model: nn.Module, state: dict, where: str) -> None:
@@ -246,7 +315,10 @@ def _check_same_options(cfg: TrainConfig, state: dict, model: nn.Module) -> None
     here = {flag: getattr(model.config, field) for field, flag in _MODEL_FLAGS.items()}
     saved_model = state.get("model_config") or {}
     saved = {flag: saved_model[field] for field, flag in _MODEL_FLAGS.items() if field in saved_model}
-    here |= {"--" + key.replace("_", "-"): getattr(cfg, key) for key in RESUME_KEYS}
+    recorded = _resume_values(cfg)
+    if (state.get("config") or {}).get("warmup_steps", 0) is None:  # recorded unresolved by older versions
+        recorded["warmup_steps"] = cfg.warmup_steps
+    here |= {"--" + key.replace("_", "-"): recorded[key] for key in RESUME_KEYS}
     saved |= {"--" + key.replace("_", "-"): value for key, value in (state.get("config") or {}).items()}
     for flag, value in saved.items():
         if flag in here and not same_option(flag[2:].replace("-", "_"), value, here[flag]):

@@ -60,7 +60,8 @@ __all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
 
 def lr_at(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Learning rate of 0-based ``step``: linear warmup over ``warmup_steps``, then cosine decay
-    from ``lr`` to ``lr * min_lr_ratio`` at the last step."""
+    from ``lr`` to ``lr * min_lr_ratio`` at step ``total_steps`` (the schedule's length, `--decay-steps`),
+    constant after it (a run extended past its schedule keeps the final lr)."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     decay_steps = max(total_steps - 1 - warmup_steps, 1)
@@ -218,7 +219,7 @@ class TrainingRun:
     def step(self, step: int) -> dict:
         """Optimizer step ``step`` (0-based) with its micro-batches; returns its metrics record."""
         cfg, t0 = self.cfg, time.perf_counter()
-        lr = lr_at(step, cfg.lr, self._warmup_steps(), cfg.steps, cfg.min_lr_ratio)
+        lr = lr_at(step, cfg.lr, *cfg.schedule(), cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         reset_comm_stats()
@@ -411,6 +412,7 @@ class TrainingRun:
             "fallback": self.fallback.state_dict() if self.fallback is not None else None,
             "skipped_steps": self.skipped_steps,
             "config": resume_config(self.cfg),
+            "options": self.cfg.options(),  # what --resume takes when the command does not say it
             "layout": layout_options(self.cfg),
             # what the summary needs besides the logs, so that --resume can finish a run killed
             # between its final checkpoint and summary.json
@@ -540,9 +542,6 @@ class TrainingRun:
             for name in sorted({n for held in names or [] for n in held} - layers.keys()):
                 layers[name] = SimpleNamespace(high_precision=False)  # held by other ranks
         return PrecisionFallback(layers)
-
-    def _warmup_steps(self) -> int:
-        return self.cfg.steps // 10 if self.cfg.warmup_steps is None else self.cfg.warmup_steps
 
     def _open_logs(self) -> None:
         """Rank 0 deletes what saves killed midway left and opens the logs, truncated to the
