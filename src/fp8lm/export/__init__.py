@@ -7,9 +7,21 @@ of the ``fp8lm`` command into one is the command's (``fp8lm export``). Needs ``t
 ``safetensors`` (``pip install fp8lm[hf]``).
 """
 
+from importlib import import_module
+
 from .folder import ExportError, atomic_folder
-from .fp8 import dequantize_weight, quantization_config, quantize_weight
-from .pretrained import FORMATS, WEIGHTS_NAME, require_hf, save_pretrained
+from .formats import FORMATS
+
+# The rest imports torch: loaded on first use, so the command line can name the formats and errors
+# without it.
+_LAZY = {
+    "save_pretrained": "pretrained",
+    "require_hf": "pretrained",
+    "WEIGHTS_NAME": "pretrained",
+    "quantize_weight": "fp8",
+    "dequantize_weight": "fp8",
+    "quantization_config": "fp8",
+}
 
 __all__ = [
     "save_pretrained",
@@ -22,3 +34,9 @@ __all__ = [
     "dequantize_weight",
     "quantization_config",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'fp8lm.export' has no attribute {name!r}")

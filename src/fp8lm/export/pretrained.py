@@ -14,11 +14,11 @@ from torch import nn
 
 from ..nn.linear import FP8Linear, is_conv1d
 from .folder import ExportError, atomic_folder, check_destination
+from .formats import FORMATS
 from .fp8 import quantization_config, quantize_weight
 
-__all__ = ["save_pretrained", "require_hf", "FORMATS", "WEIGHTS_NAME"]
+__all__ = ["save_pretrained", "require_hf", "WEIGHTS_NAME"]
 
-FORMATS = ("hf", "hf-fp8")
 WEIGHTS_NAME = "model.safetensors"
 
 
