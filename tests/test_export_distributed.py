@@ -1,5 +1,5 @@
-"""`fp8lm export` of 2-rank checkpoints (gloo): a --fsdp run (full weights in the file) and a
---tp 2 run (weights only in its DCP shard folder, resharded to whole tensors). The exported model's
+"""`fp8lm export` of 2-rank checkpoints (gloo): a --fsdp run (full weights in the file), a --tp 2
+and a --pp 2 run (weights only in their DCP shard folders, resharded to whole tensors). The exported model's
 loss on the run's validation batches is the one the run measured with its sharded model."""
 
 import json
@@ -39,12 +39,12 @@ def export(run: Path, out: Path, fmt: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("layout", [("--fsdp",), ("--tp", "2")], ids=["fsdp", "tp2"])
+@pytest.mark.parametrize("layout", [("--fsdp",), ("--tp", "2"), ("--pp", "2")], ids=["fsdp", "tp2", "pp2"])
 def test_a_two_rank_checkpoint_exports_the_model_it_trained(tmp_path, layout):
     run = tmp_path / "run"
     train(run, tmp_path / "cache", *layout)
     checkpoint = torch.load(next((run / "checkpoints").glob("*.pt")), weights_only=True)
-    assert (checkpoint["model"] is None) == (layout[0] == "--tp")  # TP: the weights are in the shards alone
+    assert (checkpoint["model"] is None) == (layout[0] != "--fsdp")  # TP, PP: the weights are in the shards alone
     val_loss = json.loads((run / "summary.json").read_text())["val_loss"]
     batches = eval_batches(pack(*path_documents(EMAIL), tmp_path / "cache", 0.05).val, 4, 8, 32)
     for fmt in ("hf", "hf-fp8"):
