@@ -43,7 +43,13 @@ from .activation_comm import (
     scatter_to_shards,
 )
 
-__all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput", "ChunkedColwiseParallel"]
+__all__ = [
+    "FP8ColwiseParallel",
+    "FP8RowwiseParallel",
+    "PrepareFP8ModuleInput",
+    "ChunkedColwiseParallel",
+    "CastPrepareModuleInput",
+]
 
 
 def _shard_dim(placement: Placement, ndim: int) -> int | None:
@@ -267,3 +273,21 @@ class ChunkedColwiseParallel(ColwiseParallel):
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", chunks={self.chunks}, input_dtype={self.input_dtype})"
+
+
+class CastPrepareModuleInput(PrepareModuleInput):
+    """torch's `PrepareModuleInput` (same arguments) with its tensor inputs cast to ``input_dtype``
+    before their layout changes: the higher-precision baseline of `PrepareFP8ModuleInput` (one
+    BF16 all-gather for a module whose several column-wise layers share an input)."""
+
+    def __init__(self, *, input_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.input_dtype = input_dtype
+
+    def _prepare_input_arg(self, input, mesh: DeviceMesh, input_layout, desired_layout):
+        if self.input_dtype is not None and isinstance(input, torch.Tensor):
+            input = input.to(self.input_dtype)
+        return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", input_dtype={self.input_dtype})"

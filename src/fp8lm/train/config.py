@@ -46,6 +46,7 @@ RECIPE_NAMES = ("tensorwise-delayed", "tensorwise-current")  # fp8lm.recipe.RECI
 DEFAULT_RECIPE = "tensorwise-delayed"  # fp8lm.recipe.DEFAULT_RECIPE
 MODEL_PRESETS = ("tiny", "small", "base", "gpt2")  # fp8lm.train.model.PRESETS
 MLP_KINDS = ("gelu", "swiglu")  # fp8lm.train.model.MLP_KINDS
+ARCHS = ("gpt", "llama")  # fp8lm.train.model.ARCHS
 
 OPT_LEVELS = ("fp32", "bf16", *FP8_LEVELS)  # the two baselines, then fp8lm's levels
 SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
@@ -147,10 +148,22 @@ class TrainConfig:
     out: str = option("runs/train", "output folder", resume="free")
     # model: a preset, with explicit sizes overriding it
     model: str = option("small", "size preset", group=_MODEL, choices=MODEL_PRESETS)
+    arch: str = option(
+        "gpt",
+        "gpt: GPT-2 (LayerNorm, learned positions, GELU, biases); llama: RMSNorm, rotary positions, SwiGLU, "
+        "grouped-query attention, no biases",
+        group=_MODEL,
+        choices=ARCHS,
+    )
     n_layer: int | None = option(None, "override the preset's number of blocks", group=_MODEL)
     n_head: int | None = option(None, "override the preset's attention heads", group=_MODEL)
     n_embd: int | None = option(None, "override the preset's width (keep it a multiple of 16 for FP8)", group=_MODEL)
-    mlp: str | None = option(None, "MLP kind (preset default: gelu)", group=_MODEL, choices=MLP_KINDS)
+    n_kv_head: int | None = option(
+        None, "--arch llama: key/value heads, a divisor of --n-head (default: --n-head)", group=_MODEL
+    )
+    mlp: str | None = option(
+        None, "MLP kind (default: gelu for --arch gpt, swiglu for llama)", group=_MODEL, choices=MLP_KINDS
+    )
     # optimization
     steps: int = option(500, "optimizer steps", group=_OPTIM, resume="free")
     batch_size: int = option(16, "sequences per micro-batch", group=_OPTIM)
@@ -282,6 +295,8 @@ class TrainConfig:
             n_embd=self.n_embd,
             mlp=self.mlp,
             block_size=self.seq_len,
+            arch=self.arch,
+            n_kv_head=self.n_kv_head,
         )
 
     def validate(self) -> None:
@@ -390,7 +405,7 @@ class TrainConfig:
         """The model's sizes divide into --tp shards and --pp stages."""
         if model.n_layer % self.pp:
             raise RunError(f"--pp {self.pp} needs a layer count divisible by it, got {model.n_layer}: pick a divisor")
-        sizes = {"--n-head": model.n_head, "--seq-len": model.block_size, "the vocabulary": model.vocab_size}
+        sizes = {"--n-head": model.n_head, "--n-kv-head": model.n_kv_head, "--seq-len": model.block_size, "the vocabulary": model.vocab_size}
         for name, size in sizes.items():
             if size % self.tp:
                 raise RunError(f"--tp {self.tp} shards {name} ({size}), which it does not divide: pick a divisor")

@@ -12,6 +12,9 @@ module                 style
 ``blocks.*.ln_1/2``    torch's ``SequenceParallel``
 ``blocks.*.attn``      `PrepareFP8ModuleInput` ``Shard(1) -> Replicate()`` (E4M3 all-gather)
 ``...attn.c_attn``     `FP8ColwiseParallel` ``chunks=3`` (each rank keeps its heads' q, k and v)
+``...attn.c_q/c_kv``   llama: `FP8ColwiseParallel`, and ``chunks=2`` for k and v (each rank keeps
+                       its query heads and the key/value heads they share; ``n_kv_head`` divides
+                       by the TP size)
 ``...attn.c_proj``     `FP8RowwiseParallel` ``output_layouts=Shard(1)`` (FP8 reduce-scatter)
 ``blocks.*.mlp``       `PrepareFP8ModuleInput` ``Shard(1) -> Replicate()``
 ``...mlp.c_fc``        `FP8ColwiseParallel` (``chunks=2`` for SwiGLU's gate and up halves)
@@ -50,12 +53,13 @@ from ..distributed import comm
 from ..distributed.collectives import fp8_all_reduce
 from ..distributed.pipeline import FP8StageInput, FP8StageOutput, carrier_numel
 from ..distributed.tensor_parallel import (
+    CastPrepareModuleInput,
     ChunkedColwiseParallel,
     FP8ColwiseParallel,
     FP8RowwiseParallel,
     PrepareFP8ModuleInput,
 )
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, embed
 
 __all__ = [
     "tensor_parallel_plan",
@@ -69,6 +73,10 @@ __all__ = [
 def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
     """The plan of the module docstring for a GPT of ``config``."""
     gather = PrepareFP8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    if config.arch == "llama":  # q, and k with v: each rank keeps its query heads and their key/value heads
+        attention = {"c_q": FP8ColwiseParallel(), "c_kv": FP8ColwiseParallel(chunks=2)}
+    else:
+        attention = {"c_attn": FP8ColwiseParallel(chunks=3)}
     return {
         "blocks.0": PrepareFP8ModuleInput(
             input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True
@@ -76,7 +84,7 @@ def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
         "blocks.*.ln_1": SequenceParallel(),
         "blocks.*.ln_2": SequenceParallel(),
         "blocks.*.attn": gather,
-        "blocks.*.attn.c_attn": FP8ColwiseParallel(chunks=3),
+        **{f"blocks.*.attn.{name}": style for name, style in attention.items()},
         "blocks.*.attn.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
         "blocks.*.mlp": gather,
         "blocks.*.mlp.c_fc": FP8ColwiseParallel(chunks=2 if config.mlp == "swiglu" else 1),
@@ -92,15 +100,30 @@ def torch_tensor_parallel_plan(
     """The same plan with torch's own styles and collectives, for a plain (not FP8) GPT: the
     higher-precision baseline. Each column-wise layer gathers its sequence-sharded input itself,
     cast to ``activation_dtype`` first (bf16: what BF16 tensor parallelism sends; the norms'
-    outputs are FP32 under CPU autocast); the row-wise layers reduce-scatter their outputs in their
-    own dtype (BF16 under autocast)."""
+    outputs are FP32 under CPU autocast), except llama's q and k/v layers, whose shared input the
+    attention gathers once; the row-wise layers reduce-scatter their outputs in their own dtype
+    (BF16 under autocast)."""
+    if config.arch == "llama":
+        attention = {
+            "blocks.*.attn": CastPrepareModuleInput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), input_dtype=activation_dtype
+            ),
+            "blocks.*.attn.c_q": ChunkedColwiseParallel(),
+            "blocks.*.attn.c_kv": ChunkedColwiseParallel(chunks=2),
+        }
+    else:
+        attention = {
+            "blocks.*.attn.c_attn": ChunkedColwiseParallel(
+                input_layouts=Shard(1), chunks=3, input_dtype=activation_dtype
+            )
+        }
     return {
         "blocks.0": PrepareModuleInput(
             input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True
         ),
         "blocks.*.ln_1": SequenceParallel(),
         "blocks.*.ln_2": SequenceParallel(),
-        "blocks.*.attn.c_attn": ChunkedColwiseParallel(input_layouts=Shard(1), chunks=3, input_dtype=activation_dtype),
+        **attention,
         "blocks.*.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
         "blocks.*.mlp.c_fc": ChunkedColwiseParallel(
             input_layouts=Shard(1), chunks=2 if config.mlp == "swiglu" else 1, input_dtype=activation_dtype
@@ -199,7 +222,7 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry is None:
-            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+            x = embed(self.wte, self.wpe, x)
         else:
             x = self.entry(x)
         for block in self.blocks.values():

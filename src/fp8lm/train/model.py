@@ -1,4 +1,11 @@
-"""A nanoGPT-like decoder: pre-norm blocks, causal `scaled_dot_product_attention`, GELU or SwiGLU MLP.
+"""A nanoGPT-like decoder in two architectures (``GPTConfig.arch``), pre-norm blocks and causal
+`scaled_dot_product_attention` in both:
+
+- ``gpt`` (GPT-2): learned position embeddings, LayerNorm, multi-head attention with one fused
+  q/k/v layer, a GELU (or SwiGLU) MLP, biases;
+- ``llama``: rotary position embeddings (`apply_rope`), `RMSNorm`, grouped-query attention
+  (``n_kv_head`` key/value heads, each shared by ``n_head / n_kv_head`` query heads: a q layer
+  and a fused k/v layer), a SwiGLU MLP, no biases.
 
 Every weight matrix is an `nn.Linear` whose dimensions are multiples of 16 (for the presets), so
 `fp8lm.initialize` turns all of them, the output head included, into FP8 layers. The output head
@@ -15,9 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "MLP_KINDS", "preset"]
+__all__ = ["GPTConfig", "GPT", "PRESETS", "ARCHS", "MLP_KINDS", "preset", "RMSNorm", "rms_norm", "rope_angles", "apply_rope"]
 
+ARCHS = ("gpt", "llama")
 MLP_KINDS = ("gelu", "swiglu")
+# what each architecture has unless told otherwise: (mlp, bias)
+_ARCH_DEFAULTS = {"gpt": ("gelu", True), "llama": ("swiglu", False)}
 
 
 @dataclass(frozen=True)
@@ -27,20 +37,49 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    mlp: str = "gelu"
+    arch: str = "gpt"
+    n_kv_head: int | None = None  # key/value heads (llama); None: n_head (multi-head attention)
+    mlp: str | None = None  # None: the architecture's (gpt: gelu, llama: swiglu)
     dropout: float = 0.0
-    bias: bool = True
+    bias: bool | None = None  # None: the architecture's (gpt: biases, llama: none)
+    rope_theta: float = 10000.0  # llama: base of the rotary embedding's frequencies
+    norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}: use one of {', '.join(ARCHS)}")
+        mlp, bias = _ARCH_DEFAULTS[self.arch]
+        # frozen: the architecture's defaults filled in once, so the saved config says what was built
+        object.__setattr__(self, "mlp", mlp if self.mlp is None else self.mlp)
+        object.__setattr__(self, "bias", bias if self.bias is None else self.bias)
+        object.__setattr__(self, "n_kv_head", self.n_head if self.n_kv_head is None else self.n_kv_head)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"unknown mlp {self.mlp!r}: use one of {', '.join(MLP_KINDS)}")
+        self._check_arch()
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not (self.rope_theta > 0 and self.norm_eps > 0):
+            raise ValueError(f"rope_theta and norm_eps must be > 0, got {self.rope_theta} and {self.norm_eps}")
+
+    def _check_arch(self) -> None:
+        """What each architecture is: llama is SwiGLU without biases, grouped-query attention is llama's."""
+        kv = self.n_kv_head
+        assert kv is not None  # filled in by __post_init__
+        if self.arch == "gpt" and kv != self.n_head:
+            raise ValueError(f"n_kv_head ({kv}) differs from n_head ({self.n_head}): grouped-query attention is arch llama's")
+        if self.arch == "llama" and (self.mlp != "swiglu" or self.bias):
+            raise ValueError("arch llama has a SwiGLU MLP and no biases: drop mlp/bias (or use arch gpt)")
+        if not 1 <= kv <= self.n_head or self.n_head % kv:
+            raise ValueError(f"n_kv_head ({kv}) must divide n_head ({self.n_head})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
 
     @property
     def mlp_hidden(self) -> int:
@@ -61,7 +100,7 @@ class GPTConfig:
         return cls(**d)
 
 
-# Sizes: "tiny" for tests, "small" (the default) trains in about two minutes on two CPU cores,
+# Sizes, for either architecture (llama: n_kv_head = n_head unless set): "tiny" for tests, "small" (the default) trains in about two minutes on two CPU cores,
 # the larger ones are for GPUs.
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32),
@@ -75,16 +114,55 @@ def preset(name: str, **overrides) -> GPTConfig:
     """The preset ``name`` with the fields in ``overrides`` (those not None) replaced."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}")
-    base = PRESETS[name].to_dict()
+    # the preset's sizes; everything else (arch, and what follows from it) from ``overrides``
+    base = {k: getattr(PRESETS[name], k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
     base.update({k: v for k, v in overrides.items() if v is not None})
     return GPTConfig.from_dict(base)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, computed in at least FP32."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalization with a learned per-channel gain (no mean, no bias)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_angles(
+    t: int, head_dim: int, theta: float, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the rotary angles, each (t, head_dim): position ``p`` turns channel pair
+    ``(i, i + head_dim/2)`` by ``p * theta^(-2i/head_dim)`` (the "rotate half" layout of Hugging
+    Face's Llama)."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    angles = torch.outer(torch.arange(t, device=device, dtype=dtype), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., t, head_dim) rotated by `rope_angles`' angles, computed in their dtype."""
+    xf = x.to(cos.dtype)
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
+
+
 class CausalSelfAttention(nn.Module):
+    """gpt: multi-head attention, q, k and v from one fused layer."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.head_dim = cfg.n_embd // cfg.n_head
+        self.head_dim = cfg.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
@@ -97,6 +175,32 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
+
+
+class GroupedQueryAttention(nn.Module):
+    """llama: rotary positions on q and k; ``n_kv_head`` key/value heads, each serving
+    ``n_head / n_kv_head`` consecutive query heads; k and v from one fused layer."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        assert cfg.n_kv_head is not None
+        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
+        self.c_q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_kv = nn.Linear(cfg.n_embd, 2 * cfg.n_kv_head * cfg.head_dim, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape[:2]
+        # Head counts from the layers' outputs: under tensor parallelism a rank holds only its heads.
+        q = self.c_q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.c_kv(x).chunk(2, dim=2))
+        cos, sin = rope_angles(t, self.head_dim, self.theta, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, q.shape[1] * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -118,12 +222,26 @@ class MLP(nn.Module):
         return self.c_proj(h)
 
 
+def embed(wte: nn.Embedding, wpe: nn.Embedding | None, idx: torch.Tensor) -> torch.Tensor:
+    """The token embeddings of ``idx`` (b, t), plus the position embeddings (gpt's ``wpe``)."""
+    x = wte(idx)
+    if wpe is not None:
+        x = x + wpe(torch.arange(idx.shape[1], device=idx.device))
+    return x
+
+
+def _norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.arch == "llama":
+        return RMSNorm(cfg.n_embd, cfg.norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=bool(cfg.bias))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = _norm(cfg)
+        self.attn = GroupedQueryAttention(cfg) if cfg.arch == "llama" else CausalSelfAttention(cfg)
+        self.ln_2 = _norm(cfg)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -139,10 +257,11 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        # llama's positions are rotary (in its attention): no position embedding
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.arch == "gpt" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = _norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
@@ -168,8 +287,7 @@ class GPT(nn.Module):
                 f"sequence length {t} exceeds the model's block_size {self.config.block_size}; "
                 "use a shorter sequence or build the model with a larger block_size"
             )
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.drop(embed(self.wte, self.wpe, idx))
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))

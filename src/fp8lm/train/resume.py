@@ -56,6 +56,8 @@ RESUME_KEYS = (
 )
 # GPTConfig field -> the option that sets it
 _MODEL_FLAGS = {
+    "arch": "--arch",
+    "n_kv_head": "--n-kv-head",
     "n_layer": "--n-layer",
     "n_head": "--n-head",
     "n_embd": "--n-embd",
@@ -272,7 +274,7 @@ def check_state_fits(model: nn.Module, state: dict, where: str) -> None:
     raise CheckpointError(
         f"checkpoint {where} does not fit this model: {first!r} {detail}"
         + (f"; it was trained with {diff}" if diff else "")
-        + "; pass --model/--n-layer/--n-head/--n-embd/--mlp/--seq-len to match it"
+        + "; pass --model/--arch/--n-layer/--n-head/--n-kv-head/--n-embd/--mlp/--seq-len to match it"
     )
 
 
