@@ -405,7 +405,12 @@ class TrainConfig:
         """The model's sizes divide into --tp shards and --pp stages."""
         if model.n_layer % self.pp:
             raise RunError(f"--pp {self.pp} needs a layer count divisible by it, got {model.n_layer}: pick a divisor")
-        sizes = {"--n-head": model.n_head, "--n-kv-head": model.n_kv_head, "--seq-len": model.block_size, "the vocabulary": model.vocab_size}
+        sizes = {
+            "--n-head": model.n_head,
+            "--n-kv-head": model.n_kv_head,
+            "--seq-len": model.block_size,
+            "the vocabulary": model.vocab_size,
+        }
         for name, size in sizes.items():
             if size % self.tp:
                 raise RunError(f"--tp {self.tp} shards {name} ({size}), which it does not divide: pick a divisor")

@@ -22,7 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "ARCHS", "MLP_KINDS", "preset", "RMSNorm", "rms_norm", "rope_angles", "apply_rope"]
+__all__ = [
+    "GPTConfig",
+    "GPT",
+    "PRESETS",
+    "ARCHS",
+    "MLP_KINDS",
+    "preset",
+    "RMSNorm",
+    "rms_norm",
+    "rope_angles",
+    "apply_rope",
+]
 
 ARCHS = ("gpt", "llama")
 MLP_KINDS = ("gelu", "swiglu")
@@ -71,7 +82,9 @@ class GPTConfig:
         kv = self.n_kv_head
         assert kv is not None  # filled in by __post_init__
         if self.arch == "gpt" and kv != self.n_head:
-            raise ValueError(f"n_kv_head ({kv}) differs from n_head ({self.n_head}): grouped-query attention is arch llama's")
+            raise ValueError(
+                f"n_kv_head ({kv}) differs from n_head ({self.n_head}): grouped-query attention is arch llama's"
+            )
         if self.arch == "llama" and (self.mlp != "swiglu" or self.bias):
             raise ValueError("arch llama has a SwiGLU MLP and no biases: drop mlp/bias (or use arch gpt)")
         if not 1 <= kv <= self.n_head or self.n_head % kv:
@@ -195,7 +208,7 @@ class GroupedQueryAttention(nn.Module):
         # Head counts from the layers' outputs: under tensor parallelism a rank holds only its heads.
         q = self.c_q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.c_kv(x).chunk(2, dim=2))
-        cos, sin = rope_angles(t, self.head_dim, self.theta, x.device)
+        cos, sin = rope_angles(t, self.head_dim, self.theta, x.device, torch.promote_types(q.dtype, torch.float32))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
