@@ -189,3 +189,18 @@ def test_deepcopy_and_pickle_keep_trainable_fp8_parameters():
         clone(torch.randint(0, 256, (2, 8)))[0].sum().backward()
         assert isinstance(clone.proj.weight.grad, ScalingTensor)
         assert torch.equal(clone.proj.weight.payload, model.proj.weight.payload)
+
+
+def test_a_layer_left_unconverted_for_its_dims_is_named_in_one_warning():
+    import warnings
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 50257))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fp8lm.initialize(model, opt_level="O1")
+    messages = [str(w.message) for w in caught if "high precision" in str(w.message)]
+    assert messages == [
+        "fp8lm: linear layer '1' (32x50257) stays in high precision: FP8 GEMMs need in and out features that are "
+        "multiples of 16; pad it (e.g. a vocabulary of 50257 to 50304) to train it in FP8"
+    ]
+    assert isinstance(model[0], FP8Linear) and type(model[1]) is nn.Linear

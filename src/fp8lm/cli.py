@@ -160,7 +160,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     print(result["table"])
     print(f"comparison: {args.out}/compare.json")
-    print(f"plot: {result['plot']}")
+    if result["plot"] is not None:
+        print(f"plot: {result['plot']}")
     return 0
 
 
@@ -193,7 +194,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"\nworst {stat}:")
         print(worst_table(records, stat, args.top))
     path = plot_heatmap(records, f"{args.run_dir}/telemetry_{args.kind}_{args.stat}.png", args.kind, args.stat)
-    print(f"\nheatmap: {path}")
+    if path is not None:
+        print(f"\nheatmap: {path}")
     return 0
 
 

@@ -61,7 +61,8 @@ class _Tally:
 
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Storage bytes of ``model``'s parameters, gradients, buffers and FP8 scaling state, and of
-    ``optimizer``'s state.
+    ``optimizer``'s state, as they exist when called: gradients freed by ``zero_grad()`` count 0
+    (call it after ``backward()`` for the training state with gradients; activations are not counted).
 
     Returns a dict with the bytes of ``weights``, ``master_weights`` (optimizer-held masters; 0 when
     the weights are the masters), ``gradients``, ``exp_avg``, ``exp_avg_sq``, ``scales`` (of

@@ -7,6 +7,7 @@ Parameter maps to exactly one new one, and every module that held the old one is
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 
 from torch import nn
@@ -31,17 +32,32 @@ def linear_targets(model: nn.Module, module_filter: ModuleFilter | None = None, 
     (FP8 GEMM kernels want multiples of 16; other layers stay in high precision)."""
     if not isinstance(multiple_of, int) or multiple_of < 1:
         raise ValueError(f"multiple_of must be an int >= 1, got {multiple_of!r}")
-    names = []
+    names, uneven = [], []
     for name, module in model.named_modules():
         if not is_convertible(module):
             continue
-        in_features, out_features = _linear_dims(module)
-        if in_features % multiple_of or out_features % multiple_of:
-            continue
         if module_filter is not None and not module_filter(name, module):
             continue
+        in_features, out_features = _linear_dims(module)
+        if in_features % multiple_of or out_features % multiple_of:
+            uneven.append(f"{name or 'the model'!r} ({in_features}x{out_features})")
+            continue
         names.append(name)
+    if uneven:
+        _warn_uneven(uneven, multiple_of)
     return names
+
+
+def _warn_uneven(layers: list[str], multiple_of: int) -> None:
+    """One line (once per message, Python's default) naming the layers left in high precision."""
+    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    verb = "stays" if len(layers) == 1 else "stay"
+    warnings.warn(
+        f"fp8lm: linear layer {shown} {verb} in high precision: FP8 GEMMs need in and out features that are "
+        f"multiples of {multiple_of}; pad it (e.g. a vocabulary of 50257 to 50304) to train it in FP8",
+        UserWarning,
+        stacklevel=4,  # the caller of initialize / convert_linears
+    )
 
 
 def output_head(model: nn.Module) -> str | None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..recipe import DEFAULT_RECIPE
+from . import progress
 from .checkpoint import atomic_write_bytes, list_checkpoints
 from .config import FP8_DATA_PARALLEL_LEVELS, FP8_LEVELS, FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
 from .loop import check_output, train
@@ -109,6 +110,13 @@ def compare(cfg: TrainConfig, levels: list[str], seeds: list[int] | None = None)
     every level trains distributed as ``cfg`` says (data-parallel, ``--fsdp``, ``--tp``, ``--pp``),
     one level after another; rank 0 writes and returns the comparison, the others None."""
     ranks = join(cfg.tp, cfg.pp)
+    runs = len(levels) * len(seeds or [None])
+    # one progress line (and its ETA) across every level and seed
+    with progress.overall(runs * cfg.steps, 0, f"compare ({runs} runs)", cfg.progress and ranks.main):
+        return _compare(cfg, levels, seeds, ranks)
+
+
+def _compare(cfg: TrainConfig, levels: list[str], seeds: list[int] | None, ranks) -> dict | None:
     out = Path(cfg.out)
     if seeds is None:
         runs, summaries = _train_levels(cfg, levels, out, ranks)
@@ -185,7 +193,7 @@ def _write(out: Path, rows: dict, summaries: dict, run_dirs: dict[str, Path], se
         "model_config": first["model_config"],
         "data": first["data"],
         "device": first["device"],
-        "plot": str(plot),
+        "plot": str(plot) if plot is not None else None,
     }
     atomic_write_bytes(out / "compare.json", json.dumps(result, indent=1).encode())
     result["table"] = format_table(rows)

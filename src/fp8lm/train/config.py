@@ -256,10 +256,11 @@ class TrainConfig:
     )
     pp_microbatches: int = option(4, "with --pp: micro-batches each step's batch is split into", group=_PARALLEL)
     # FP8 numerics
-    telemetry_every: int = option(
-        100,
+    telemetry_every: int | None = option(
+        None,
         "record FP8 telemetry (amax, scale, underflow, saturation of every FP8 layer's tensors) to "
-        "OUT/telemetry.jsonl every N steps; 0 = off",
+        "OUT/telemetry.jsonl every N steps; 0 = off (default: a fifth of --steps, at most 100, so that a "
+        "short run is sampled too)",
         group=_NUMERICS,
         resume="free",
     )
@@ -342,7 +343,7 @@ class TrainConfig:
             )
         self._check_fsdp()
         self._check_model_parallel()
-        if self.fallback and (self.opt_level not in FP8_LEVELS or self.telemetry_every == 0):
+        if self.fallback and (self.opt_level not in FP8_LEVELS or self.telemetry_interval() == 0):
             raise RunError(
                 f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
                 f"{self.opt_level}) and --telemetry-every >= 1 (got {self.telemetry_every})"
@@ -463,6 +464,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def telemetry_interval(self) -> int:
+        """Steps between FP8 telemetry samples (0: none), the default resolved from the run's length."""
+        if self.telemetry_every is not None:
+            return self.telemetry_every
+        return min(100, max(1, self.steps // 5))
 
     def schedule(self) -> tuple[int, int]:
         """(warmup steps, schedule length) of the learning rate, defaults resolved."""

@@ -168,6 +168,11 @@ def _write_stream(path: Path, chunks: Iterable[bytes]) -> int:
     return n
 
 
+def is_packed(source: str, docs: list[Document], cache_dir: str | os.PathLike, val_fraction: float = 0.05) -> bool:
+    """Whether `pack` finds these documents packed in ``cache_dir`` already (it then writes nothing)."""
+    return (Path(cache_dir) / f"tokens-{_cache_key(source, docs, val_fraction)}.json").exists()
+
+
 def pack(source: str, docs: list[Document], cache_dir: str | os.PathLike, val_fraction: float = 0.05) -> TokenSplits:
     """Byte tokens of ``docs`` split into train/validation, as memmaps under ``cache_dir``.
 
@@ -210,6 +215,23 @@ def pack(source: str, docs: list[Document], cache_dir: str | os.PathLike, val_fr
         os.replace(tmp_meta, meta_path)  # last: its presence marks a complete pack
     meta = json.loads(meta_path.read_text())
     return TokenSplits(_memmap(train_path), _memmap(val_path), meta)
+
+
+def describe(info: dict) -> str:
+    """One line about a packed corpus (`pack`'s ``info``): its source, files, bytes (= tokens: the
+    tokens are bytes) and how it was split into train and validation."""
+    total = info["train_tokens"] + info["val_tokens"]
+    share = f"{info['val_fraction']:.0%}"
+    head = (
+        f"data: {info['source']}: {info['documents']:,} file(s), {total / 1e6:,.2f} MB = tokens (bytes); "
+        f"train {info['train_tokens']:,} / validation {info['val_tokens']:,} tokens, "
+    )
+    if info["split"] == "by-document":
+        return head + f"split by file: {info['val_documents']:,} file(s) held out ({share} by name hash)"
+    return head + (
+        f"split by bytes: the last {share} of the joined text, no file held out ({info['documents']:,} file(s) "
+        f"are too few for a {share} split by file; pass a folder of more files for held-out documents)"
+    )
 
 
 def _chunks(docs: list[Document]) -> Iterator[bytes]:

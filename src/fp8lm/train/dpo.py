@@ -22,9 +22,10 @@ import torch
 
 from ..memory import memory_report
 from ..nn import freeze_fp8
+from . import progress
 from .checkpoint import CheckpointError, atomic_torch_save, load_checkpoint
 from .config import FP8_LEVELS, DPOConfig, RunError
-from .data import pack, stdlib_documents
+from .data import is_packed, pack, path_documents, stdlib_documents
 from .dpo_loss import DPOTerms, dpo_loss, sequence_logprobs, token_kl
 from .model import GPT, GPTConfig
 from .preference import PairBatch, PairSampler, builtin_pairs, encode_pairs, read_pairs, split_pairs
@@ -49,21 +50,42 @@ REFERENCE_FILE = "reference.pt"
 _RESUME_KEYS = ("beta", "batch_size", "lr", "seed", "data", "val_fraction")  # what makes the pairs and the loss
 
 
-def _preferences(cfg: DPOConfig, mcfg: GPTConfig, out: Path):
-    """(training pairs, held-out pairs, description of the data)."""
+def _pretraining_corpus(state: dict) -> dict:
+    """The corpus of the run that wrote checkpoint ``state`` (``RUN/checkpoints/step_N.pt``): its
+    ``--data`` (None: the default corpus; a Hugging Face dataset is not reused), its split and the
+    folders that may hold its packed tokens (its ``--cache-dir``, else ``RUN/cache``): only read."""
+    options = state.get("options") or state.get("config") or {}
+    run = Path(state["path"]).resolve().parent.parent
+    caches = [str(run / "cache")] + ([str(options["cache_dir"])] if options.get("cache_dir") else [])
+    return {"data": options.get("data"), "val_fraction": options.get("val_fraction", 0.05), "caches": caches}
+
+
+def _preferences(cfg: DPOConfig, mcfg: GPTConfig, out: Path, corpus: dict | None):
+    """(training pairs, held-out pairs, description of the data). Without ``--data`` the built-in
+    pairs come from the pretraining run's corpus (``corpus``; None: the default one), read from
+    that run's packed tokens where they are (nothing copied), else packed under ``OUT/cache``."""
     if cfg.data:
         if Path(cfg.data).is_dir():
             raise RunError(f"--data {cfg.data!r} is a folder; fp8lm dpo reads a JSON Lines file of pairs")
         train, held_out = split_pairs(read_pairs(cfg.data), cfg.val_fraction)
         return train, held_out, {"source": f"jsonl:{Path(cfg.data).resolve()}"}
-    splits = pack(*stdlib_documents(), cfg.cache_dir or out / "cache", 0.05)
+    corpus = corpus or {"data": None, "val_fraction": 0.05, "caches": []}
+    source, docs = path_documents(corpus["data"]) if corpus["data"] else stdlib_documents()
+    shared = [c for c in corpus["caches"] if is_packed(source, docs, c, corpus["val_fraction"])]
+    cache = cfg.cache_dir or (shared[0] if shared else out / "cache")
+    splits = pack(source, docs, cache, corpus["val_fraction"])
     prompt, answer = mcfg.block_size // 2, mcfg.block_size // 4
     train = builtin_pairs(splits.train, BUILTIN_TRAIN_PAIRS, prompt, answer, seed=0)
     held_out = builtin_pairs(splits.val, BUILTIN_HELD_OUT_PAIRS, prompt, answer, seed=1)
     return (
         train,
         held_out,
-        {"source": "builtin:" + splits.info["source"], "prompt_bytes": prompt, "answer_bytes": answer},
+        {
+            "source": "builtin:" + splits.info["source"],
+            "prompt_bytes": prompt,
+            "answer_bytes": answer,
+            "tokens_from": str(cache),
+        },
     )
 
 
@@ -84,6 +106,8 @@ class DPORun(TrainingRun):
     frozen ``reference``, evaluation reports held-out DPO loss, reward accuracy, margin and KL."""
 
     cfg: DPOConfig
+    NAME = "DPO"
+    LOSS_NAMES = ("DPO loss", "held-out DPO loss")
 
     def __init__(self, cfg: DPOConfig) -> None:
         super().__init__(cfg)
@@ -93,12 +117,18 @@ class DPORun(TrainingRun):
         cfg, ranks, block_size = self.cfg, self.ranks, self.model_config.block_size
         if not ranks.main:
             barrier(ranks)  # rank 0 packs the built-in pairs' corpus; the others then read it
-        self.train_pairs, self.held_out, self.data_info = _preferences(cfg, self.model_config, self.out)
+        weights, self.corpus = self._reference_weights()
+        self.train_pairs, self.held_out, self.data_info = _preferences(cfg, self.model_config, self.out, self.corpus)
         if ranks.main:
             barrier(ranks)
+            progress.write_once(
+                f"data: {len(self.train_pairs):,} training and {len(self.held_out):,} held-out preference pairs, "
+                f"{self.data_info['source']}"
+                + (f" (tokens read from {self.data_info['tokens_from']})" if "tokens_from" in self.data_info else "")
+            )
         self.sampler = PairSampler(self.train_pairs, cfg.batch_size // ranks.world, cfg.seed + ranks.rank, block_size)
         self.val_batches = [encode_pairs(self.held_out[: cfg.batch_size], block_size)]
-        self.reference = _reference(self.model_config, self._reference_weights(), cfg.opt_level, self.device)
+        self.reference = _reference(self.model_config, weights, cfg.opt_level, self.device)
         self.reference_saved = False
 
     def _count_tokens(self) -> None:
@@ -107,11 +137,13 @@ class DPORun(TrainingRun):
         if self.sampler.batches_drawn:
             self.tokens_per_step = self.sampler.tokens_drawn * self.ranks.world / self.sampler.batches_drawn
 
-    def _reference_weights(self) -> dict:
-        """The reference's weights: the starting checkpoint's, or, when resuming, those the run
-        saved, read as any checkpoint is (regular file, plain data, finite, fitting the model)."""
+    def _reference_weights(self) -> tuple[dict, dict | None]:
+        """The reference's weights and the pretraining run's corpus: the starting checkpoint's,
+        or, when resuming, those the run saved, read as any checkpoint is (regular file, plain
+        data, finite, fitting the model)."""
         if not self.cfg.resume:
-            return load_checkpoint(self.cfg.init_from)["model"]
+            state = load_checkpoint(self.cfg.init_from)
+            return state["model"], _pretraining_corpus(state)
         saved = load_checkpoint(self.out / "checkpoints" / REFERENCE_FILE)
         config = saved.get("config")
         if not isinstance(config, dict) or any(key not in config for key in _RESUME_KEYS):
@@ -128,7 +160,8 @@ class DPORun(TrainingRun):
                     f"the run in {str(self.out)!r} was trained with {flag} {config[key]}, "
                     f"not {getattr(self.cfg, key)}; resume with the same {flag}"
                 )
-        return saved["model"]
+        corpus = saved.get("corpus")
+        return saved["model"], corpus if isinstance(corpus, dict) else None
 
     def next_batch(self) -> PairBatch:
         return self.sampler.next()
@@ -198,7 +231,8 @@ class DPORun(TrainingRun):
         if self.ranks.main and not self.reference_saved:  # before the first checkpoint, which then implies it
             config = {key: getattr(self.cfg, key) for key in _RESUME_KEYS}
             atomic_torch_save(
-                {"model": self.reference.state_dict(), "config": config}, self.out / "checkpoints" / REFERENCE_FILE
+                {"model": self.reference.state_dict(), "config": config, "corpus": self.corpus},
+                self.out / "checkpoints" / REFERENCE_FILE,
             )
             self.reference_saved = True
         super().save(step)

@@ -27,15 +27,16 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 def plot_losses(
     runs: dict[str, list[dict]], path: str | os.PathLike, title: str = "", baseline: str | None = None
-) -> Path:
+) -> Path | None:
     """Train (smoothed) and validation loss of each run against tokens, one colour per level.
     Runs named ``"level@seed"`` are seeds of one level (same colour). With ``baseline`` among the
     levels, a third panel shows each level's gap to it over training, in percent: validation
     (markers) and smoothed train loss (line), averaged over the seeds, the band their range."""
-    import matplotlib
+    from .progress import pyplot
 
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:  # matplotlib is not installed (said once)
+        return None
 
     by_level = _group_by_level(runs)
     with_gap = baseline in by_level and len(by_level) > 1

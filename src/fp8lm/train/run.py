@@ -20,7 +20,6 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
 
 from ..distributed import ddp_bytes, reset_comm_stats
 from ..fallback import PrecisionFallback
@@ -29,6 +28,7 @@ from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..ops.gemm import CPUBF16Linear
 from ..optim import SkipsNonFiniteSteps
 from ..telemetry import Telemetry, worst
+from . import progress
 from .checkpoint import (
     atomic_write_bytes,
     load_checkpoint,
@@ -37,7 +37,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
-from .data import BatchSampler, eval_batches, hf_documents, pack, path_documents, stdlib_documents
+from .data import BatchSampler, describe, eval_batches, hf_documents, pack, path_documents, stdlib_documents
 from .layouts import LayoutSpec, PipelineShape, parallelize
 from .logs import RunLogs, strict_json
 from .measure import saved_tensor_bytes
@@ -54,6 +54,7 @@ from .resume import (
     layout_options,
     resume_config,
 )
+from .telemetry_report import telemetry_line
 
 __all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
 
@@ -95,6 +96,9 @@ class TrainingRun:
     `fit` then trains; rank 0 writes the logs, checkpoints and, last and atomically,
     ``summary.json``, so a failed run never looks complete.
     """
+
+    NAME = "train"  # what the progress bar calls the run
+    LOSS_NAMES = ("train loss", "val loss")  # the losses the evaluation lines print
 
     def __init__(self, cfg: TrainConfig) -> None:
         cfg.validate()
@@ -198,6 +202,8 @@ class TrainingRun:
         self.sampler = BatchSampler(splits.train, cfg.batch_size // ranks.dp, seq_len, cfg.seed + ranks.dp_rank)
         self.val_batches = eval_batches(splits.val, cfg.eval_batches, cfg.batch_size, seq_len)
         self.data_info = splits.info
+        if ranks.main:
+            progress.write_once(describe(splits.info))
 
     def next_batch(self):
         """This rank's next training micro-batch."""
@@ -295,10 +301,7 @@ class TrainingRun:
                 self.logs.telemetry.write(r)
             under, sat = worst(records, "underflow", 1)[0], worst(records, "saturation", 1)[0]
             record["telemetry_underflow"], record["telemetry_saturation"] = under["underflow"], sat["saturation"]
-            tqdm.write(
-                f"step {done}: telemetry: worst underflow {under['underflow']:.2%} ({under['layer']} "
-                f"{under['kind']}), worst saturation {sat['saturation']:.2%} ({sat['layer']} {sat['kind']})"
-            )
+            progress.write(telemetry_line(records, done))
         if self.fallback is None:
             return
         events = self.fallback.update(records) if self.ranks.main else []
@@ -309,7 +312,7 @@ class TrainingRun:
         if events:
             record["fallback"] = events
             for e in events:
-                tqdm.write(f"step {done}: fallback: {e['layer']} -> {e['to']} ({e['reason']})")
+                progress.write(f"step {done}: fallback: {e['layer']} -> {e['to']} ({e['reason']})")
         sys.stdout.flush()
 
     @torch.no_grad()
@@ -338,14 +341,7 @@ class TrainingRun:
 
     def _train_and_summarize(self) -> dict | None:
         cfg = self.cfg
-        bar = tqdm(
-            total=cfg.steps,
-            initial=self.start_step,
-            disable=not (cfg.progress and self.ranks.main),
-            desc=f"train {cfg.opt_level}",
-            unit="step",
-            dynamic_ncols=True,
-        )
+        bar = progress.bar(cfg.steps, self.start_step, f"{self.NAME} {cfg.opt_level}", cfg.progress and self.ranks.main)
         try:
             for step in range(self.start_step, cfg.steps):
                 record = self.step(step)
@@ -354,10 +350,10 @@ class TrainingRun:
                 if (done % cfg.eval_every == 0 or done == cfg.steps) and evaluates:
                     record.update(self.evaluate())
                     if self.ranks.main:
-                        tqdm.write(
-                            f"step {done}: train loss {record['train_loss']:.4f}, val loss {record['val_loss']:.4f}"
+                        progress.write(  # flushed: seen at once also when piped to a file
+                            f"step {done}: {self.LOSS_NAMES[0]} {record['train_loss']:.4f}, "
+                            f"{self.LOSS_NAMES[1]} {record['val_loss']:.4f}"
                         )
-                        sys.stdout.flush()  # seen at once also when piped to a file
                 if self.ranks.main:
                     self.logs.metrics.write(record)
                 if self.timed_steps:
@@ -454,7 +450,7 @@ class TrainingRun:
         plan, step = self.reshard, int(state["step"])
         assert plan is not None
         if self.ranks.main:
-            tqdm.write(f"resuming step {step} resharded: {plan.describe()}")
+            progress.write(f"resuming step {step} resharded: {plan.describe()}")
         directory = self.out / "checkpoints"
         if self.cfg.opt_level == "O3":  # FP8 ZeRO shards load at any partition
             self.layout.load(directory, state, self.core, self.optimizer)
@@ -523,9 +519,9 @@ class TrainingRun:
 
     def _telemetry(self) -> Telemetry | None:
         cfg = self.cfg
-        if not cfg.telemetry_every or cfg.opt_level not in FP8_LEVELS:
+        if not cfg.telemetry_interval() or cfg.opt_level not in FP8_LEVELS:
             return None
-        return Telemetry(self.core, self.layout.local_optimizer(self.optimizer), cfg.telemetry_every)
+        return Telemetry(self.core, self.layout.local_optimizer(self.optimizer), cfg.telemetry_interval())
 
     @property
     def _model_parallel(self) -> bool:

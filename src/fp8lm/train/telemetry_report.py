@@ -27,6 +27,11 @@ def read_telemetry(run_dir: str | os.PathLike) -> list[dict]:
         raise InspectError(f"run folder {str(run)!r} does not exist; pass the --out folder of an fp8lm train run")
     path = run / "telemetry.jsonl"
     records = _read_records(path) if path.exists() else []
+    if not records and (run / "checkpoints" / "reference.pt").exists():
+        raise InspectError(
+            f"{str(run)!r} is an fp8lm dpo run: DPO records no FP8 telemetry; inspect the run it started from "
+            "(its --init-from), trained with fp8lm train at an FP8 level"
+        )
     if not records:
         raise InspectError(
             f"no telemetry recorded in {str(run)!r}: train at an FP8 level (O1/O2/O3) with --telemetry-every N "
@@ -94,7 +99,7 @@ def heatmap_grid(records: list[dict], kind: str, stat: str) -> tuple[list[str], 
 
 def plot_heatmap(
     records: list[dict], path: str | os.PathLike, kind: str = "grad_output", stat: str = "underflow"
-) -> Path:
+) -> Path | None:
     """Write the heatmap of `heatmap_grid` as a PNG."""
     if kind not in KINDS:
         raise InspectError(f"unknown tensor kind {kind!r}: use one of {', '.join(KINDS)}")
@@ -104,10 +109,11 @@ def plot_heatmap(
     if not layers:
         present = ", ".join(sorted({r["kind"] for r in records}))
         raise InspectError(f"the telemetry has no {kind} records (it has: {present}); pass --kind with one of those")
-    import matplotlib
+    from .progress import pyplot
 
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:  # matplotlib is not installed (said once)
+        return None
 
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(steps) + 3), max(3.0, 0.28 * len(layers) + 1.5)))
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma")
@@ -119,3 +125,44 @@ def plot_heatmap(
     ax.set_title(f"{kind} {stat} per FP8 layer")
     fig.tight_layout()
     return save_figure(fig, path, dpi=110)
+
+
+# (kind, statistic, FallbackPolicy field, what it is): what --fallback judges, and its limit
+_JUDGED = (
+    ("grad_output", "underflow", "underflow", "output-gradient underflow"),
+    ("weight_grad", "underflow", "weight_grad_underflow", "weight-gradient underflow"),
+    ("input", "saturation", "saturation", "input saturation"),
+)
+
+
+def telemetry_line(records: list[dict], step: int) -> str:
+    """One line about a telemetry sample that says whether it matters: the worst value of each
+    statistic that `fp8lm.fallback.FallbackPolicy` judges, against its threshold, and what to do
+    when one is over; the optimizer moments' underflow, reported as what it is (expected)."""
+    from ..fallback import FallbackPolicy
+
+    policy, worst_of, over = FallbackPolicy(), [], []
+    for kind, stat, limit_name, what in _JUDGED:
+        of_kind = [r for r in records if r["kind"] == kind]
+        if not of_kind:
+            continue
+        w, limit = max(of_kind, key=lambda r: r[stat]), getattr(policy, limit_name)
+        worst_of.append(f"{what} {w[stat]:.2%} ({w['layer']}; threshold {limit:.1%})")
+        if w[stat] > limit:
+            over.append(f"{what} of {w['layer']}")
+    if over:
+        verdict = (
+            f"over a --fallback threshold: {', '.join(over)} (FP8 loses those values; train with --fallback to run "
+            "such layers in BF16 while it lasts, see fp8lm inspect OUT)"
+        )
+    else:
+        verdict = "normal, within the --fallback thresholds"
+    line = f"step {step}: FP8 telemetry {verdict}; worst " + ", ".join(worst_of)
+    moments = [r for r in records if r["kind"] in ("exp_avg", "exp_avg_sq")]
+    if moments:
+        w = max(moments, key=lambda r: r["underflow"])
+        line += (
+            f"; optimizer-moment underflow {w['underflow']:.2%} ({w['layer']} {w['kind']}) is expected "
+            "(docs/training.md, FP8 telemetry)"
+        )
+    return line

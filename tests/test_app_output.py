@@ -1,0 +1,101 @@
+"""What the app prints: the data summary line, the progress without tqdm, no plots without
+matplotlib (said once), telemetry lines that say whether a value matters, DPO named as DPO."""
+
+import sys
+
+import pytest
+
+from cli_helpers import run_main
+from fp8lm.train import progress
+from fp8lm.train.data import describe
+from fp8lm.train.telemetry_report import telemetry_line
+
+
+def _info(split, documents, val_documents):
+    return {
+        "source": "path:corpus",
+        "split": split,
+        "val_fraction": 0.05,
+        "documents": documents,
+        "val_documents": val_documents,
+        "train_tokens": 950_000,
+        "val_tokens": 50_000,
+    }
+
+
+def test_the_data_line_says_how_the_corpus_was_split():
+    by_file = describe(_info("by-document", 300, 14))
+    assert by_file.startswith("data: path:corpus: 300 file(s), 1.00 MB") and "14 file(s) held out" in by_file
+    by_bytes = describe(_info("by-bytes", 15, 0))
+    assert "split by bytes" in by_bytes and "no file held out" in by_bytes and "15 file(s) are too few" in by_bytes
+    assert "train 950,000 / validation 50,000 tokens" in by_bytes
+
+
+def _record(layer, kind, underflow=0.0, saturation=0.0):
+    return {"layer": layer, "kind": kind, "underflow": underflow, "saturation": saturation}
+
+
+def test_telemetry_lines_judge_against_the_fallback_thresholds():
+    normal = [_record("h", "grad_output", 0.01), _record("h", "input"), _record("lm_head", "exp_avg", 0.2955)]
+    line = telemetry_line(normal, 5)
+    assert line.startswith("step 5: FP8 telemetry normal, within the --fallback thresholds")
+    assert "output-gradient underflow 1.00% (h; threshold 5.0%)" in line
+    assert "optimizer-moment underflow 29.55% (lm_head exp_avg) is expected" in line
+    over = telemetry_line([_record("h", "grad_output", 0.2), _record("w", "weight_grad", 0.5)], 7)
+    assert "over a --fallback threshold: output-gradient underflow of h, weight-gradient underflow of w" in over
+    assert "train with --fallback" in over and "\n" not in over
+
+
+def test_progress_without_tqdm_is_plain_lines(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now fails
+    monkeypatch.setattr(progress, "_said", set())
+    bar = progress.bar(20, 0, "train O2", enabled=True)
+    for _ in range(20):
+        bar.update(1)
+    bar.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "progress as plain lines: tqdm is not installed (pip install 'fp8lm[train]' installs it)"
+    assert lines[1].startswith("train O2: 2/20 steps") and "ETA" in lines[1]
+    assert lines[-1].startswith("train O2: 20/20 steps") and len(lines) == 11
+
+
+def test_no_plots_without_matplotlib_said_once(monkeypatch, capsys, tmp_path):
+    from fp8lm.train.report import plot_losses
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(progress, "_said", set())
+    records = {"bf16": [{"step": 1, "tokens": 10, "train_loss": 5.0, "val_loss": 5.0}]}
+    assert plot_losses(records, tmp_path / "a.png") is None and plot_losses(records, tmp_path / "b.png") is None
+    out = capsys.readouterr().out
+    assert out.count("no plots: matplotlib is not installed") == 1 and not list(tmp_path.iterdir())
+
+
+def test_compare_without_tqdm_and_matplotlib_runs_and_says_so(
+    monkeypatch, tmp_path, token_cache, email_corpus, tiny_cli_args, capsys
+):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(progress, "_said", set())
+    args = [a for a in tiny_cli_args if a != "--no-progress"]
+    argv = ["compare", *args, "--levels", "bf16,fp32", "--steps", "4", "--data", email_corpus]
+    rc, out, err = run_main([*argv, "--cache-dir", token_cache, "--out", str(tmp_path / "c")], capsys)
+    assert rc == 0, err
+    assert out.count("data: path:") == 1  # one data line for the comparison
+    assert "train fp32: 8/8 steps" in out  # one progress across both runs, named by the one training
+    assert "no plots" in out and "plot:" not in out
+
+
+@pytest.mark.slow
+def test_dpo_is_named_dpo_and_inspect_understands_it(tmp_path, token_cache, email_corpus, tiny_cli_args, capsys):
+    pre = tmp_path / "pre"
+    argv = ["train", *tiny_cli_args, "--data", email_corpus, "--steps", "2", "--out", str(pre)]
+    assert run_main(argv, capsys)[0] == 0
+    run = tmp_path / "dpo"
+    argv = ["dpo", "--init-from", str(pre), "--steps", "2", "--batch-size", "4", "--eval-every", "2"]
+    rc, out, err = run_main([*argv, "--out", str(run), "--no-progress"], capsys)
+    assert rc == 0, err
+    assert "step 2: DPO loss" in out and "held-out DPO loss" in out and "train loss" not in out
+    assert "preference pairs, builtin:path:" in out and f"tokens read from {pre / 'cache'}" in out
+    assert not (run / "cache").exists()  # the pretraining run's packed tokens, not a copy
+    rc, _, err = run_main(["inspect", str(run)], capsys)
+    assert rc == 2 and "is an fp8lm dpo run: DPO records no FP8 telemetry" in err
