@@ -80,3 +80,10 @@ def test_a_new_field_is_a_new_option():
     assert cfg.label_smoothing == 0.1 and cfg.compile_model and not cfg.progress and cfg.exp_avg_sq == "E4M3"
     assert "label smoothing of the loss (default: 0.0)" in " ".join(parser.format_help().split())
     assert len(fields(Extended)) == len(fields(config.TrainConfig)) + 2
+
+
+def test_a_subclass_that_redefines_an_option_keeps_what_resume_does_with_it():
+    train = {f.name: f.metadata["resume"] for f in config.option_fields(config.TrainConfig)}
+    for f in config.option_fields(config.DPOConfig):
+        if f.name in train:
+            assert f.metadata["resume"] == train[f.name], f.name

@@ -529,6 +529,7 @@ class DPOConfig(TrainConfig):
         None,
         "the pretrained model: a step_*.pt file or a run folder of fp8lm train (required unless --resume)",
         metavar="CHECKPOINT",
+        resume="free",
     )
     opt_level: str = option(
         "O2",
@@ -542,16 +543,20 @@ class DPOConfig(TrainConfig):
         metavar="PAIRS.jsonl",
     )
     beta: float = option(0.1, "DPO's beta")
-    out: str = option("runs/dpo", "output folder")
-    steps: int = option(200, "optimizer steps")
+    out: str = option("runs/dpo", "output folder", resume="free")
+    steps: int = option(200, "optimizer steps", resume="free")
     batch_size: int = option(16, "pairs per step")
     lr: float = option(3e-4, "peak learning rate")
     warmup_steps: int | None = option(10, "linear warmup steps")
     weight_decay: float = option(0.0, "AdamW weight decay of matrices")
     seed: int = option(1337, "seed of the pair order")
     val_fraction: float = option(0.05, "share of --data pairs held out")
-    cache_dir: str | None = option(None, "where the built-in pairs' corpus is packed (default: OUT/cache)")
-    eval_every: int = option(50, "evaluate held-out pairs every N steps and at the end")
+    cache_dir: str | None = option(
+        None,
+        "where the built-in pairs' corpus is packed (default: the pretraining run's packed tokens, read, or OUT/cache)",
+        resume="free",
+    )
+    eval_every: int = option(50, "evaluate held-out pairs every N steps and at the end", resume="free")
     telemetry_every: int = 0
 
     def validate(self) -> None:
