@@ -31,10 +31,12 @@ def test_every_listed_op_is_a_real_op_of_one_kind():
     assert set(SUPPORTED_OPS) == set(OP_KINDS)
     names = [name for ops in SUPPORTED_OPS.values() for name in ops]
     assert len(names) == len(set(names))  # one kind per op
+    import torch.distributed._functional_collectives  # noqa: F401  (defines the _c10d_functional ops)
+    import torch.distributed.fsdp  # noqa: F401  (defines fsdp.chunk_cat)
+
     for name in names:
         namespace, op, overload = name.split(".")
-        if namespace == "aten":
-            getattr(getattr(torch.ops.aten, op), overload)
+        getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
 def _q():

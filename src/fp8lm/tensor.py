@@ -122,8 +122,17 @@ _VALUE_OPS = {
     aten.maximum.default,
 }
 # Value ops of other libraries, by name (their library loads with its package): FSDP2's copy of
-# the gradients into its reduce-scatter buffer.
-_NAMED_VALUE_OPS = {"fsdp.chunk_cat.default"}
+# the gradients into its reduce-scatter buffer, and the functional collectives with which a
+# DTensor of ScalingTensor shards is redistributed (a full state dict gathers it): they carry the
+# dequantized values.
+_NAMED_VALUE_OPS = {
+    "fsdp.chunk_cat.default",
+    "_c10d_functional.all_gather_into_tensor.default",
+    "_c10d_functional.all_reduce.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_to_all_single.default",
+    "_c10d_functional.broadcast.default",
+}
 # Ops whose result is the dequantized values' (a cat of differently scaled tensors too).
 _READ_OPS = {*_VALUE_OPS, aten.cat.default}
 # In-place value ops of torch's optimizers (SGD, Adam, AdamW) and of gradient accumulation on a
