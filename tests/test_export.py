@@ -3,6 +3,7 @@ GPT2LMHeadModel, its weights in BF16 (``hf``) or E4M3 with per-tensor scales (``
 numerics of the FP8 weights against a float64 reference; the byte tokenizer's round trip; the
 refusals; the folder written whole or not at all; generation from a folder and from a run."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from fp8lm.train.export import (
     full_weights,
     gpt2_config,
     gpt2_model,
+    hf_model,
     read_run_checkpoint,
     run_autocast,
     run_model,
@@ -146,6 +148,47 @@ def test_gpt2_config_is_the_gpt_exactly():
         torch.testing.assert_close(hf(ids).logits, gpt(ids)[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ExportError, match="--mlp swiglu has no Hugging Face equivalent"):
         gpt2_config(GPTConfig(mlp="swiglu"))
+
+
+def test_llama_config_is_the_gpt_exactly():
+    cfg = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64, arch="llama", n_kv_head=2, rope_theta=500.0)
+    torch.manual_seed(0)
+    gpt = GPT(cfg).eval()
+    for p in gpt.parameters():  # norms away from 1, so a misplaced gain shows
+        p.data.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(0, 256, (2, 64))
+    hf = hf_model(gpt.state_dict(), cfg)
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.num_key_value_heads == 2
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, gpt(ids)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_llama_run_exports_as_llama_in_fp8(tmp_path, email_corpus, token_cache, tiny_cli_args, text_ids, capsys):
+    run = tmp_path / "llama"
+    args = ["train", *tiny_cli_args, "--steps", "3", "--opt-level", "O2", "--arch", "llama", "--n-kv-head", "1"]
+    assert run_main([*args, "--data", email_corpus, "--cache-dir", token_cache, "--out", str(run)], capsys)[0] == 0
+    out = tmp_path / "fp8"
+    rc, _, err = run_main(["export", str(run), "--out", str(out), "--format", "hf-fp8"], capsys)
+    assert rc == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "dequantize" not in config["quantization_config"]  # nn.Linear layers: compressed-tensors' own route
+    from safetensors.torch import load_file
+
+    stored = load_file(out / "model.safetensors")
+    assert stored["model.layers.0.self_attn.k_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["lm_head.weight"].dtype == torch.bfloat16
+    state = read_run_checkpoint(run)
+    weights = {k: v.bfloat16().float() for k, v in full_weights(state).items()}
+    for k, v in full_weights(state).items():
+        if k.endswith(("c_q.weight", "c_kv.weight", "c_proj.weight", "c_fc.weight")):
+            # one scale per exported tensor: the fused k/v and gate/up layers are two tensors each
+            halves = v.chunk(2) if k.endswith(("c_kv.weight", "c_fc.weight")) else (v,)
+            weights[k] = torch.cat([dequantize_weight(*quantize_weight(h)) for h in halves])
+    reference = GPT(state["model_config"])
+    reference.load_state_dict(weights)
+    with torch.no_grad():
+        torch.testing.assert_close(load(out)(text_ids).logits, reference.eval()(text_ids)[0], rtol=1e-4, atol=1e-4)
 
 
 def test_export_refuses_a_non_empty_out_then_overwrites(run, tmp_path, capsys):

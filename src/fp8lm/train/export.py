@@ -4,7 +4,8 @@ The checkpoint is read through the run's own trust checks (`load_checkpoint`: re
 finite numbers, a shard folder that fits its metadata; the checkpoint format; weights that fit the
 recorded model), its full weights taken from the file or, for a run that keeps them sharded
 (``--tp``/``--pp``), resharded from its DCP folder (`fp8lm.distributed.reshard.read_full_state`).
-The GPT becomes the standard architecture it is equal to (`gpt2_model`: ``GPT2LMHeadModel``) and
+The GPT becomes the standard architecture it is equal to (`hf_model`: ``GPT2LMHeadModel`` for arch
+gpt, ``LlamaForCausalLM`` for arch llama) and
 the library (`fp8lm.export.save_pretrained`) writes the folder. `run_model` is fp8lm's own model
 of a checkpoint, as the run evaluates it, for comparisons and ``fp8lm generate``.
 """
@@ -34,6 +35,9 @@ __all__ = [
     "gpt2_config",
     "gpt2_state_dict",
     "gpt2_model",
+    "llama_config",
+    "llama_state_dict",
+    "hf_model",
     "byte_tokenizer",
     "export_run",
     "run_model",
@@ -89,12 +93,12 @@ def full_weights(state: dict) -> dict[str, torch.Tensor]:
 
 
 def gpt2_config(cfg: GPTConfig):
-    """The ``transformers.GPT2Config`` that computes what ``GPT(cfg)`` computes: exact (erf) GELU,
-    LayerNorm eps 1e-5, learned positions, an untied head, the same MLP width."""
+    """The ``transformers.GPT2Config`` that computes what ``GPT(cfg)`` (arch gpt) computes: exact
+    (erf) GELU, the run's LayerNorm eps, learned positions, an untied head, the same MLP width."""
     if cfg.mlp != "gelu":
         raise ExportError(
-            f"a GPT with --mlp {cfg.mlp} has no Hugging Face equivalent (GPT-2 has a GELU MLP); "
-            "export runs trained with --mlp gelu"
+            f"a GPT with --mlp {cfg.mlp} has no Hugging Face equivalent (GPT-2 has a GELU MLP, Llama rotary "
+            "positions and RMSNorm); export runs trained with --mlp gelu or --arch llama"
         )
     require_hf()
     from transformers import GPT2Config
@@ -110,7 +114,7 @@ def gpt2_config(cfg: GPTConfig):
         resid_pdrop=cfg.dropout,
         embd_pdrop=cfg.dropout,
         attn_pdrop=cfg.dropout,
-        layer_norm_epsilon=1e-5,
+        layer_norm_epsilon=cfg.norm_eps,
         scale_attn_weights=True,
         scale_attn_by_inverse_layer_idx=False,
         reorder_and_upcast_attn=False,
@@ -150,6 +154,76 @@ def gpt2_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
     return model.eval()
 
 
+def llama_config(cfg: GPTConfig):
+    """The ``transformers.LlamaConfig`` that computes what ``GPT(cfg)`` (arch llama) computes:
+    RMSNorm, rotary positions ("rotate half", base ``rope_theta``), grouped-query attention with
+    ``n_kv_head`` heads, a SwiGLU MLP, no biases, an untied head."""
+    require_hf()
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.n_embd,
+        intermediate_size=cfg.mlp_hidden,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_head,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.block_size,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        hidden_act="silu",
+        attention_bias=False,
+        attention_dropout=cfg.dropout,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def llama_state_dict(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """``GPT`` (arch llama) weights under ``LlamaForCausalLM``'s names: the fused k/v layer split
+    into ``k_proj`` and ``v_proj``, the fused SwiGLU layer into ``gate_proj`` and ``up_proj``
+    (the order in which the GPT's forward chunks their outputs)."""
+    out = {
+        "model.embed_tokens.weight": weights["wte.weight"],
+        "model.norm.weight": weights["ln_f.weight"],
+        "lm_head.weight": weights["lm_head.weight"],
+    }
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        k, v = weights[ours + "attn.c_kv.weight"].chunk(2, dim=0)
+        gate, up = weights[ours + "mlp.c_fc.weight"].chunk(2, dim=0)
+        out |= {
+            theirs + "input_layernorm.weight": weights[ours + "ln_1.weight"],
+            theirs + "post_attention_layernorm.weight": weights[ours + "ln_2.weight"],
+            theirs + "self_attn.q_proj.weight": weights[ours + "attn.c_q.weight"],
+            theirs + "self_attn.k_proj.weight": k.contiguous(),
+            theirs + "self_attn.v_proj.weight": v.contiguous(),
+            theirs + "self_attn.o_proj.weight": weights[ours + "attn.c_proj.weight"],
+            theirs + "mlp.gate_proj.weight": gate.contiguous(),
+            theirs + "mlp.up_proj.weight": up.contiguous(),
+            theirs + "mlp.down_proj.weight": weights[ours + "mlp.c_proj.weight"],
+        }
+    return out
+
+
+def llama_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
+    """A ``transformers.LlamaForCausalLM`` (float32, eval mode) holding ``GPT(cfg)``'s ``weights``."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(llama_config(cfg))
+    model.load_state_dict(llama_state_dict(weights, cfg), strict=True)
+    return model.eval()
+
+
+def hf_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
+    """The Hugging Face model equal to ``GPT(cfg)`` with ``weights``: `gpt2_model` or `llama_model`."""
+    return llama_model(weights, cfg) if cfg.arch == "llama" else gpt2_model(weights, cfg)
+
+
 def byte_tokenizer():
     """A ``tokenizers.Tokenizer`` whose ids 0..255 are the UTF-8 bytes of the text, as fp8lm's
     byte-level data makes them (`fp8lm.train.data`): a byte-level BPE with no merges."""
@@ -186,7 +260,7 @@ def export_run(
     ``format`` (``"hf"`` or ``"hf-fp8"``, `fp8lm.export.save_pretrained`)."""
     state = read_run_checkpoint(path, step)
     cfg = state["model_config"]
-    model = gpt2_model(full_weights(state), cfg)
+    model = hf_model(full_weights(state), cfg)
     return save_pretrained(
         model, out, format=format, tokenizer=byte_tokenizer(), readme=_readme(state, format), overwrite=overwrite
     )
@@ -203,12 +277,13 @@ def _readme(state: dict, format: str) -> str:
         "output head and the rest in BF16"
     )
     recipe = (state.get("config") or {}).get("recipe") or DEFAULT_RECIPE
+    architecture = "LlamaForCausalLM" if cfg.arch == "llama" else "GPT2LMHeadModel"
     return "\n".join(
         [
             f"# {run.name} (step {state['step']})",
             "",
             f"A GPT trained with fp8lm at opt level {state.get('opt_level')} (recipe {recipe}), exported from "
-            f"the run `{run.name}`, checkpoint `{checkpoint.name}`, as `GPT2LMHeadModel`.",
+            f"the run `{run.name}`, checkpoint `{checkpoint.name}`, as `{architecture}`.",
             "",
             f"- model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size}, "
             f"vocabulary {cfg.vocab_size} (UTF-8 bytes)",
