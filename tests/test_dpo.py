@@ -130,6 +130,8 @@ def test_run_files_and_bit_for_bit_resume(inputs, tmp_path, capsys):
     assert rc == 0, err
     assert (part / "metrics.jsonl").read_text() == (whole / "metrics.jsonl").read_text()
     rc, _, err = run_main([*argv, "--beta", "0.2"], capsys)
+    assert rc == 2 and "was trained with --beta 0.1, this command has --beta 0.2" in err
+    rc, _, err = run_main([*argv, "--steps", "5"], capsys)
     assert rc == 2 and "already reached step 6" in err
 
     # killed after the final checkpoint, before summary.json: --resume only writes the summary

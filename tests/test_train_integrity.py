@@ -53,7 +53,8 @@ def test_resume_finishes_a_run_killed_before_its_summary(finished, tmp_path, tin
         (dict(data=None), "this command has no --data; pass --data "),
         (
             dict(warmup_steps=1),
-            "trained with no --warmup-steps, this command has --warmup-steps 1; drop --warmup-steps",
+            # recorded resolved (the default for 3 steps is 0), so extending --steps keeps it
+            "trained with --warmup-steps 0, this command has --warmup-steps 1; pass --warmup-steps 0",
         ),
         (dict(weight_decay=0.0), "trained with --weight-decay 0.1, this command has --weight-decay 0.0"),
     ],

@@ -439,9 +439,14 @@ def _in_process_group() -> bool:
 
 
 def _rank_prefix() -> str:
-    import torch.distributed as dist
+    """``rank N: `` under torchrun with more than one rank, also before the process group is joined
+    (``--resume`` reads the run's options first): torchrun's environment names the rank."""
+    if _in_process_group():
+        import torch.distributed as dist
 
-    return f"rank {dist.get_rank()}: " if _in_process_group() and dist.get_world_size() > 1 else ""
+        return f"rank {dist.get_rank()}: " if dist.get_world_size() > 1 else ""
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "")
+    return f"rank {rank}: " if world.isdigit() and int(world) > 1 and rank.isdigit() else ""
 
 
 def _leave_process_group(code: int) -> None:

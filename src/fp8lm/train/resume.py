@@ -57,9 +57,9 @@ RESUME_KEYS = (
 # GPTConfig field -> the option that sets it
 _MODEL_FLAGS = {
     "arch": "--arch",
-    "n_kv_head": "--n-kv-head",
     "n_layer": "--n-layer",
     "n_head": "--n-head",
+    "n_kv_head": "--n-kv-head",  # after --n-head: unset, it follows --n-head
     "n_embd": "--n-embd",
     "mlp": "--mlp",
     "block_size": "--seq-len",
