@@ -259,6 +259,12 @@ def test_shared_grad_sync_scaling_logs_mu_and_must_be_resumed_alike(work):
         *run_options(out, work / "cache", "--resume"),
         "--steps",
         str(STEPS + 4),
+        "--grad-sync-scaling",
+        "local",
     ]
     proc = subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode != 0 and "resume with --grad-sync-scaling shared" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "--grad-sync-scaling shared" in proc.stderr, proc.stderr
+    # without the option, --resume continues with the run's own scaling
+    check(subprocess.run(torchrun(*args[:-2]), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r][-1] == STEPS + 4 and records[-1]["grad_sync_mu"]

@@ -30,10 +30,10 @@ COMMON = (
     "--val-fraction 0.1 --no-progress"
 ).split()
 # name: (ranks, options). O1 samples telemetry and runs the fallback policy; O2 accumulates
-# micro-batches; the 2-rank runs sync FP8 gradients (O2) and shard the optimizer (O3).
+# micro-batches (telemetry at step 1 only); the 2-rank runs sync FP8 gradients (O2) and shard the optimizer (O3).
 RUNS = {
     "O1": (1, ["--opt-level", "O1", "--telemetry-every", "4", "--fallback"]),
-    "O2": (1, ["--opt-level", "O2", "--grad-accum", "2"]),
+    "O2": (1, ["--opt-level", "O2", "--grad-accum", "2", "--telemetry-every", "100"]),
     "O2-2ranks": (2, ["--opt-level", "O2", "--grad-accum", "2", "--telemetry-every", "4"]),
     "O3-2ranks": (2, ["--opt-level", "O3", "--telemetry-every", "4"]),
 }

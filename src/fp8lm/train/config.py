@@ -97,7 +97,8 @@ def option(
 
     ``resume``: what ``--resume`` does with it (`fp8lm.train.resume.resume_options`): ``"keep"``,
     the run's value is taken and another one refused; ``"free"``, it may change (how long, where,
-    how often to evaluate or save); ``"layout"``, it may change and the run reshards."""
+    how often to evaluate or save); ``"layout"``, it is the command's (not the run's) and a change
+    reshards."""
     metadata = {
         "help": help,
         "group": group,

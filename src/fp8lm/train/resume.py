@@ -213,7 +213,11 @@ def resume_options(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, list
                 f"has {_as_option(flag, getattr(cfg, name))}; drop {flag} to continue it with its own (or choose "
                 "another --out for a new run)"
             )
-    keep = {"out", "resume", "progress", "init_from"}
+    # Not taken from the run: the layout (the command's launch decides it; a change reshards), the
+    # device, and paths: no path read from a file leads outside the run's folder (a missing --data
+    # is refused with the run's path in the line, for the user to pass).
+    layout = {name for name, f in options.items() if f.metadata["resume"] == "layout"}
+    keep = {"out", "resume", "progress", "init_from", "device", "cache_dir", "data"} | layout
     taken = {name: saved[name] for name in known - given - keep}
     resumed = replace(cfg, **taken)
     return resumed, _schedule_lines(saved, resumed, given, int(state["step"]))
