@@ -11,7 +11,7 @@ difference in float32 ulps of the eager loss (0 or 1 is "equal within float32 ro
 time of the first (compiling) step and the mean compiled and eager times of the others.
 
     python benchmarks/compile_gpt.py [--preset gpt2] [--levels O1,O2] [--steps 4] [--batch 2] [--seq 64] [--backend inductor]
-        [--layers N] [--no-autocast]
+        [--layers N] [--no-autocast] [--arch llama] [--n-kv-head N]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from common import machine
 from torch._dynamo.utils import counters
 
 import fp8lm
-from fp8lm.train.model import GPT, PRESETS, preset
+from fp8lm.train.model import ARCHS, GPT, PRESETS, preset
 
 
 def build(cfg, level: str):
@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: no code generation)")
+    parser.add_argument("--arch", default="gpt", choices=ARCHS, help="model architecture")
+    parser.add_argument("--n-kv-head", type=int, default=None, help="--arch llama: key/value heads (default: all)")
     parser.add_argument("--layers", type=int, default=None, help="keep only this many of the preset's blocks")
     parser.add_argument(
         "--no-autocast",
@@ -103,7 +105,10 @@ def main() -> None:
         help="forward in FP32 (default: under BF16 autocast, as fp8lm train runs O1/O2)",
     )
     args = parser.parse_args()
-    cfg = preset(args.preset)
+    try:
+        cfg = preset(args.preset, arch=args.arch, n_kv_head=args.n_kv_head)
+    except ValueError as err:
+        raise SystemExit(f"compile_gpt.py: {err}") from None
     if args.layers is not None:
         if not 1 <= args.layers <= cfg.n_layer:
             raise SystemExit(f"--layers must be in [1, {cfg.n_layer}] for the {args.preset} preset")
@@ -118,6 +123,8 @@ def main() -> None:
                 "machine": machine(),
                 "torch": torch.__version__,
                 "preset": args.preset,
+                "arch": cfg.arch,
+                "n_kv_head": cfg.n_kv_head,
                 "num_layers": cfg.n_layer,
                 "backend": args.backend,
                 "autocast": "bf16" if args.autocast else None,

@@ -1,4 +1,4 @@
-"""torch.compile(model, fullgraph=True) of an fp8lm GPT at O1 and O2: one graph, no graph break, no
+"""torch.compile(model, fullgraph=True) of an fp8lm GPT at O1 and O2 (and of a llama at O2): one graph, no graph break, no
 recompile across training steps, and the loss of every step equal to eager within float32
 rounding. Runs benchmarks/compile_gpt.py (its JSON is what docs/performance.md reports).
 
@@ -18,16 +18,16 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_gpt.py"
 
 
-def compile_gpt(preset: str, steps: int, *extra: str) -> dict:
+def compile_gpt(preset: str, steps: int, *extra: str, levels: str = "O1,O2") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["--preset", preset, "--levels", "O1,O2", "--steps", str(steps), "--backend", "aot_eager", *extra]
+    args = ["--preset", preset, "--levels", levels, "--steps", str(steps), "--backend", "aot_eager", *extra]
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
 
-def check_one_graph_and_eager_losses(result: dict, steps: int) -> None:
-    assert [level["level"] for level in result["levels"]] == ["O1", "O2"]
+def check_one_graph_and_eager_losses(result: dict, steps: int, levels: tuple[str, ...] = ("O1", "O2")) -> None:
+    assert [level["level"] for level in result["levels"]] == list(levels)
     for level in result["levels"]:
         assert "error" not in level, level
         assert level["graph_breaks"] == 0 and level["graphs"] == 1 and level["recompiles"] == 0, level
@@ -44,3 +44,12 @@ def test_fullgraph_compile_of_gpt2_sized_blocks():
     result = compile_gpt("gpt2", 3, "--layers", "1")
     assert result["num_layers"] == 1
     check_one_graph_and_eager_losses(result, steps=3)
+
+
+@pytest.mark.slow
+def test_fullgraph_compile_of_a_llama_at_o2():
+    """--arch llama (RMSNorm, rotary positions, SwiGLU, two query heads sharing one key/value head)
+    at O2: one graph over the training steps, the eager losses."""
+    result = compile_gpt("tiny", 3, "--arch", "llama", "--n-kv-head", "1", levels="O2")
+    assert (result["arch"], result["n_kv_head"]) == ("llama", 1)
+    check_one_graph_and_eager_losses(result, steps=3, levels=("O2",))
