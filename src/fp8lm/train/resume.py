@@ -214,10 +214,10 @@ def resume_options(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, list
                 "another --out for a new run)"
             )
     # Not taken from the run: the layout (the command's launch decides it; a change reshards), the
-    # device, and paths: no path read from a file leads outside the run's folder (a missing --data
-    # is refused with the run's path in the line, for the user to pass).
+    # device, and paths written to (the token cache: OUT/cache unless given). --data is taken: it
+    # is only read, and only once its files match the fingerprint the checkpoint recorded.
     layout = {name for name, f in options.items() if f.metadata["resume"] == "layout"}
-    keep = {"out", "resume", "progress", "init_from", "device", "cache_dir", "data"} | layout
+    keep = {"out", "resume", "progress", "init_from", "device", "cache_dir"} | layout
     taken = {name: saved[name] for name in known - given - keep}
     resumed = replace(cfg, **taken)
     return resumed, _schedule_lines(saved, resumed, given, int(state["step"]))
