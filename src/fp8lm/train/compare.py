@@ -90,6 +90,7 @@ def _rows(summaries: dict) -> dict:
         level: {
             "val_loss": s["val_loss"],
             "rel_gap_vs_bf16": rel_gap(s["val_loss"], base["val_loss"]) if base else None,
+            "val_bits_per_byte": s.get("val_bits_per_byte"),
             "train_loss": s["train_loss"],
             "bytes_per_param": s["bytes_per_param"],
             "act_bytes_per_token": s["act_bytes_per_token"],
@@ -156,8 +157,10 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
             key: statistics.fmean(r[key] for r in seed_rows.values())
             for key in ("val_loss", "train_loss", "bytes_per_param", "act_bytes_per_token", "tokens_per_s")
         }
+        bits = [r.get("val_bits_per_byte") for r in seed_rows.values()]
         rows[level] = {
             "val_loss": means["val_loss"],
+            "val_bits_per_byte": statistics.fmean(bits) if None not in bits else None,
             "rel_gap_vs_bf16": statistics.fmean(known) if known else None,
             "gaps_vs_bf16": {str(seed): g for seed, g in gaps.items()},
             "gap_std": statistics.stdev(known) if len(known) > 1 else (0.0 if known else None),

@@ -206,6 +206,19 @@ class TrainConfig:
     hf_dataset: str | None = option(
         None, "a Hugging Face dataset name (its 'text' column; needs the 'datasets' package)", group=_DATA
     )
+    tokenizer: str | None = option(
+        None,
+        "bytes: the UTF-8 bytes, vocabulary 256; bpe: a byte-level BPE trained on the training split (Hugging "
+        "Face tokenizers, cached with the packed tokens); or the path of a tokenizer.json file (default: bytes)",
+        group=_DATA,
+        metavar="bytes|bpe|PATH",
+    )
+    vocab_size: int | None = option(
+        None,
+        "--tokenizer bpe: the vocabulary to train (default: 8192); the model's is padded to a multiple of 16 so "
+        "that the output head suits FP8",
+        group=_DATA,
+    )
     val_fraction: float = option(0.05, "share of documents held out for validation", group=_DATA)
     cache_dir: str | None = option(
         None, "where packed tokens are cached (default: OUT/cache)", group=_DATA, resume="free"
@@ -289,9 +302,11 @@ class TrainConfig:
 
     def model_config(self) -> GPTConfig:
         from .model import preset
+        from .tokenizer import model_vocab_size
 
         return preset(
             self.model,
+            vocab_size=model_vocab_size(self.tokenizer or "bytes", self.vocab_size),
             n_layer=self.n_layer,
             n_head=self.n_head,
             n_embd=self.n_embd,
@@ -324,6 +339,7 @@ class TrainConfig:
         if self.amp_options and self.opt_level not in FP8_LEVELS:
             raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
         self._check_recipe()
+        self._check_tokenizer()
         if self.exp_avg_sq is not None:
             if self.opt_level not in FP8_OPTIMIZER_LEVELS:
                 raise RunError(
@@ -355,6 +371,11 @@ class TrainConfig:
             raise RunError(str(e)) from None
         self._check_split(model)
         self._check_memory(model)
+
+    def _check_tokenizer(self) -> None:
+        from .tokenizer import check_tokenizer_options
+
+        check_tokenizer_options(self.tokenizer or "bytes", self.vocab_size)
 
     def _check_numbers(self) -> None:
         """Each optimization number finite and in its range (nan compares false: refused too)."""

@@ -39,6 +39,7 @@ __all__ = [
     "eval_batches",
     "DataError",
     "data_fingerprint",
+    "memmap_tokens",
 ]
 
 _PACK_VERSION = 1
@@ -145,9 +146,10 @@ def _name_bytes(name: str) -> bytes:
 
 @dataclass
 class TokenSplits:
-    train: np.ndarray  # uint8 memmaps
+    train: np.ndarray  # memmaps: uint8 bytes (`pack`), or ids (`fp8lm.train.tokenizer.tokenize`)
     val: np.ndarray
     info: dict
+    key: str = ""  # names the cached files: another corpus, split or tokenizer, another key
 
 
 def _cache_key(source: str, docs: list[Document], val_fraction: float) -> str:
@@ -214,18 +216,27 @@ def pack(source: str, docs: list[Document], cache_dir: str | os.PathLike, val_fr
         tmp_meta.write_text(json.dumps(meta, indent=1))
         os.replace(tmp_meta, meta_path)  # last: its presence marks a complete pack
     meta = json.loads(meta_path.read_text())
-    return TokenSplits(_memmap(train_path), _memmap(val_path), meta)
+    return TokenSplits(memmap_tokens(train_path), memmap_tokens(val_path), meta, key)
 
 
 def describe(info: dict) -> str:
-    """One line about a packed corpus (`pack`'s ``info``): its source, files, bytes (= tokens: the
-    tokens are bytes) and how it was split into train and validation."""
-    total = info["train_tokens"] + info["val_tokens"]
+    """One line about a packed corpus (`pack`'s ``info``, or `fp8lm.train.tokenizer.tokenize`'s):
+    its source, files, bytes, tokens and how it was split into train and validation."""
     share = f"{info['val_fraction']:.0%}"
-    head = (
-        f"data: {info['source']}: {info['documents']:,} file(s), {total / 1e6:,.2f} MB = tokens (bytes); "
-        f"train {info['train_tokens']:,} / validation {info['val_tokens']:,} tokens, "
-    )
+    if "tokenizer" in info:  # ids of a tokenizer: bytes and tokens differ
+        nbytes = info["train_bytes"] + info["val_bytes"]
+        tokens = info["train_tokens"] + info["val_tokens"]
+        head = (
+            f"data: {info['source']}: {info['documents']:,} file(s), {nbytes / 1e6:,.2f} MB, {tokens:,} tokens "
+            f"of {info['tokenizer']} ({nbytes / max(tokens, 1):.2f} bytes per token, model vocabulary "
+            f"{info['vocab_size']:,}); train {info['train_tokens']:,} / validation {info['val_tokens']:,} tokens, "
+        )
+    else:
+        total = info["train_tokens"] + info["val_tokens"]
+        head = (
+            f"data: {info['source']}: {info['documents']:,} file(s), {total / 1e6:,.2f} MB = tokens (bytes); "
+            f"train {info['train_tokens']:,} / validation {info['val_tokens']:,} tokens, "
+        )
     if info["split"] == "by-document":
         return head + f"split by file: {info['val_documents']:,} file(s) held out ({share} by name hash)"
     return head + (
@@ -284,10 +295,11 @@ def _file_fingerprint(path: str, size: int, mtime_ns: int, ctime_ns: int) -> str
     return f"{size}:{h.hexdigest()[:32]}"
 
 
-def _memmap(path: Path) -> np.ndarray:
+def memmap_tokens(path: Path, dtype: np.dtype | type = np.uint8) -> np.ndarray:
+    """The tokens of a packed file, read-only and memory-mapped (an empty array for an empty file)."""
     if path.stat().st_size == 0:
-        return np.zeros(0, dtype=np.uint8)
-    return np.memmap(path, dtype=np.uint8, mode="r")
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:

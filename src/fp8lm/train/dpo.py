@@ -32,6 +32,7 @@ from .preference import PairBatch, PairSampler, builtin_pairs, encode_pairs, rea
 from .ranks import barrier, mean_over_ranks
 from .resume import check_state_fits, same_option
 from .run import TrainingRun
+from .tokenizer import recorded_tokenizer
 
 __all__ = ["DPOConfig", "DPORun", "dpo", "finished_run", "SUMMARY_KEYS"]
 
@@ -117,7 +118,9 @@ class DPORun(TrainingRun):
         cfg, ranks, block_size = self.cfg, self.ranks, self.model_config.block_size
         if not ranks.main:
             barrier(ranks)  # rank 0 packs the built-in pairs' corpus; the others then read it
-        weights, self.corpus = self._reference_weights()
+        weights, self.corpus, record = self._reference_weights()
+        self.tokenizer = recorded_tokenizer(record)  # the pretraining run's
+        self.encode = self.tokenizer.encoder() if self.tokenizer.json is not None else None
         self.train_pairs, self.held_out, self.data_info = _preferences(cfg, self.model_config, self.out, self.corpus)
         if ranks.main:
             barrier(ranks)
@@ -126,8 +129,10 @@ class DPORun(TrainingRun):
                 f"{self.data_info['source']}"
                 + (f" (tokens read from {self.data_info['tokens_from']})" if "tokens_from" in self.data_info else "")
             )
-        self.sampler = PairSampler(self.train_pairs, cfg.batch_size // ranks.world, cfg.seed + ranks.rank, block_size)
-        self.val_batches = [encode_pairs(self.held_out[: cfg.batch_size], block_size)]
+        self.sampler = PairSampler(
+            self.train_pairs, cfg.batch_size // ranks.world, cfg.seed + ranks.rank, block_size, self.encode
+        )
+        self.val_batches = [encode_pairs(self.held_out[: cfg.batch_size], block_size, self.encode)]
         self.reference = _reference(self.model_config, weights, cfg.opt_level, self.device)
         self.reference_saved = False
 
@@ -137,13 +142,13 @@ class DPORun(TrainingRun):
         if self.sampler.batches_drawn:
             self.tokens_per_step = self.sampler.tokens_drawn * self.ranks.world / self.sampler.batches_drawn
 
-    def _reference_weights(self) -> tuple[dict, dict | None]:
-        """The reference's weights and the pretraining run's corpus: the starting checkpoint's,
-        or, when resuming, those the run saved, read as any checkpoint is (regular file, plain
-        data, finite, fitting the model)."""
+    def _reference_weights(self) -> tuple[dict, dict | None, dict | None]:
+        """The reference's weights, the pretraining run's corpus and tokenizer (as recorded): the
+        starting checkpoint's, or, when resuming, those the run saved, read as any checkpoint is
+        (regular file, plain data, finite, fitting the model)."""
         if not self.cfg.resume:
             state = load_checkpoint(self.cfg.init_from)
-            return state["model"], _pretraining_corpus(state)
+            return state["model"], _pretraining_corpus(state), state.get("tokenizer")
         saved = load_checkpoint(self.out / "checkpoints" / REFERENCE_FILE)
         config = saved.get("config")
         if not isinstance(config, dict) or any(key not in config for key in _RESUME_KEYS):
@@ -161,7 +166,7 @@ class DPORun(TrainingRun):
                     f"not {getattr(self.cfg, key)}; resume with the same {flag}"
                 )
         corpus = saved.get("corpus")
-        return saved["model"], corpus if isinstance(corpus, dict) else None
+        return saved["model"], corpus if isinstance(corpus, dict) else None, saved.get("tokenizer")
 
     def next_batch(self) -> PairBatch:
         return self.sampler.next()
@@ -200,7 +205,7 @@ class DPORun(TrainingRun):
         try:
             for start in range(0, len(self.held_out), self.cfg.batch_size):
                 chunk = self.held_out[start : start + self.cfg.batch_size]
-                batch = encode_pairs(chunk, self.model_config.block_size).to(self.device)
+                batch = encode_pairs(chunk, self.model_config.block_size, self.encode).to(self.device)
                 yield (len(chunk), *self._dpo_terms(self.core, batch))
         finally:
             self.core.train()
@@ -231,7 +236,12 @@ class DPORun(TrainingRun):
         if self.ranks.main and not self.reference_saved:  # before the first checkpoint, which then implies it
             config = {key: getattr(self.cfg, key) for key in _RESUME_KEYS}
             atomic_torch_save(
-                {"model": self.reference.state_dict(), "config": config, "corpus": self.corpus},
+                {
+                    "model": self.reference.state_dict(),
+                    "config": config,
+                    "corpus": self.corpus,
+                    "tokenizer": self.tokenizer.record(),
+                },
                 self.out / "checkpoints" / REFERENCE_FILE,
             )
             self.reference_saved = True

@@ -28,6 +28,7 @@ from .config import FP8_LEVELS
 from .model import GPT, GPTConfig
 from .reshard import merged_scaling
 from .resume import CHECKPOINT_FORMAT, check_state_fits
+from .tokenizer import RunTokenizer, byte_tokenizer, recorded_tokenizer
 
 __all__ = [
     "read_run_checkpoint",
@@ -39,6 +40,7 @@ __all__ = [
     "llama_state_dict",
     "hf_model",
     "byte_tokenizer",
+    "run_tokenizer",
     "export_run",
     "run_model",
     "run_autocast",
@@ -224,29 +226,9 @@ def hf_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
     return llama_model(weights, cfg) if cfg.arch == "llama" else gpt2_model(weights, cfg)
 
 
-def byte_tokenizer():
-    """A ``tokenizers.Tokenizer`` whose ids 0..255 are the UTF-8 bytes of the text, as fp8lm's
-    byte-level data makes them (`fp8lm.train.data`): a byte-level BPE with no merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character of each byte (the byte-level pre-tokenizer's alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+def run_tokenizer(state: dict) -> RunTokenizer:
+    """The tokenizer checkpoint ``state`` records (bytes for checkpoints that record none)."""
+    return recorded_tokenizer(state.get("tokenizer"))
 
 
 def export_run(
@@ -261,8 +243,9 @@ def export_run(
     state = read_run_checkpoint(path, step)
     cfg = state["model_config"]
     model = hf_model(full_weights(state), cfg)
+    tokenizer = run_tokenizer(state)
     return save_pretrained(
-        model, out, format=format, tokenizer=byte_tokenizer(), readme=_readme(state, format), overwrite=overwrite
+        model, out, format=format, tokenizer=tokenizer.hf, readme=_readme(state, format), overwrite=overwrite
     )
 
 
@@ -286,7 +269,7 @@ def _readme(state: dict, format: str) -> str:
             f"the run `{run.name}`, checkpoint `{checkpoint.name}`, as `{architecture}`.",
             "",
             f"- model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size}, "
-            f"vocabulary {cfg.vocab_size} (UTF-8 bytes)",
+            f"vocabulary {cfg.vocab_size} ({run_tokenizer(state).describe()})",
             f"- format `{format}`: {weights}",
             "",
             "```python",

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..export import ExportError, require_hf
-from .export import byte_tokenizer, read_run_checkpoint, run_autocast, run_model
+from .export import read_run_checkpoint, run_autocast, run_model, run_tokenizer
 
 __all__ = ["Generator", "load_generator", "generate_ids", "next_token", "is_exported_folder"]
 
@@ -100,15 +100,15 @@ def _run_generator(path: str | os.PathLike, step: int | None) -> Generator:
     state = read_run_checkpoint(path, step)
     model = run_model(state)
     autocast = run_autocast(state)
-    tokenizer = byte_tokenizer()
+    tokenizer = run_tokenizer(state)
 
     def next_logits(ids: torch.Tensor) -> torch.Tensor:
-        with autocast:
-            return model(ids[None])[0][0, -1].float()
+        with autocast:  # the padded ids of the vocabulary stand for no text: never chosen
+            return model(ids[None])[0][0, -1, : tokenizer.vocab].float()
 
     return Generator(
         next_logits,
         state["model_config"].block_size,
-        lambda text: tokenizer.encode(text).ids,
-        lambda ids: tokenizer.decode(ids),
+        lambda text: tokenizer.encode(text.encode("utf-8")),
+        tokenizer.decode,
     )

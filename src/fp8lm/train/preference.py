@@ -1,6 +1,7 @@
 """Preference pairs for DPO: reading them, a built-in set, held-out split, batching and sampling.
 
-A pair is a prompt with a chosen and a rejected answer, as bytes (the GPT is byte-level).
+A pair is a prompt with a chosen and a rejected answer, as bytes; `encode_pairs` turns them into
+the model's token ids (the bytes themselves, or the run's tokenizer's ids).
 
 - ``--data PAIRS.jsonl``: one JSON object per line with ``prompt``, ``chosen`` and ``rejected``
   strings (other keys are ignored, blank lines skipped), stored as UTF-8; lines end at ``\n``
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,23 +152,28 @@ class PairBatch:
         return PairBatch(self.inputs.to(device), self.targets.to(device), self.mask.to(device))
 
 
-def _sequence(prompt: bytes, answer: bytes, block_size: int) -> tuple[bytes, int]:
-    """prompt + answer cut to ``block_size + 1`` bytes: the prompt loses its start (one byte stays),
-    then the answer its end. Returns the bytes and where the answer starts."""
+def _sequence(prompt: Sequence[int], answer: Sequence[int], block_size: int) -> tuple[list[int], int]:
+    """prompt + answer (token ids) cut to ``block_size + 1`` tokens: the prompt loses its start (one
+    token stays), then the answer its end. Returns the ids and where the answer starts."""
     keep_prompt = max(1, min(len(prompt), block_size + 1 - len(answer)))
-    seq = (prompt[len(prompt) - keep_prompt :] + answer)[: block_size + 1]
+    seq = ([*prompt[len(prompt) - keep_prompt :]] + [*answer])[: block_size + 1]
     return seq, keep_prompt
 
 
-def encode_pairs(pairs: list[PreferencePair], block_size: int) -> PairBatch:
-    """Pairs as one right-padded batch for a model of ``block_size`` positions."""
-    rows = [_sequence(p.prompt, p.chosen, block_size) for p in pairs]
-    rows += [_sequence(p.prompt, p.rejected, block_size) for p in pairs]
+def encode_pairs(
+    pairs: list[PreferencePair], block_size: int, encode: Callable[[bytes], Sequence[int]] | None = None
+) -> PairBatch:
+    """Pairs as one right-padded batch for a model of ``block_size`` positions; ``encode`` turns
+    a prompt or an answer into token ids (default: its bytes are the ids). The prompt and each
+    answer are encoded on their own."""
+    ids = encode or bytes
+    rows = [_sequence(ids(p.prompt), ids(p.chosen), block_size) for p in pairs]
+    rows += [_sequence(ids(p.prompt), ids(p.rejected), block_size) for p in pairs]
     time = max(len(seq) for seq, _ in rows) - 1
     tokens = torch.zeros(len(rows), time + 1, dtype=torch.int64)
     mask = torch.zeros(len(rows), time, dtype=torch.bool)
     for i, (seq, answer_start) in enumerate(rows):
-        tokens[i, : len(seq)] = torch.frombuffer(bytearray(seq), dtype=torch.uint8)
+        tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
         mask[i, answer_start - 1 : len(seq) - 1] = True  # target t is token t + 1
     return PairBatch(tokens[:, :-1], tokens[:, 1:], mask)
 
@@ -177,16 +184,23 @@ class PairSampler:
     exactly the same batches; ``tokens_drawn`` counts the positions of the batches drawn so far
     (padding included: what the model computes), also across a resume."""
 
-    def __init__(self, pairs: list[PreferencePair], batch_size: int, seed: int, block_size: int) -> None:
+    def __init__(
+        self,
+        pairs: list[PreferencePair],
+        batch_size: int,
+        seed: int,
+        block_size: int,
+        encode: Callable[[bytes], Sequence[int]] | None = None,
+    ) -> None:
         if not pairs:
             raise DataError("no training pairs to sample from")
-        self.pairs, self.batch_size, self.block_size = pairs, batch_size, block_size
+        self.pairs, self.batch_size, self.block_size, self.encode = pairs, batch_size, block_size, encode
         self.generator = torch.Generator().manual_seed(seed)
         self.batches_drawn = self.tokens_drawn = 0
 
     def next(self) -> PairBatch:
         idx = torch.randint(0, len(self.pairs), (self.batch_size,), generator=self.generator)
-        batch = encode_pairs([self.pairs[i] for i in idx.tolist()], self.block_size)
+        batch = encode_pairs([self.pairs[i] for i in idx.tolist()], self.block_size, self.encode)
         self.batches_drawn += 1
         self.tokens_drawn += batch.inputs.numel()
         return batch

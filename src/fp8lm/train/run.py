@@ -55,6 +55,7 @@ from .resume import (
     resume_config,
 )
 from .telemetry_report import telemetry_line
+from .tokenizer import bits_per_byte, recorded_tokenizer, tokenize
 
 __all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
 
@@ -150,6 +151,7 @@ class TrainingRun:
         )
         self.core = self.layout.core(self.model)  # the model itself (this rank's stage): evaluation, memory, telemetry
         self.load_data()
+        self._check_tokenizer(resume)
         self.telemetry = self._telemetry()
         self.fallback = self._fallback() if cfg.fallback else None
         self.start_step, self.torch_skipped_steps = 0, 0
@@ -167,8 +169,10 @@ class TrainingRun:
     def build_model(self) -> nn.Module:
         """The plain model, on the CPU, its weights from ``--init-from`` when given."""
         model = GPT(self.model_config)
+        self.init_tokenizer: dict | None = None  # the tokenizer of --init-from's run
         if self.cfg.init_from:
             init = load_checkpoint(self.cfg.init_from)
+            self.init_tokenizer = init.get("tokenizer")
             if init["model"] is None:
                 raise RunError(
                     f"--init-from {self.cfg.init_from!r} keeps its weights sharded (a --tp/--pp run's checkpoint): "
@@ -189,18 +193,23 @@ class TrainingRun:
 
     def load_data(self) -> None:
         """Sets ``sampler`` (this rank's training batches, with ``state_dict``), ``val_batches``
-        (the fixed validation set) and ``data_info`` (for the summary)."""
+        (the fixed validation set), ``tokenizer`` (the run's `RunTokenizer`) and ``data_info``
+        (for the summary)."""
         cfg, ranks = self.cfg, self.ranks
         source, docs = _documents(cfg)
         if not ranks.main:
-            barrier(ranks)  # rank 0 packs the token cache; the others then read it
-        splits = pack(source, docs, cfg.cache_dir or self.out / "cache", cfg.val_fraction)
+            barrier(ranks)  # rank 0 packs (and tokenizes) the token cache; the others then read it
+        cache = cfg.cache_dir or self.out / "cache"
+        splits = pack(source, docs, cache, cfg.val_fraction)
+        splits, self.tokenizer = tokenize(splits, cfg.tokenizer or "bytes", cfg.vocab_size, cache)
         if ranks.main:
             barrier(ranks)
         seq_len = self.model_config.block_size
         # the ranks of one model replica (tensor- or pipeline-parallel) draw the same batches
         self.sampler = BatchSampler(splits.train, cfg.batch_size // ranks.dp, seq_len, cfg.seed + ranks.dp_rank)
         self.val_batches = eval_batches(splits.val, cfg.eval_batches, cfg.batch_size, seq_len)
+        token_bytes = self.tokenizer.token_bytes()
+        self.val_bytes = sum(float(token_bytes[y.numpy()].sum()) for _, y in self.val_batches)
         self.data_info = splits.info
         if ranks.main:
             progress.write_once(describe(splits.info))
@@ -323,7 +332,10 @@ class TrainingRun:
         for batch in self.val_batches:
             total += self.layout.eval_loss(self.core, batch, self.loss).item()
         self.core.train()
-        return {"val_loss": total / len(self.val_batches)}
+        val_loss = total / len(self.val_batches)
+        tokens = sum(y.numel() for _, y in self.val_batches)
+        # bits per byte of the text the targets stand for: comparable across tokenizers
+        return {"val_loss": val_loss, "val_bits_per_byte": bits_per_byte(val_loss, tokens, self.val_bytes)}
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -408,6 +420,7 @@ class TrainingRun:
             "fallback": self.fallback.state_dict() if self.fallback is not None else None,
             "skipped_steps": self.skipped_steps,
             "config": resume_config(self.cfg),
+            "tokenizer": self.tokenizer.record(),
             "options": self.cfg.options(),  # what --resume takes when the command does not say it
             "layout": layout_options(self.cfg),
             # what the summary needs besides the logs, so that --resume can finish a run killed
@@ -480,6 +493,7 @@ class TrainingRun:
             "tokens": cfg.steps * self.tokens_per_step,
             "train_loss": sum(last) / len(last),  # mean of the last (up to) 10 steps
             "val_loss": records[-1]["val_loss"],
+            "val_bits_per_byte": records[-1].get("val_bits_per_byte"),
             "tokens_per_s": self.timed_steps * self.tokens_per_step / self.train_time,  # steps after the first
             "act_bytes_per_token": self.act_bytes_per_token,
             "bytes_per_param": self.memory["bytes_per_param"],
@@ -517,6 +531,20 @@ class TrainingRun:
             device = torch.device("cuda", torch.cuda.current_device())  # setup() picked LOCAL_RANK's GPU
         return device
 
+    def _check_tokenizer(self, resume: dict | None) -> None:
+        """Refuse to continue a checkpoint (``--resume``, ``--init-from``) of another tokenizer:
+        the same ids would stand for other text."""
+        recorded = {"--resume": resume.get("tokenizer")} if resume is not None else {}
+        if self.cfg.init_from:
+            recorded["--init-from"] = self.init_tokenizer
+        for how, record in recorded.items():
+            theirs = recorded_tokenizer(record)  # checkpoints of older versions record none: bytes
+            if theirs.json != self.tokenizer.json:
+                raise RunError(
+                    f"{how}: the checkpoint's tokenizer ({theirs.describe()}) is not this run's "
+                    f"({self.tokenizer.describe()}); pass the --tokenizer and --vocab-size it was trained with"
+                )
+
     def _telemetry(self) -> Telemetry | None:
         cfg = self.cfg
         if not cfg.telemetry_interval() or cfg.opt_level not in FP8_LEVELS:
@@ -548,6 +576,8 @@ class TrainingRun:
         for folder in (self.out, self.out / "checkpoints"):
             remove_stale_temporaries(folder)
         (self.out / "summary.json").unlink(missing_ok=True)
+        if self.tokenizer.json is not None:  # the run's tokenizer, next to its checkpoints
+            atomic_write_bytes(self.out / "tokenizer.json", self.tokenizer.json.encode("utf-8"))
         keep = self.start_step if self.resumed else None
         self.logs = RunLogs.open(self.out, keep, telemetry=self.telemetry is not None)
 
