@@ -50,6 +50,8 @@ RESUME_KEYS = (
     "data",
     "hf_dataset",
     "val_fraction",
+    "tokenizer",
+    "vocab_size",
     "recipe",
     "exp_avg_sq",
     "fallback",
@@ -350,9 +352,12 @@ def _check_same_data(cfg: TrainConfig, state: dict) -> None:
 
 
 def same_option(key: str, saved, here) -> bool:
-    """Whether option ``key`` has the same value as the run that was saved: ``data`` as the path it
-    names (relative or absolute, the same file), the others as they are."""
-    if key == "data" and saved is not None and here is not None:
+    """Whether option ``key`` has the same value as the run that was saved: ``data`` and a
+    ``tokenizer`` file as the path they name (relative or absolute, the same file), the others as
+    they are."""
+    if key in ("data", "tokenizer") and saved is not None and here is not None:
+        if key == "tokenizer" and ("bytes" in (saved, here) or "bpe" in (saved, here)):
+            return saved == here
         return _normalized_path(saved) == _normalized_path(here)
     return saved == here
 
