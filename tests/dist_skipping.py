@@ -37,7 +37,7 @@ def checks(rank, world, save_dir):
         out["skipped"].append(opt.skipped_steps)
         out["last"].append(opt.last_step_skipped)
     saved = opt.state_dict()
-    out["saved_count"] = int(saved["skipped_steps#int"])
+    out["saved_count"] = int(saved["skipped_steps"])
     fresh_model, fresh = model_and_optimizer()
     fresh.load_state_dict(saved)
     out["loaded_count"] = fresh.skipped_steps

@@ -15,7 +15,7 @@ def batch(rank, step, world):
 
 
 def full_state(opt):
-    return {k: v.clone() for k, v in opt.state_dict().items()}
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state_dict().items()}
 
 
 def weights(model):
@@ -129,7 +129,7 @@ def checks(rank, world, save_dir, load_dir=None):
     except ValueError as e:
         out["foreign_param_error"] = str(e)
     try:
-        opt.load_state_dict({"no.such.param/exp_avg": torch.zeros(1)})
+        opt.load_state_dict({"state.no.such.param.exp_avg": torch.zeros(1)})
     except ValueError as e:
         out["foreign_state_error"] = str(e)
     dist.barrier()

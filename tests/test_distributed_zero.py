@@ -103,7 +103,10 @@ def test_checkpoint_from_two_ranks_loads_on_four(two, four):
     loaded = {k: v for r in four for k, v in r["loaded_state"].items()}
     assert saved.keys() == loaded.keys()
     for k in saved:
-        assert saved[k].dtype == loaded[k].dtype and torch.equal(saved[k], loaded[k]), k
+        if isinstance(saved[k], torch.Tensor):
+            assert saved[k].dtype == loaded[k].dtype and torch.equal(saved[k], loaded[k]), k
+        else:  # param groups' options, the skipped-step count
+            assert saved[k] == loaded[k], k
     for r in four:
         for k, v in two[0]["weights"].items():
             assert torch.equal(r["loaded_weights"][k], v), k

@@ -11,8 +11,7 @@ import torch
 import dist_fsdp_optim as worker
 from dist_launch import run_workers
 from fp8lm.distributed import load_fsdp_checkpoint
-from fp8lm.distributed.checkpoint import CheckpointError
-from fp8lm.distributed.fsdp_checkpoint import PlainDataLoadPlanner
+from fp8lm.distributed.checkpoint import CheckpointError, PlainDataLoadPlanner
 
 TIMEOUT = 600.0  # 2-4 ranks importing torch.distributed's whole stack on a shared 2-core machine
 

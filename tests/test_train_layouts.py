@@ -73,8 +73,10 @@ def drop_last_checkpoint(run) -> None:
         (4, ("--tp", "2", "--pp", "2", "--pp-microbatches", "2")),
         (8, ("--tp", "2", "--pp", "2", "--fsdp", "--pp-microbatches", "2")),
         (4, ("--pp", "2", "--opt-level", "O3", "--pp-microbatches", "2")),
+        (2, ()),
+        (2, ("--opt-level", "O3")),
     ],
-    ids=["tp2", "pp2", "pp2_fsdp", "tp2_pp2", "3d", "pp2_o3"],
+    ids=["tp2", "pp2", "pp2_fsdp", "tp2_pp2", "3d", "pp2_o3", "dp", "zero"],
 )
 def test_a_resumed_run_continues_byte_for_byte(tmp_path, ranks, flags):
     whole, cache = tmp_path / "whole", tmp_path / "cache"
@@ -153,6 +155,23 @@ def test_one_process_checkpoint_resumes_under_tp2(tmp_path, capsys):
     run = resumed_copy(whole, "tp2")
     assert "one process on 1 rank(s) -> tp 2 on 2 rank(s)" in check(train(2, run, cache, "--tp", "2", "--resume"))
     check_close(run, whole, 0.002)
+
+
+def test_fp8_zero_checkpoint_resumes_in_one_process_and_under_pp2(tmp_path, capsys):
+    """O3's checkpoint (FP8 ZeRO shards over 2 ranks, the format of every layout) resumes in one
+    process and as pipeline stages sharded by FP8 ZeRO: the same batches, the same state."""
+    from fp8lm.cli import main
+
+    whole, cache = tmp_path / "zero", tmp_path / "cache"
+    check(train(2, whole, cache, "--opt-level", "O3"))
+    one = resumed_copy(whole, "one_process")
+    assert main(options(one, cache, "--opt-level", "O3", "--resume")) == 0
+    assert "resharded: dp_shard 2 on 2 rank(s) -> one process on 1 rank(s)" in capsys.readouterr().out
+    check_close(one, whole, 0.002)
+    pp2 = resumed_copy(whole, "pp2")
+    proc = train(4, pp2, cache, "--opt-level", "O3", "--pp", "2", "--pp-microbatches", "2", "--resume")
+    assert "-> pp 2 x dp_shard 2 on 4 rank(s)" in check(proc)
+    check_close(pp2, whole, 0.01)
 
 
 def test_tp2_pp2_trains_at_the_baseline_levels_too(tmp_path):

@@ -6,7 +6,7 @@ gradient scaling, `FP8DataParallel`, FP8 ZeRO (opt_level O3) and FSDP2 with FP8 
 from . import comm
 from .accounting import comm_stats, ddp_bytes, reset_comm_stats
 from .autoscale import AutoScaler
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_fsdp_checkpoint, save_checkpoint, save_fsdp_checkpoint
 from .collectives import (
     fp8_all_gather,
     fp8_all_reduce,
@@ -16,7 +16,6 @@ from .collectives import (
 )
 from .data_parallel import FP8DataParallel, broadcast_module
 from .fsdp import fully_shard, precompute_fp8_scales
-from .fsdp_checkpoint import load_fsdp_checkpoint, save_fsdp_checkpoint
 from .mesh import ParallelDims, ParallelMesh
 from .reduction import SCALINGS, FlatLayout, FP8Reduction, LocalScaling, SharedScaling
 from .runtime import is_distributed, rank, setup, shutdown, world_size

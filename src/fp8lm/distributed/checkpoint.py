@@ -1,173 +1,219 @@
-"""Sharded checkpoints of FP8 ZeRO training with `torch.distributed.checkpoint` (DCP).
+"""One checkpoint format for every layout: Distributed Checkpoint (DCP) folders.
 
-The model's state dict (plain dequantized tensors, the same on every rank) is written once; each
-rank writes the optimizer state of the tensors it owns, keyed by parameter name. Loading reads
-each rank's entries by name, so a checkpoint saved on N ranks loads on M: the new partition
-simply picks other names.
+`save_checkpoint` writes a model and its optimizer, laid out in any way (one process, data
+parallel, FP8 ZeRO, FSDP2, tensor or pipeline parallel, their combinations), to one folder; every
+rank calls it and writes what it alone holds (replicated entries are written once).
+`load_checkpoint` reads it back into the same layout; `fp8lm.distributed.reshard` reads it as the
+whole model's tensors and loads those into any other layout or world size.
 
-Loading trusts nothing in the folder. DCP's ``.metadata`` file is a pickle: `CheckpointReader`
-reads it with an unpickler that builds only DCP's metadata classes, and refuses data files named
-outside the folder. Every entry loaded must be a tensor (DCP would read other entries with a
-plain pickle) and finite.
+What is saved, under the whole model's parameter names (torch's ``get_state_dict`` with flattened
+optimizer state: ``state.<name>.<key>``, ``param_groups.<name>.<option>``): the parameters as
+stored (a ScalingTensor keeps its payload and scale: an O2 FP16 weight is FP16 bytes), the
+optimizer state (FP8 and FP16 moments, their scales), the optimizer's skipped-step count, each
+FP8 weight's scale (``weight_scales``, so that loading requantizes exactly) and the row order of
+chunked tensor-parallel layers (``row_chunks``). `FP8ZeroOptimizer` writes its shard in the same
+flat form: each state entry lives on the rank that owns the tensor.
+
+Reading trusts nothing in the folder (`fp8lm.distributed.dcp_reader`): only DCP's metadata
+classes are unpickled, data files must lie inside the folder, non-tensor entries load with
+``torch.load(weights_only=True)``, every tensor must be finite, and everything is read into
+copies and checked before the model or the optimizer changes.
+
+Not in it: the FP8 layers' delayed-scaling state (amax histories, one per rank and not part of the
+model's state dict); save it per rank with `fp8lm.nn.scaling_state_dict` for a bit-exact resume,
+as ``fp8lm train`` does.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
-from pathlib import Path
+from collections import defaultdict
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
+from ..optim import FP8Adam, FP8AdamW, SkipsNonFiniteSteps
+from ..optim.sharded import agree_shard_scales, requantize_to
+from ..optim.state import init_state
+from ..tensor import ScalingTensor
+from .dcp_reader import CheckpointError, CheckpointReader, PlainDataLoadPlanner, check_finite, is_tensor, read_dcp
 from .zero import FP8ZeroOptimizer
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointReader", "CheckpointError", "check_finite"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_fsdp_checkpoint",
+    "load_fsdp_checkpoint",
+    "state_dicts",
+    "set_state_dicts",
+    "CheckpointError",
+    "CheckpointReader",
+    "PlainDataLoadPlanner",
+    "check_finite",
+    "read_dcp",
+    "fill_state",
+    "row_chunked",
+    "weight_scales",
+    "restore_weight_scales",
+]
 
-_MODEL, _OPTIM = "model.", "optim."
-
-# Everything the .metadata pickle of a DCP checkpoint holds besides builtin containers and dtypes.
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("torch.serialization", "_get_layout"),
-}
+SKIPPED = "skipped_steps"  # the optimizer's own counter, which get_state_dict leaves out
+# Param groups flattened to one entry per parameter name: ranks that hold different parameters
+# (pipeline stages, ZeRO owners) would otherwise write different values under one key, and DCP keeps one.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, untrusted, or does not fit the run."""
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts in the checkpoint's form (the live tensors, not
+    copies): flat optimizer keys by parameter name, with the skipped-step count."""
+    if isinstance(optimizer, FP8ZeroOptimizer):
+        return model.state_dict(), optimizer.state_dict()
+    fill_state(optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
+    optim_state[SKIPPED] = getattr(optimizer, SKIPPED, 0)
+    return model_state, optim_state
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) not in _METADATA_GLOBALS and not is_dtype:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
-        return super().find_class(module, name)
+def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    """Load what `state_dicts` returned (this rank's entries) into ``model`` and ``optimizer``."""
+    optim_state = dict(optim_state)
+    skipped = int(optim_state.pop(SKIPPED, 0) or 0)
+    if isinstance(optimizer, FP8ZeroOptimizer):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=OPTIONS)
+    if isinstance(optimizer, SkipsNonFiniteSteps):
+        optimizer.skipped_steps = skipped
 
 
-class CheckpointReader(dcp.FileSystemReader):
-    """DCP's file reader, made unable to run code or read outside its folder: the metadata pickle
-    may only build DCP's metadata classes, and every data file must lie inside the folder
-    (symlinks resolved). Violations raise `CheckpointError`."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        except Exception as e:  # any malformed or hostile pickle
-            raise CheckpointError(f"cannot read sharded checkpoint metadata {str(path)!r}: {_first_line(e)}") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{str(path)!r} is not DCP checkpoint metadata but a {type(metadata).__name__}")
-        metadata.storage_meta = StorageMeta(load_id=self.load_id)  # as DCP's own reader does
-        return metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        root = Path(self.path).resolve()
-        for info in (metadata.storage_data or {}).values():
-            target = (root / info.relative_path).resolve()
-            if target == root or not target.is_relative_to(root):
-                raise CheckpointError(
-                    f"sharded checkpoint {str(root)!r} names the data file {str(info.relative_path)!r} outside its "
-                    "folder: fp8lm did not write it; resume from another checkpoint"
-                )
-        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write ``model`` and ``optimizer``, laid out in any way, to the folder ``path``; every rank
+    calls it (in one process: a folder of one rank)."""
+    model_state, optim_state = state_dicts(model, optimizer)
+    _agree_weight_scales(model)  # after get_state_dict, whose zero step (torch's optimizers) requantizes
+    # which rows a chunked tensor-parallel layer ordered rank by rank (fp8lm.distributed.reshard)
+    chunked = {name: f"{chunks},{tp}" for name, (chunks, tp) in row_chunked(model).items()}
+    state = {"model": model_state, "optim": optim_state, "row_chunks": chunked, "weight_scales": weight_scales(model)}
+    dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not torch.distributed.is_initialized())
+    if isinstance(optimizer, (FP8Adam, FP8AdamW)):
+        optimizer.forget_amaxes()  # the next step as a run resumed from here takes it
+    elif isinstance(optimizer, FP8ZeroOptimizer) and isinstance(optimizer.shard, (FP8Adam, FP8AdamW)):
+        optimizer.shard.forget_amaxes()
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: FP8ZeroOptimizer) -> None:
-    """Write ``model`` and every rank's optimizer shard to the directory ``path`` (all ranks call it)."""
-    _check(optimizer)
-    state = {_MODEL + k: v for k, v in model.state_dict().items()}
-    state.update({_OPTIM + k: v for k, v in optimizer.state_dict().items()})
-    dcp.save(state, checkpoint_id=os.fspath(path))
-
-
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: FP8ZeroOptimizer) -> None:
-    """Load a `save_checkpoint` directory written at any world size (all ranks call it). Raises
-    `CheckpointError` for untrusted content (see the module docstring) or inf/NaN values, before
-    the model or the optimizer changes."""
-    _check(optimizer)
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a `save_checkpoint` folder into ``model`` and ``optimizer`` laid out as when it was
+    saved (DTensor shards may be at another world size: DCP re-shards by offsets; for any other
+    change use `fp8lm.distributed.reshard`); every rank calls it. Raises `CheckpointError` for
+    untrusted or non-finite content before anything changes."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint directory at {path!r}")
+        raise FileNotFoundError(f"no checkpoint folder at {path!r}; pass the folder save_checkpoint wrote")
+    if isinstance(optimizer, FP8ZeroOptimizer):
+        state = _zero_targets(path, model, optimizer)
+    else:
+        model_state, optim_state = state_dicts(model, optimizer)
+        live = {"model": model_state, "optim": optim_state, "weight_scales": weight_scales(model)}
+        # Copies: DCP reads in place, and these state dicts hold the live parameters and state.
+        state = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), live)
+    read_dcp(state, path, PlainDataLoadPlanner(), coordinated=torch.distributed.is_initialized())
+    check_finite(_local_tensors(state), path)
+    set_state_dicts(model, optimizer, state["model"], state["optim"])
+    restore_weight_scales(model, state["weight_scales"])
+
+
+# The names a checkpoint of FSDP2 training was first saved under.
+save_fsdp_checkpoint = save_checkpoint
+load_fsdp_checkpoint = load_checkpoint
+
+
+def _zero_targets(path: str, model: nn.Module, optimizer: FP8ZeroOptimizer) -> dict:
+    """What an FP8 ZeRO rank reads: the whole model, and the optimizer entries of the tensors it
+    owns, shaped as the folder's metadata says (its shards may have been saved at another
+    partition)."""
     metadata = CheckpointReader(path).read_metadata().state_dict_metadata
-    owned = set(optimizer.owned_names())
-    # Fresh buffers: DCP reads in place, and plain parameters' state_dict entries are the parameters.
-    state = {_MODEL + k: torch.empty_like(v) for k, v in model.state_dict().items()}
-    missing = [k for k in state if k not in metadata]
+    state: dict = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}, "optim": {}}
+    state["weight_scales"] = {k: v.clone() for k, v in weight_scales(model).items()}
+    missing = [k for k in state["model"] if f"model.{k}" not in metadata]
     if missing:
-        raise ValueError(f"checkpoint at {path!r} lacks model entries {missing[:5]}: it is from another model")
+        raise CheckpointError(f"checkpoint {path!r} lacks model entries {missing[:3]}: it is from another model")
+    owned = set(optimizer.owned_names())
     for key, meta in metadata.items():
-        owner = key[len(_OPTIM) :].rpartition("/")[0]  # "": the optimizer's own entries (skipped_steps)
-        if key.startswith(_OPTIM) and (owner in owned or not owner):
-            state[key] = torch.empty(meta.size, dtype=meta.properties.dtype) if _is_tensor(meta) else None
-    not_tensors = [k for k in state if not _is_tensor(metadata[k])]
-    if not_tensors:
-        raise CheckpointError(
-            f"sharded checkpoint {path!r} stores {not_tensors[0]!r} as pickled bytes, not a tensor: fp8lm did "
-            "not write it; resume from another checkpoint"
-        )
-    _read(state, path)
-    check_finite(state, path)
-    model.load_state_dict({k[len(_MODEL) :]: v for k, v in state.items() if k.startswith(_MODEL)})
-    optimizer.load_state_dict({k[len(_OPTIM) :]: v for k, v in state.items() if k.startswith(_OPTIM)})
+        part, _, entry = key.partition(".")
+        kind, _, rest = entry.partition(".")
+        name = next((n for n in owned if rest.startswith(n + ".")), None)
+        if part == "optim" and (entry == SKIPPED or (kind in ("state", "param_groups") and name is not None)):
+            state["optim"][entry] = torch.empty(meta.size, dtype=meta.properties.dtype) if is_tensor(meta) else None
+    return state
 
 
-def check_finite(tensors: dict, where: str) -> None:
-    """Refuse (`CheckpointError`) a checkpoint whose floating-point tensors hold inf or NaN: loaded,
-    every later step would be skipped. ``tensors`` maps names to values; non-tensors are ignored."""
-    for name, value in tensors.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-            wide = value.float() if value.element_size() == 1 else value  # isfinite has no float8 kernel
-            if not bool(torch.isfinite(wide).all()):
-                raise CheckpointError(
-                    f"checkpoint {where!r} holds inf or NaN in {name!r}; it cannot resume training: "
-                    "resume from an older checkpoint"
-                )
+def weight_scales(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The scale of every weight stored as a ScalingTensor (one per tensor, its shards agreed), by
+    parameter name: loading the dequantized values alone would pick each shard's scale from its
+    own amax, and the optimizer's next roundings would differ from the run's."""
+    out = {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if isinstance(local, ScalingTensor):
+            out[name] = local.scale.detach().reshape(())
+    return out
 
 
-def _read(state: dict, path: str) -> None:
-    """``dcp.load`` into ``state``, raising a `CheckpointError` of any rank as itself (DCP wraps
-    every rank's failure in one multi-line CheckpointException)."""
-    try:
-        dcp.load(state, storage_reader=CheckpointReader(path))
-    except CheckpointException as e:
-        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
-        if ours:
-            raise ours[0] from None
-        raise
+@torch.no_grad()
+def restore_weight_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> None:
+    """Requantize each ScalingTensor weight (this rank's shard) to its saved scale: exact, the
+    values were stored at that scale."""
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if isinstance(local, ScalingTensor) and name in scales:
+            requantize_to(local.payload, local.scale, scales[name].reshape(local.scale.shape))
 
 
-def _is_tensor(meta) -> bool:
-    return isinstance(meta, TensorStorageMetadata)
+def row_chunked(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (chunks, tensor-parallel size) of rows ordered rank by rank."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, spec in getattr(module, "row_chunks", {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = tuple(spec)
+    return out
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+def fill_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of an fp8lm optimizer its (zero) state, so that ``get_state_dict`` need
+    not take its zero-gradient step, which would requantize the weights."""
+    if not isinstance(optimizer, (FP8Adam, FP8AdamW)):  # torch's optimizers: that step changes nothing
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                init_state(optimizer.state[p], p, group)
 
 
-def _check(optimizer) -> None:
-    if not isinstance(optimizer, FP8ZeroOptimizer):
-        raise TypeError(
-            f"sharded checkpoints are for FP8ZeroOptimizer (opt_level O3), got {type(optimizer).__name__}; "
-            "save other levels with the model's and optimizer's own state_dict()"
-        )
+@torch.no_grad()
+def _agree_weight_scales(model: nn.Module) -> None:
+    """One scale per sharded ScalingTensor weight, so that the checkpoint re-shards at any world
+    size: FP8AdamW keeps them agreed; torch's optimizers (O1) leave each shard its own, and the
+    shards with a finer one are requantized to the smallest (one rounding)."""
+    by_mesh: dict = defaultdict(list)
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else None
+        if isinstance(local, ScalingTensor):
+            by_mesh[p.device_mesh].append((local.payload, local.scale))
+    for mesh, shards in by_mesh.items():
+        agree_shard_scales(shards, mesh)
+
+
+def _local_tensors(tree, prefix: str = "") -> dict:
+    """This rank's part of every tensor in nested dicts and lists, by dotted name."""
+    if isinstance(tree, DTensor):
+        return {prefix: tree.to_local()}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    out = {prefix: tree} if isinstance(tree, torch.Tensor) else {}
+    for key, value in items:
+        out.update(_local_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out

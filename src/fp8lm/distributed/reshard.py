@@ -1,5 +1,6 @@
-"""Resharding a Distributed Checkpoint: read a `save_fsdp_checkpoint` folder written in any
-layout (FSDP2, tensor or pipeline parallel, their combinations, any world size) as the whole
+"""Resharding a Distributed Checkpoint: read a `save_checkpoint` folder written in any layout
+(data parallel, FP8 ZeRO, FSDP2, tensor or pipeline parallel, their combinations, any world
+size, one process) as the whole
 model's full tensors, and load those into a model and optimizer laid out in any other way.
 
 A checkpoint holds every tensor under the parameter names of the whole model, so the full state
@@ -8,7 +9,7 @@ thing does not follow from the offsets: a column-wise tensor-parallel layer that
 blocks (``chunks`` of `FP8ColwiseParallel`: q, k and v in one weight) orders its rows rank by
 rank, and the checkpoint records that (``row_chunks.<name>``: chunks and tensor-parallel size),
 so reading restores the model's row order and loading makes the target's. Everything read goes
-through the same trust checks as `load_fsdp_checkpoint`.
+through the same trust checks as `load_checkpoint`.
 """
 
 from __future__ import annotations
@@ -17,19 +18,16 @@ import os
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..optim import SkipsNonFiniteSteps
-from .checkpoint import CheckpointError, CheckpointReader, check_finite
-from .fsdp_checkpoint import PlainDataLoadPlanner, fill_state, read_dcp, restore_weight_scales, row_chunked
+from .checkpoint import SKIPPED, restore_weight_scales, row_chunked, set_state_dicts, state_dicts
+from .dcp_reader import CheckpointError, CheckpointReader, PlainDataLoadPlanner, check_finite, is_tensor, read_dcp
+from .zero import FP8ZeroOptimizer
 
-__all__ = ["read_full_state", "load_full_state", "row_chunked", "ROW_CHUNKS"]
+__all__ = ["read_full_state", "read_full_weights", "load_full_state", "row_chunked", "ROW_CHUNKS"]
 
 ROW_CHUNKS = "row_chunks."  # checkpoint entries: parameter name -> (chunks, tensor-parallel size)
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # as save_fsdp_checkpoint writes
 
 
 def rows_to_model_order(t: torch.Tensor, chunks: int, tp: int) -> torch.Tensor:
@@ -53,7 +51,7 @@ def read_full_state(path: str | os.PathLike) -> dict:
     metadata = CheckpointReader(path).read_metadata().state_dict_metadata
     state: dict = {}
     for key, meta in metadata.items():
-        state[key] = torch.empty(meta.size, dtype=meta.properties.dtype) if _is_tensor(meta) else None
+        state[key] = torch.empty(meta.size, dtype=meta.properties.dtype) if is_tensor(meta) else None
     read_dcp(state, path, planner=PlainDataLoadPlanner(), coordinated=False)
     check_finite(state, path)
     chunked = {
@@ -69,24 +67,43 @@ def read_full_state(path: str | os.PathLike) -> dict:
     return full
 
 
+def read_full_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The whole model's weights of checkpoint folder ``path`` (any layout), by parameter name, in
+    the model's row order: what ``--init-from``, a DPO reference and an export start from."""
+    return read_full_state(path)["model"]
+
+
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: dict) -> None:
     """Load `read_full_state` output into ``model`` and ``optimizer`` as they are laid out now
     (DTensor shards: each rank takes its part of every full tensor; a pipeline stage: the names
-    it holds). Everything is checked before anything changes."""
+    it holds; FP8 ZeRO: the state of the tensors this rank owns). Everything is checked before
+    anything changes."""
     full = {"model": dict(full["model"]), "optim": dict(full["optim"]), "weight_scales": full.get("weight_scales", {})}
     for name, (chunks, tp) in row_chunked(model).items():
         _reorder(full, name, lambda t, c=chunks, n=tp: rows_to_rank_order(t, c, n))
-    skipped = int(full["optim"].pop("skipped_steps", 0) or 0)
-    fill_state(optimizer)
-    target_model, target_optim = get_state_dict(model, optimizer, options=_OPTIONS)
-    target_optim.pop("skipped_steps", None)
+    target_model, target_optim = state_dicts(model, optimizer)
+    target_optim.pop(SKIPPED, None)
+    if isinstance(optimizer, FP8ZeroOptimizer):
+        # the entries of the tensors this rank owns (its state is empty before the first step)
+        owned = set(optimizer.owned_names())
+        target_optim = {k: v for k, v in full["optim"].items() if k.split(".")[0] in ("state", "param_groups")}
+        target_optim = {k: v for k, v in target_optim.items() if k.partition(".")[2].rpartition(".")[0] in owned}
+        _require_state(owned, target_optim)
     local = {
-        part: _local_parts(target, full[part]) for part, target in (("model", target_model), ("optim", target_optim))
+        "model": _local_parts(target_model, full["model"]),
+        "optim": _local_parts(target_optim, full["optim"]),
     }
-    set_state_dict(model, optimizer, model_state_dict=local["model"], optim_state_dict=local["optim"], options=_OPTIONS)
+    local["optim"][SKIPPED] = full["optim"].get(SKIPPED, 0)
+    set_state_dicts(model, optimizer, local["model"], local["optim"])
     restore_weight_scales(model, full["weight_scales"])
-    if isinstance(optimizer, SkipsNonFiniteSteps):
-        optimizer.skipped_steps = skipped
+
+
+def _require_state(owned: set[str], entries: dict) -> None:
+    """Refuse a full state without optimizer state for a tensor this rank owns (another model)."""
+    have = {k.partition(".")[2].rpartition(".")[0] for k in entries if k.startswith("state.")}
+    missing = sorted(owned - have)
+    if missing:
+        raise CheckpointError(f"the checkpoint holds no optimizer state for {missing[:3]}: it is from another model")
 
 
 def _local_parts(target: dict, full: dict) -> dict:
@@ -125,7 +142,3 @@ def _reorder(full: dict, name: str, fn) -> None:
     for key, value in full["optim"].items():
         if key.startswith(prefix) and isinstance(value, torch.Tensor) and value.shape == weight.shape:
             full["optim"][key] = fn(value)
-
-
-def _is_tensor(meta) -> bool:
-    return isinstance(meta, TensorStorageMetadata)

@@ -228,40 +228,51 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
     def _shard_params(self) -> list[nn.Parameter]:
         return [p for g in self.shard.param_groups for p in g["params"]]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shard keyed by parameter name, ``"<name>/<state key>"`` -> tensor (numbers
-        as 0-d tensors with a ``#int`` / ``#float`` suffix). Every such key lives on exactly one rank, so
-        all ranks' shards together are the whole state, loadable at any world size. The optimizer's own
-        count, ``"skipped_steps#int"``, is the same on every rank."""
+    def state_dict(self) -> dict:
+        """This rank's shard in the flat form of torch's ``get_state_dict`` (what
+        `fp8lm.distributed.save_checkpoint` writes for every optimizer): ``state.<name>.<key>`` and
+        ``param_groups.<name>.<option>`` for each tensor this rank owns, and ``skipped_steps`` (the
+        same on every rank). All ranks' entries together are the whole state, loadable at any world
+        size and by the same optimizer in one process."""
         name_of = dict(zip(map(id, self.params), self.names))
         params = self._shard_params()
-        out: dict[str, torch.Tensor] = {}
+        out: dict = {}
         for index, state in self.shard.state_dict()["state"].items():
             for key, value in state.items():
-                out.update(_encode(f"{name_of[id(params[index])]}/{key}", value))
-        out.update(_encode("skipped_steps", self.skipped_steps))
+                out[f"state.{name_of[id(params[index])]}.{key}"] = value
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self._owner_of[id(p)] == self.rank:
+                    out.update({f"param_groups.{name_of[id(p)]}.{k}": v for k, v in group.items() if k != "params"})
+        out["skipped_steps"] = self.skipped_steps
         return out
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Take the entries for the tensors this rank owns from `state_dict` (the union of the
-        shards saved at any world size; entries of other tensors are ignored)."""
-        by_name: dict[str, dict] = {}
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take the entries of the tensors this rank owns from ``state_dict`` (`state_dict`'s form:
+        the union of the shards saved at any world size, or one process's flat state; entries of
+        tensors other ranks own are ignored) and the param groups' options."""
+        known = set(self.names)
+        states: dict[str, dict] = {}
+        options: dict[str, dict] = {}
         for key, value in state_dict.items():
-            name, _, field = key.rpartition("/")
-            if key == "skipped_steps#int":
+            if key == "skipped_steps":
                 continue  # the optimizer's own count, set once the shard has loaded
-            if name not in self.names:
+            kind, _, entry = key.partition(".")
+            name, _, field = entry.rpartition(".")
+            if kind not in ("state", "param_groups") or name not in known:
                 raise ValueError(f"checkpoint entry {key!r} names no parameter of this model: it is from another model")
-            k, v = _decode(field, value)
-            by_name.setdefault(name, {})[k] = v
+            (states if kind == "state" else options).setdefault(name, {})[field] = value
         name_of = dict(zip(map(id, self.params), self.names))
+        for group in self.param_groups:
+            saved = next((options[name_of[id(p)]] for p in group["params"] if name_of[id(p)] in options), {})
+            group.update({k: v for k, v in saved.items() if k in group})
         sd = self.shard.state_dict()
         sd["state"] = {
-            i: by_name[name_of[id(p)]] for i, p in enumerate(self._shard_params()) if name_of[id(p)] in by_name
+            i: states[name_of[id(p)]] for i, p in enumerate(self._shard_params()) if name_of[id(p)] in states
         }
         self.shard.load_state_dict(sd)
-        if "skipped_steps#int" in state_dict:
-            self.skipped_steps = int(state_dict["skipped_steps#int"])
+        if "skipped_steps" in state_dict:
+            self.skipped_steps = int(state_dict["skipped_steps"])
 
     def owned_names(self) -> list[str]:
         """Names of the parameters whose optimizer state lives on this rank."""
@@ -270,20 +281,3 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _encode(key: str, value) -> dict[str, torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return {key: value}
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"optimizer state {key!r} of type {type(value).__name__} cannot be checkpointed")
-    return {f"{key}#{type(value).__name__}": torch.tensor(value)}
-
-
-def _decode(field: str, value: torch.Tensor):
-    key, _, kind = field.partition("#")
-    if kind == "int":
-        return key, int(value)
-    if kind == "float":
-        return key, float(value)
-    return key, value

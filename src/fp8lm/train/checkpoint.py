@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..distributed.checkpoint import CheckpointError, CheckpointReader, check_finite
+from ..distributed.reshard import read_full_weights
 
 __all__ = [
     "atomic_write_bytes",
@@ -40,6 +41,7 @@ __all__ = [
     "check_regular_file",
     "check_numbers",
     "check_shard_folder",
+    "checkpoint_weights",
     "reading_shards",
     "CheckpointError",
 ]
@@ -312,6 +314,18 @@ def _check_plain_entries(folder: Path, metadata: Metadata) -> None:
             ) from None
         check_finite(dict(_named_values(value, index.fqn)), str(folder))
         check_numbers({index.fqn: value}, str(folder))
+
+
+def checkpoint_weights(state: dict) -> dict[str, torch.Tensor]:
+    """The whole model's weights of checkpoint ``state`` (as `load_checkpoint` returns it): from
+    the file (one process), or read from its shard folder (every distributed layout writes one)."""
+    if state.get("model") is not None:
+        return state["model"]
+    shards = state.get("optimizer_shards")
+    if shards is None:
+        raise CheckpointError(f"checkpoint {state['path']!r} holds no weights; pass one written by fp8lm train")
+    with reading_shards(state):
+        return read_full_weights(Path(state["path"]).parent / shards)
 
 
 @contextlib.contextmanager

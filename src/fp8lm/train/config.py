@@ -268,7 +268,9 @@ class TrainConfig:
         group=_PARALLEL,
         resume="layout",
     )
-    pp_microbatches: int = option(4, "with --pp: micro-batches each step's batch is split into", group=_PARALLEL)
+    pp_microbatches: int = option(
+        4, "with --pp: micro-batches each step's batch is split into", group=_PARALLEL, resume="layout"
+    )
     # FP8 numerics
     telemetry_every: int | None = option(
         None,

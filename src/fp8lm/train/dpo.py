@@ -23,7 +23,7 @@ import torch
 from ..memory import memory_report
 from ..nn import freeze_fp8
 from . import progress
-from .checkpoint import CheckpointError, atomic_torch_save, load_checkpoint
+from .checkpoint import CheckpointError, atomic_torch_save, checkpoint_weights, load_checkpoint
 from .config import FP8_LEVELS, DPOConfig, RunError
 from .data import is_packed, pack, path_documents, stdlib_documents
 from .dpo_loss import DPOTerms, dpo_loss, sequence_logprobs, token_kl
@@ -148,7 +148,7 @@ class DPORun(TrainingRun):
         (regular file, plain data, finite, fitting the model)."""
         if not self.cfg.resume:
             state = load_checkpoint(self.cfg.init_from)
-            return state["model"], _pretraining_corpus(state), state.get("tokenizer")
+            return checkpoint_weights(state), _pretraining_corpus(state), state.get("tokenizer")
         saved = load_checkpoint(self.out / "checkpoints" / REFERENCE_FILE)
         config = saved.get("config")
         if not isinstance(config, dict) or any(key not in config for key in _RESUME_KEYS):

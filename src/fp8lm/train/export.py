@@ -3,7 +3,7 @@
 The checkpoint is read through the run's own trust checks (`load_checkpoint`: regular files,
 finite numbers, a shard folder that fits its metadata; the checkpoint format; weights that fit the
 recorded model), its full weights taken from the file or, for a run that keeps them sharded
-(``--tp``/``--pp``), resharded from its DCP folder (`fp8lm.distributed.reshard.read_full_state`).
+(any distributed layout), resharded from its DCP folder (`fp8lm.train.checkpoint.checkpoint_weights`).
 The GPT becomes the standard architecture it is equal to (`hf_model`: ``GPT2LMHeadModel`` for arch
 gpt, ``LlamaForCausalLM`` for arch llama) and
 the library (`fp8lm.export.save_pretrained`) writes the folder. `run_model` is fp8lm's own model
@@ -19,11 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..distributed.reshard import read_full_state
 from ..export import ExportError, require_hf, save_pretrained
 from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..recipe import DEFAULT_RECIPE, Recipe
-from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, reading_shards
+from .checkpoint import CheckpointError, checkpoint_weights, list_checkpoints, load_checkpoint
 from .config import FP8_LEVELS
 from .model import GPT, GPTConfig
 from .reshard import merged_scaling
@@ -80,14 +79,8 @@ def read_run_checkpoint(path: str | os.PathLike, step: int | None = None) -> dic
 
 def full_weights(state: dict) -> dict[str, torch.Tensor]:
     """The whole model's weights (float32, the GPT's names) of checkpoint ``state``: from the file,
-    or from its shard folder when the file holds none (a ``--tp``/``--pp`` run)."""
-    weights = state["model"]
-    if weights is None:
-        shards = state.get("optimizer_shards")
-        if shards is None:
-            raise CheckpointError(f"checkpoint {state['path']!r} holds no weights; pass one written by fp8lm train")
-        with reading_shards(state):
-            weights = read_full_state(Path(state["path"]).parent / shards)["model"]
+    or from its shard folder (a distributed run's)."""
+    weights = checkpoint_weights(state)
     with torch.device("meta"):
         shape = GPT(state["model_config"])
     check_state_fits(shape, {"model": weights}, repr(state["path"]))

@@ -2,8 +2,8 @@
 ``--tp``/``--pp``/``--fsdp`` or of torchrun's rank count): what changes, and the restore.
 
 The weights and optimizer state are read as the whole model's (`fp8lm.distributed.reshard`) and
-loaded into this run's layout; FP8 ZeRO checkpoints (O3) load at any partition by their own
-loader. Per-rank state follows the model, not the rank: each layer's FP8 scaling history comes
+loaded into this run's layout (FP8 ZeRO's too: each rank takes the state of the tensors it owns).
+Per-rank state follows the model, not the rank: each layer's FP8 scaling history comes
 from a rank that held it; each data-parallel replica continues its batch stream when the number
 of replicas is the same, and starts a new deterministic one (seeded by the replica and the step)
 when it is not; the RNG is rank 0's.
@@ -54,21 +54,15 @@ def saved_dims(state: dict) -> tuple[ParallelDims, bool]:
     return ParallelDims.for_world(world, tp=layout["tp"], pp=layout["pp"], shard=shard), bool(layout["fsdp"])
 
 
-def plan_reshard(state: dict, ranks: Ranks, opt_level: str) -> Reshard | None:
-    """None when ``ranks`` continue the checkpoint's layout as it was; else the `Reshard`, or one
-    clear error for a change that cannot be made."""
+def plan_reshard(state: dict, ranks: Ranks) -> Reshard | None:
+    """None when ``ranks`` continue the checkpoint's layout as it was (the same split, and its
+    state where this layout keeps it: a shard folder under torchrun, the file in one process);
+    else the `Reshard`."""
     saved, fsdp = saved_dims(state)
-    if saved == ranks.dims:  # the same split (FSDP2 or not: one sharded format)
+    sharded = state.get("optimizer_shards") is not None
+    if saved == ranks.dims and sharded == ranks.distributed:
         return None
-    plan = Reshard(saved, ranks.dims, fsdp)
-    zero_saved = opt_level == "O3" and state.get("optimizer_shards") is not None
-    zero_here = opt_level == "O3" and ranks.distributed
-    if zero_saved != zero_here:
-        raise CheckpointError(
-            f"checkpoint {state['path']!r} ({plan.describe()}): O3 keeps its state in FP8 ZeRO shards across ranks "
-            "and whole in one process; resume an O3 run on 2+ ranks from a 2+ rank checkpoint, or 1 from 1"
-        )
-    return plan
+    return Reshard(saved, ranks.dims, fsdp)
 
 
 def full_state_from_file(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

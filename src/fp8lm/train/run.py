@@ -31,6 +31,7 @@ from ..telemetry import Telemetry, worst
 from . import progress
 from .checkpoint import (
     atomic_write_bytes,
+    checkpoint_weights,
     load_checkpoint,
     reading_shards,
     remove_stale_temporaries,
@@ -131,7 +132,7 @@ class TrainingRun:
         self.reshard: Reshard | None = None  # set when resuming in another layout or rank count
         if resume is not None:
             check_resume(cfg, resume, model, self.ranks)
-            self.reshard = plan_reshard(resume, self.ranks, cfg.opt_level)
+            self.reshard = plan_reshard(resume, self.ranks)
         model.to(self.device)
         self.num_params = sum(p.numel() for p in model.parameters())  # the whole model's, before any split
         self.autocast = contextlib.nullcontext() if cfg.opt_level == "fp32" else BF16Autocast(self.device.type)
@@ -173,11 +174,7 @@ class TrainingRun:
         if self.cfg.init_from:
             init = load_checkpoint(self.cfg.init_from)
             self.init_tokenizer = init.get("tokenizer")
-            if init["model"] is None:
-                raise RunError(
-                    f"--init-from {self.cfg.init_from!r} keeps its weights sharded (a --tp/--pp run's checkpoint): "
-                    "start from a checkpoint of a run without --tp/--pp, or --resume that run"
-                )
+            init["model"] = checkpoint_weights(init)  # any layout's: from its shard folder
             check_state_fits(model, init, repr(init["path"]))
             model.load_state_dict({k: init["model"][k] for k in model.state_dict()})
         return model
@@ -465,10 +462,7 @@ class TrainingRun:
         if self.ranks.main:
             progress.write(f"resuming step {step} resharded: {plan.describe()}")
         directory = self.out / "checkpoints"
-        if self.cfg.opt_level == "O3":  # FP8 ZeRO shards load at any partition
-            self.layout.load(directory, state, self.core, self.optimizer)
-        else:
-            load_resharded(directory, state, self.core, self.optimizer, lambda: self._full_state_from_file(state))
+        load_resharded(directory, state, self.core, self.optimizer, lambda: self._full_state_from_file(state))
         own_scaling = scaling_state_dict(self.core)
         load_scaling_state_dict(self.core, merged_scaling(state["ranks"], self.core, own_scaling))
         if plan.same_batches:  # the saved rank of this replica continues its stream

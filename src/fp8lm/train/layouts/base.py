@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ...amp import initialize
-from ...distributed import comm_stats, load_fsdp_checkpoint, save_fsdp_checkpoint
+from ...distributed import comm_stats, load_checkpoint, save_checkpoint
 from ...distributed.accounting import KINDS
 from ...distributed.mesh import ParallelMesh
 from ...grad import clip_grad_norm_
@@ -164,10 +164,10 @@ class Layout:
 
     def load(self, directory: Path, state: dict, model: nn.Module, optimizer) -> None:
         """Load the model's weights and the optimizer state of checkpoint ``state`` (in ``directory``)."""
-        if state["optimizer"] is None:
+        if state["optimizer"] is None:  # unreachable through fp8lm.train.reshard.plan_reshard
             raise CheckpointError(
-                f"checkpoint {state['path']!r} keeps its optimizer state sharded (trained with --fsdp): resume with "
-                "--fsdp under the same torchrun"
+                f"checkpoint {state['path']!r} keeps its state in a shard folder (trained under torchrun): load it "
+                "with fp8lm.distributed.load_checkpoint"
             )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -184,14 +184,14 @@ class Layout:
 
 
 class ShardedCheckpoints:
-    """Checkpoints of a layout whose ranks hold different parts of the state (DTensor shards,
-    pipeline stages): the model and the optimizer in a ``step_<step>.dcp/`` folder (Distributed
-    Checkpoint through ``get_state_dict`` / ``set_state_dict``, parameter names as in the whole
-    model), and no full weights in the checkpoint file (``model`` is None there; FSDP2 adds them)."""
+    """Checkpoints of every distributed layout: the model and the optimizer in a
+    ``step_<step>.dcp/`` folder (`fp8lm.distributed.save_checkpoint`: Distributed Checkpoint,
+    parameter names as in the whole model, each rank writing what it alone holds), and no weights
+    or optimizer state in the checkpoint file (``model`` and ``optimizer`` are None there)."""
 
     def save_shards(self, directory: Path, step: int, model: nn.Module, optimizer) -> str:
         name = shards_name(step)
-        save_fsdp_checkpoint(directory / name, model, optimizer)
+        save_checkpoint(directory / name, model, optimizer)
         return name
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
@@ -205,7 +205,7 @@ class ShardedCheckpoints:
             raise CheckpointError(
                 f"checkpoint {state['path']!r} holds no sharded state: resume it in the layout that wrote it"
             )
-        load_fsdp_checkpoint(directory / state["optimizer_shards"], model, optimizer)
+        load_checkpoint(directory / state["optimizer_shards"], model, optimizer)
         self.after_step(model)  # type: ignore[attr-defined]
 
 

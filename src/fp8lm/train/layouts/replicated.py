@@ -1,6 +1,7 @@
 """Data parallelism with the whole model state on every rank: `FP8DataParallel` (FP8 gradient
 all-reduce) at O1/O2, torch's ``DistributedDataParallel`` (FP32 gradient all-reduce, the
-baseline FP8-LM compares with) at fp32/bf16."""
+baseline FP8-LM compares with) at fp32/bf16. Checkpoints are Distributed Checkpoint folders, as
+every layout's (the replicated state written once)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from torch import nn
 
 from ...amp import initialize
 from ...distributed import FP8DataParallel, ddp_bytes
-from .base import Layout, LayoutSpec
+from .base import Layout, LayoutSpec, ShardedCheckpoints
 
 __all__ = ["ReplicatedLayout"]
 
 
-class ReplicatedLayout(Layout):
+class ReplicatedLayout(ShardedCheckpoints, Layout):
     name = "data parallel"
 
     @classmethod

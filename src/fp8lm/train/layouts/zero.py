@@ -1,26 +1,21 @@
 """FP8 ZeRO (opt_level O3 under torchrun): each data-parallel rank owns whole tensors' master
 weights and moments (`FP8ZeroOptimizer`: FP8 gradient reduce-scatter, FP8 weight all-gather), clips
 by the global norm of the reduced gradients and skips a non-finite step itself; checkpoints keep
-the shards in a ``step_<step>.dcp/`` folder next to the checkpoint file."""
+the shards in a ``step_<step>.dcp/`` folder next to the checkpoint file, in the format of every layout."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from ...amp import initialize
 from ...distributed import FP8ZeroOptimizer
-from ...distributed import load_checkpoint as load_sharded
-from ...distributed import save_checkpoint as save_sharded
-from ..checkpoint import shards_name
-from .base import Layout, LayoutSpec
+from .base import Layout, LayoutSpec, ShardedCheckpoints
 
 __all__ = ["ZeroLayout", "ZeroState"]
 
 
-class ZeroState:
+class ZeroState(ShardedCheckpoints):
     """What FP8 ZeRO changes in a layout: the optimizer state this rank holds is its shard; the
     optimizer reduces, clips (by the global norm) and skips a non-finite step itself; checkpoints
     keep its shards (and the model) in a ``step_<step>.dcp/`` folder."""
@@ -35,17 +30,6 @@ class ZeroState:
         grad_norm = self.clip(model, optimizer, max_norm)
         optimizer.step()
         return grad_norm, bool(optimizer.last_step_skipped)
-
-    def save_shards(self, directory: Path, step: int, model: nn.Module, optimizer: FP8ZeroOptimizer) -> str:
-        name = shards_name(step)
-        save_sharded(directory / name, model, optimizer)
-        return name
-
-    def optimizer_state(self, optimizer: FP8ZeroOptimizer) -> None:
-        return None
-
-    def load(self, directory: Path, state: dict, model: nn.Module, optimizer: FP8ZeroOptimizer) -> None:
-        load_sharded(directory / state["optimizer_shards"], model, optimizer)
 
 
 class ZeroLayout(ZeroState, Layout):
