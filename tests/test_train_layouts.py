@@ -172,6 +172,18 @@ def test_fp8_zero_checkpoint_resumes_in_one_process_and_under_pp2(tmp_path, caps
     proc = train(4, pp2, cache, "--opt-level", "O3", "--pp", "2", "--pp-microbatches", "2", "--resume")
     assert "-> pp 2 x dp_shard 2 on 4 rank(s)" in check(proc)
     check_close(pp2, whole, 0.01)
+    # its weights start another run (--init-from, a DPO reference, an export): read from the shards
+    from fp8lm.train.checkpoint import checkpoint_weights, load_checkpoint
+
+    final = whole / "checkpoints" / f"step_{STEPS:08d}.pt"
+    state = load_checkpoint(final)
+    assert state["model"] is None and state["optimizer"] is None  # all of it in the DCP folder
+    one_process = torch.load(one / "checkpoints" / f"step_{STEPS:08d}.pt", weights_only=True)["model"]
+    assert checkpoint_weights(state).keys() == one_process.keys()
+    init = tmp_path / "init"
+    argv = options(init, cache, "--init-from", str(final), "--steps", "1", "--eval-every", "1", "--save-every", "0")
+    assert main(argv) == 0
+    assert metrics(init)[-1]["val_loss"] == pytest.approx(metrics(whole)[-1]["val_loss"], rel=0.05)
 
 
 def test_tp2_pp2_trains_at_the_baseline_levels_too(tmp_path):
