@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from .hf_model import HFModelConfig
     from .model import GPTConfig
 
 # This module imports no torch (nor any module that does) at import time: the command line's
@@ -148,7 +149,13 @@ class TrainConfig:
     )
     out: str = option("runs/train", "output folder", resume="free")
     # model: a preset, with explicit sizes overriding it
-    model: str = option("small", "size preset", group=_MODEL, choices=MODEL_PRESETS)
+    model: str = option(
+        "small",
+        f"size preset ({', '.join(MODEL_PRESETS)}), or a folder with a Hugging Face config.json (optionally "
+        "safetensors weights and a tokenizer.json): the causal LM transformers builds from it (needs fp8lm[hf])",
+        group=_MODEL,
+        metavar="PRESET|PATH",
+    )
     arch: str = option(
         "gpt",
         "gpt: GPT-2 (LayerNorm, learned positions, GELU, biases); llama: RMSNorm, rotary positions, SwiGLU, "
@@ -302,13 +309,23 @@ class TrainConfig:
     )
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
-    def model_config(self) -> GPTConfig:
+    def model_config(self) -> GPTConfig | HFModelConfig:
+        """The model: a preset of the built-in GPT with the sizes given, its vocabulary the
+        tokenizer's, or the Hugging Face model of a ``--model`` folder."""
+        from .hf_model import folder_model_config, is_model_folder
         from .model import preset
         from .tokenizer import model_vocab_size
 
+        if self.model not in MODEL_PRESETS:
+            if not is_model_folder(self.model):
+                raise RunError(
+                    f"--model {self.model!r} is neither a size preset ({', '.join(MODEL_PRESETS)}) nor a folder "
+                    "holding a Hugging Face config.json; pass one of those"
+                )
+            return folder_model_config(self.model, self.seq_len)
         return preset(
             self.model,
-            vocab_size=model_vocab_size(self.tokenizer or "bytes", self.vocab_size),
+            vocab_size=model_vocab_size(self.tokenizer_spec(), self.vocab_size),
             n_layer=self.n_layer,
             n_head=self.n_head,
             n_embd=self.n_embd,
@@ -317,6 +334,22 @@ class TrainConfig:
             arch=self.arch,
             n_kv_head=self.n_kv_head,
         )
+
+    def model_folder(self) -> str | None:
+        """The ``--model`` folder of a Hugging Face model (None: a preset)."""
+        return None if self.model in MODEL_PRESETS else self.model
+
+    def tokenizer_spec(self) -> str:
+        """What ``--tokenizer`` resolves to: its value; else a ``--model`` folder's tokenizer.json
+        when it has one; else bytes."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        folder = self.model_folder()
+        if folder is not None:
+            from .hf_model import folder_tokenizer
+
+            return folder_tokenizer(folder) or "bytes"
+        return "bytes"
 
     def validate(self) -> None:
         if self.opt_level not in OPT_LEVELS:
@@ -367,17 +400,54 @@ class TrainConfig:
                 f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
                 f"{self.opt_level}) and --telemetry-every >= 1 (got {self.telemetry_every})"
             )
+        self._check_model_folder()
         try:
             model = self.model_config()
         except ValueError as e:  # a bad preset or sizes
             raise RunError(str(e)) from None
+        self._check_vocabulary(model)
         self._check_split(model)
         self._check_memory(model)
 
     def _check_tokenizer(self) -> None:
         from .tokenizer import check_tokenizer_options
 
-        check_tokenizer_options(self.tokenizer or "bytes", self.vocab_size)
+        check_tokenizer_options(self.tokenizer_spec(), self.vocab_size)
+
+    def _check_model_folder(self) -> None:
+        """What a ``--model`` folder does not combine with: the built-in model's sizes, --tp, --pp."""
+        if self.model_folder() is None:
+            return
+        from .hf_model import require_transformers
+
+        require_transformers()
+        sizes = {"--arch": self.arch != "gpt", "--mlp": self.mlp is not None}
+        sizes |= {
+            f"--{n.replace('_', '-')}": getattr(self, n) is not None
+            for n in ("n_layer", "n_head", "n_embd", "n_kv_head")
+        }
+        given = [flag for flag, on in sizes.items() if on]
+        if given:
+            raise RunError(
+                f"--model {self.model!r} takes its architecture and sizes from its config.json: drop {', '.join(given)}"
+            )
+        if self.tp > 1 or self.pp > 1:
+            raise RunError(
+                "--tp and --pp split the built-in models (--arch gpt, llama); train a --model folder with --fsdp "
+                "or data parallelism under torchrun"
+            )
+
+    def _check_vocabulary(self, model: GPTConfig | HFModelConfig) -> None:
+        """The tokenizer's ids fit the model's vocabulary (a --model folder sets its own)."""
+        from .tokenizer import model_vocab_size
+
+        needed = model_vocab_size(self.tokenizer_spec(), self.vocab_size)
+        if needed > model.vocab_size:
+            raise RunError(
+                f"the tokenizer ({self.tokenizer_spec()}, {needed:,} ids padded) does not fit the vocabulary of "
+                f"--model {self.model!r} ({model.vocab_size:,}): pass a smaller --vocab-size or a tokenizer of "
+                "that model"
+            )
 
     def _check_numbers(self) -> None:
         """Each optimization number finite and in its range (nan compares false: refused too)."""
@@ -607,15 +677,15 @@ class DPOConfig(TrainConfig):
     def _memory_fix(self) -> str:
         return "lower --batch-size"
 
-    def model_config(self) -> GPTConfig:
+    def model_config(self) -> GPTConfig | HFModelConfig:
         """The model of the starting checkpoint (of the run's own when resuming)."""
         from .checkpoint import CheckpointError, load_checkpoint
-        from .model import GPTConfig
+        from .hf_model import model_config_from_dict
 
         state = load_checkpoint(self.init_from or Path(self.out) / "checkpoints")
         if "model_config" not in state:
             raise CheckpointError(f"checkpoint {state['path']!r} has no model_config; pass one written by fp8lm train")
-        return GPTConfig.from_dict(state["model_config"])
+        return model_config_from_dict(state["model_config"])
 
 
 def _check_device(name: str) -> None:

@@ -19,6 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..memory import memory_report
 from ..nn import freeze_fp8
@@ -27,7 +28,8 @@ from .checkpoint import CheckpointError, atomic_torch_save, checkpoint_weights, 
 from .config import FP8_LEVELS, DPOConfig, RunError
 from .data import is_packed, pack, path_documents, stdlib_documents
 from .dpo_loss import DPOTerms, dpo_loss, sequence_logprobs, token_kl
-from .model import GPT, GPTConfig
+from .hf_model import HFModelConfig, build_model
+from .model import GPTConfig
 from .preference import PairBatch, PairSampler, builtin_pairs, encode_pairs, read_pairs, split_pairs
 from .ranks import barrier, mean_over_ranks
 from .resume import check_state_fits, same_option
@@ -61,7 +63,7 @@ def _pretraining_corpus(state: dict) -> dict:
     return {"data": options.get("data"), "val_fraction": options.get("val_fraction", 0.05), "caches": caches}
 
 
-def _preferences(cfg: DPOConfig, mcfg: GPTConfig, out: Path, corpus: dict | None):
+def _preferences(cfg: DPOConfig, mcfg: GPTConfig | HFModelConfig, out: Path, corpus: dict | None):
     """(training pairs, held-out pairs, description of the data). Without ``--data`` the built-in
     pairs come from the pretraining run's corpus (``corpus``; None: the default one), read from
     that run's packed tokens where they are (nothing copied), else packed under ``OUT/cache``."""
@@ -90,9 +92,9 @@ def _preferences(cfg: DPOConfig, mcfg: GPTConfig, out: Path, corpus: dict | None
     )
 
 
-def _reference(mcfg: GPTConfig, weights: dict, opt_level: str, device: torch.device) -> GPT:
+def _reference(mcfg: GPTConfig | HFModelConfig, weights: dict, opt_level: str, device: torch.device) -> nn.Module:
     """The frozen reference: E4M3 at the FP8 levels, BF16 at bf16, FP32 at fp32."""
-    model = GPT(mcfg)
+    model = build_model(mcfg)
     model.load_state_dict(weights)
     model.to(device)
     if opt_level in FP8_LEVELS:
@@ -157,7 +159,7 @@ class DPORun(TrainingRun):
                 "start a new run in another --out"
             )
         with torch.device("meta"):  # shapes only: nothing allocated
-            check_state_fits(GPT(self.model_config), saved, repr(saved["path"]))
+            check_state_fits(build_model(self.model_config), saved, repr(saved["path"]))
         for key in _RESUME_KEYS:
             if not same_option(key, config[key], getattr(self.cfg, key)):
                 flag = "--" + key.replace("_", "-")

@@ -24,7 +24,8 @@ from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..recipe import DEFAULT_RECIPE, Recipe
 from .checkpoint import CheckpointError, checkpoint_weights, list_checkpoints, load_checkpoint
 from .config import FP8_LEVELS
-from .model import GPT, GPTConfig
+from .hf_model import HFCausalLM, HFModelConfig, build_model, model_config_from_dict
+from .model import GPTConfig
 from .reshard import merged_scaling
 from .resume import CHECKPOINT_FORMAT, check_state_fits
 from .tokenizer import RunTokenizer, byte_tokenizer, recorded_tokenizer
@@ -71,7 +72,7 @@ def read_run_checkpoint(path: str | os.PathLike, step: int | None = None) -> dic
     if not isinstance(state.get("model_config"), dict):
         raise CheckpointError(f"checkpoint {state['path']!r} has no model_config; pass one written by fp8lm train")
     try:
-        state["model_config"] = GPTConfig.from_dict(state["model_config"])
+        state["model_config"] = model_config_from_dict(state["model_config"])
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint {state['path']!r} records an invalid model: {e}") from None
     return state
@@ -82,7 +83,7 @@ def full_weights(state: dict) -> dict[str, torch.Tensor]:
     or from its shard folder (a distributed run's)."""
     weights = checkpoint_weights(state)
     with torch.device("meta"):
-        shape = GPT(state["model_config"])
+        shape = build_model(state["model_config"])
     check_state_fits(shape, {"model": weights}, repr(state["path"]))
     return {name: weights[name].float() for name in shape.state_dict()}
 
@@ -215,7 +216,12 @@ def llama_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
 
 
 def hf_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
-    """The Hugging Face model equal to ``GPT(cfg)`` with ``weights``: `gpt2_model` or `llama_model`."""
+    """The Hugging Face model equal to ``GPT(cfg)`` with ``weights``: `gpt2_model` or `llama_model`;
+    a ``--model`` folder's run: its own ``transformers`` model (float32, eval mode)."""
+    if isinstance(cfg, HFModelConfig):
+        model = HFCausalLM(cfg)
+        model.load_state_dict(weights, strict=True)
+        return model.hf.eval()
     return llama_model(weights, cfg) if cfg.arch == "llama" else gpt2_model(weights, cfg)
 
 
@@ -243,7 +249,7 @@ def export_run(
 
 
 def _readme(state: dict, format: str) -> str:
-    cfg: GPTConfig = state["model_config"]
+    cfg: GPTConfig | HFModelConfig = state["model_config"]
     checkpoint = Path(state["path"])
     run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
     weights = (
@@ -253,7 +259,10 @@ def _readme(state: dict, format: str) -> str:
         "output head and the rest in BF16"
     )
     recipe = (state.get("config") or {}).get("recipe") or DEFAULT_RECIPE
-    architecture = "LlamaForCausalLM" if cfg.arch == "llama" else "GPT2LMHeadModel"
+    if isinstance(cfg, HFModelConfig):
+        architecture = ", ".join(cfg.hf_config.get("architectures") or [cfg.model_type])
+    else:
+        architecture = "LlamaForCausalLM" if cfg.arch == "llama" else "GPT2LMHeadModel"
     return "\n".join(
         [
             f"# {run.name} (step {state['step']})",
@@ -280,7 +289,7 @@ def run_model(state: dict, weights: dict[str, torch.Tensor] | None = None) -> nn
     level (FP8 layers with the run's recipe and its saved scaling state), in eval mode. Use it
     under `run_autocast`."""
     cfg = state["model_config"]
-    model = GPT(cfg)
+    model = build_model(cfg)
     model.load_state_dict(full_weights(state) if weights is None else weights)
     level = state.get("opt_level")
     if level in FP8_LEVELS:

@@ -39,10 +39,10 @@ from .checkpoint import (
 )
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
 from .data import BatchSampler, describe, eval_batches, hf_documents, pack, path_documents, stdlib_documents
+from .hf_model import build_model
 from .layouts import LayoutSpec, PipelineShape, parallelize
 from .logs import RunLogs, strict_json
 from .measure import saved_tensor_bytes
-from .model import GPT
 from .ranks import barrier, broadcast_from_main, gather_to_main, join, mean_over_ranks
 from .reshard import NEW_STREAM, Reshard, full_state_from_file, load_resharded, merged_scaling, plan_reshard
 from .resume import (
@@ -124,6 +124,7 @@ class TrainingRun:
 
     def _prepare(self, cfg: TrainConfig) -> None:
         resuming = check_output(cfg)
+        self.resuming = resuming  # the checkpoint's weights replace the ones built: no pretrained ones read
         self.device = self._device()
         self.model_config = cfg.model_config()
         torch.manual_seed(cfg.seed)
@@ -168,8 +169,10 @@ class TrainingRun:
     # -- pieces a subclass may override -------------------------------------------------------
 
     def build_model(self) -> nn.Module:
-        """The plain model, on the CPU, its weights from ``--init-from`` when given."""
-        model = GPT(self.model_config)
+        """The plain model, on the CPU, its weights from ``--init-from`` when given (a ``--model``
+        folder's safetensors when it has them, the run starts fresh and not from a checkpoint)."""
+        folder = self.cfg.model_folder() if not (self.resuming or self.cfg.init_from) else None
+        model = build_model(self.model_config, folder)
         self.init_tokenizer: dict | None = None  # the tokenizer of --init-from's run
         if self.cfg.init_from:
             init = load_checkpoint(self.cfg.init_from)
@@ -198,7 +201,7 @@ class TrainingRun:
             barrier(ranks)  # rank 0 packs (and tokenizes) the token cache; the others then read it
         cache = cfg.cache_dir or self.out / "cache"
         splits = pack(source, docs, cache, cfg.val_fraction)
-        splits, self.tokenizer = tokenize(splits, cfg.tokenizer or "bytes", cfg.vocab_size, cache)
+        splits, self.tokenizer = tokenize(splits, cfg.tokenizer_spec(), cfg.vocab_size, cache)
         if ranks.main:
             barrier(ranks)
         seq_len = self.model_config.block_size
