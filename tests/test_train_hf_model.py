@@ -185,15 +185,23 @@ def test_dpo_and_export_of_a_folder_run(folders, tmp_path, email_corpus, token_c
 
 
 @pytest.mark.slow  # two ranks
-def test_fsdp_wraps_the_decoder_layers_and_trains(folders, tmp_path, email_corpus):
+@pytest.mark.parametrize(
+    "layout, options",
+    [
+        ("FSDP2", ["--fsdp", "--opt-level", "O2"]),
+        ("FP8 ZeRO", ["--opt-level", "O3"]),
+        ("data parallel", ["--opt-level", "O2"]),
+    ],
+)
+def test_two_ranks_train_a_folder(folders, tmp_path, email_corpus, layout, options):
     from dist_launch import free_port
 
-    args = ["--model", str(folders / "llama"), "--fsdp", "--opt-level", "O2", "--steps", "4", "--batch-size", "8"]
-    args += ["--seq-len", "32", "--eval-batches", "2", "--data", email_corpus, "--out", str(tmp_path / "run")]
+    args = ["--model", str(folders / "llama"), *options, "--steps", "4", "--batch-size", "8", "--seq-len", "32"]
+    args += ["--eval-batches", "2", "--data", email_corpus, "--out", str(tmp_path / "run")]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     command += [str(free_port()), "-m", "fp8lm.cli", "train", *args, "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["layout"] == "FSDP2" and math.isfinite(summary["val_loss"])
+    assert summary["world_size"] == 2 and summary["layout"] == layout and math.isfinite(summary["val_loss"])
