@@ -216,7 +216,8 @@ class TrainConfig:
     tokenizer: str | None = option(
         None,
         "bytes: the UTF-8 bytes, vocabulary 256; bpe: a byte-level BPE trained on the training split (Hugging "
-        "Face tokenizers, cached with the packed tokens); or the path of a tokenizer.json file (default: bytes)",
+        "Face tokenizers, cached with the packed tokens); or the path of a tokenizer.json file (default: a --model "
+        "folder's tokenizer.json, else bytes)",
         group=_DATA,
         metavar="bytes|bpe|PATH",
     )
