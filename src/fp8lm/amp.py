@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from .formats import FP16, Format
-from .nn import FP8Linear, linear_targets, output_head, replace_modules, replace_parameters
+from .nn import FP8Linear, activation_targets, linear_targets, output_head, replace_modules, replace_parameters
+from .nn.saved import saving_counterpart
 from .policy import FP8_LEVELS, ParamPrecision, Policy, preset
 from .recipe import Recipe, recipe_from
 from .tensor import ScalingTensor, quantize
@@ -57,6 +58,7 @@ def initialize(
     multiple_of: int = 16,
     recipe: Recipe | str | None = None,
     optimizer_options: dict | None = None,
+    activations: str | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` in place to FP8 training at ``opt_level`` and adapt ``optimizer``.
 
@@ -74,12 +76,18 @@ def initialize(
     level's preset. ``recipe``: the `fp8lm.Recipe` (or its name) of every FP8Linear (default
     ``"tensorwise-delayed"``).
     ``optimizer_options`` go to the FP8 optimizer under O2/O3 (e.g. ``{"kernel": "eager"}``).
+    ``activations``: ``"fp8"`` saves the inputs of the norms (``nn.LayerNorm``, RMSNorm), GELU and
+    SwiGLU modules for backward in FP8 (`fp8lm.nn.saved`: those modules are swapped for FP8-saving
+    ones with the same parameters), ``"bf16"`` as the model computes them; default: the policy's
+    (``"bf16"`` in every preset). It sets ``Policy.activations``.
     Returns ``(model, optimizer)``: the model to use (the same object, or the new `FP8Linear` when
     ``model`` itself is an ``nn.Linear`` or ``Conv1D``) and the optimizer to use from now on.
     """
     _check_arguments(model, optimizer, opt_level, optimizer_options)
     recipe = recipe_from(recipe, "initialize")
     policy = _resolve_policy(policy, opt_level)
+    if activations is not None:
+        policy = policy.with_activations(activations)
     layer_options = {"recipe": recipe}
     plan = _build(model, policy, linear_targets(model, module_filter, multiple_of), layer_options)
     model = _apply(model, plan)
@@ -125,6 +133,7 @@ class _Plan:
     """What `initialize` builds before it changes anything of the user's."""
 
     layers: dict[str, FP8Linear] = field(default_factory=dict)  # name -> the layer that replaces it
+    saving: dict[str, nn.Module] = field(default_factory=dict)  # name -> its FP8-saving module (fp8lm.nn.saved)
     param_map: dict[int, nn.Parameter] = field(default_factory=dict)  # id(old parameter) -> new parameter
     precisions: dict[int, ParamPrecision] = field(default_factory=dict)  # id(new parameter) -> formats
     other_params: dict[int, nn.Parameter] = field(default_factory=dict)  # id(old) -> new, outside the layers
@@ -151,6 +160,9 @@ def _build(model: nn.Module, policy: Policy, targets: list[str], layer_options: 
             bias_prec = policy.precision(f"{name}.bias", old.bias, in_linear=False)
             layer.bias = _stored_param(old.bias, bias_prec)
             plan.add(old.bias, layer.bias, bias_prec)
+    if policy.activations == "fp8":
+        for name in activation_targets(model):
+            plan.saving[name] = saving_counterpart(modules[name])
     for name, param in model.named_parameters():
         if id(param) in plan.param_map:
             continue
@@ -165,7 +177,7 @@ def _build(model: nn.Module, policy: Policy, targets: list[str], layer_options: 
 def _apply(model: nn.Module, plan: _Plan) -> nn.Module:
     """Swap in the planned layers and parameters and hook the FP8 gradients; returns the model to
     use (the new layer when the model itself was a linear layer)."""
-    model = replace_modules(model, plan.layers)
+    model = replace_modules(model, {**plan.layers, **plan.saving})
     replace_parameters(model, plan.other_params)
     owner = {id(layer.weight): layer for layer in plan.layers.values()}
     for param in {id(p): p for p in plan.param_map.values()}.values():

@@ -24,6 +24,13 @@ so that its gain and bias grow over training, and per-tensor E4M3 zeroes the gra
 tokens (both measured in docs/training.md). ``preset(level, output_head=False)`` or
 ``policy.without_output_head()`` drops the rule.
 
+Saved activations (``Policy.activations``): ``"bf16"`` (every level's default) leaves what
+autograd saves outside the FP8 linear layers as the model computes it (BF16 or FP32);
+``"fp8"`` stores the norms' and activation functions' inputs in E4M3 with per-row group scales
+(`fp8lm.nn.saved`, which lists what stays in high precision): ``preset("O2").with_activations("fp8")``
+or ``fp8lm.initialize(..., activations="fp8")``. The linear layers' inputs are saved in FP8 at
+every level.
+
 Overrides by module-name pattern (``fnmatch``; matched against module and parameter names, later
 overrides win, also over the output-head rule) change any of it, e.g. put the output head's GEMMs
 back in FP8, or keep it entirely in high precision::
@@ -43,10 +50,12 @@ import torch
 
 from .formats import BF16, E4M3, FP16, FP32, Format, format_of
 
-__all__ = ["ParamPrecision", "Override", "Policy", "preset", "FP8_LEVELS"]
+__all__ = ["ParamPrecision", "Override", "Policy", "preset", "FP8_LEVELS", "ACTIVATIONS"]
 
 # The FP8-LM optimization levels: the opt_level values of fp8lm.initialize.
 FP8_LEVELS = ("O1", "O2", "O3")
+# How activations saved for backward outside the linear layers are stored (Policy.activations).
+ACTIVATIONS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,7 @@ class Policy:
     fp8_gemm: bool = True
     overrides: tuple[Override, ...] = ()
     output_head: Override | None = None  # changes for the output head, before the overrides by name
+    activations: str = "bf16"  # saved activations outside the linear layers: "bf16" (as computed) or "fp8"
 
     def override(self, pattern: str, *, fp8_gemm: bool | None = None, **formats) -> Policy:
         """A copy of this policy with ``pattern`` overridden; ``formats`` are `ParamPrecision`
@@ -127,6 +137,13 @@ class Policy:
         stores them: ``preset("O1").with_linear(weight=fp8lm.FP16)``."""
         changes: dict[str, Any] = dict(_parse_formats(formats, ""))  # master may be None
         return replace(self, linear=replace(self.linear, **changes))
+
+    def with_activations(self, activations: str) -> Policy:
+        """A copy of this policy that saves activations outside the linear layers as
+        ``activations`` says: ``"bf16"`` (as the model computes them) or ``"fp8"`` (module docstring)."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"unknown activations {activations!r}: use one of {', '.join(ACTIVATIONS)}")
+        return replace(self, activations=activations)
 
     def without_output_head(self) -> Policy:
         """A copy of this policy without the output-head rule (the head like every linear layer)."""

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .formats import E4M3, E5M2, Format
+from .nn.checkpoint import is_recomputing
 from .scaling import compute_scale
 from .tensor import ScalingTensor
 
@@ -123,6 +124,8 @@ class Telemetry:
         for name, layer in self.layers.items():
 
             def on_input(module, args, name=name):
+                if is_recomputing():  # activation checkpointing's second forward: recorded once already
+                    return
                 meta = module.input_meta
                 x = args[0]
                 scale = _scale_in_use(module, meta, x, E4M3)

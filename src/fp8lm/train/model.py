@@ -22,12 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn.checkpoint import checkpoint
+from ..nn.saved import RMSNorm, SwiGLU, rms_norm
+
 __all__ = [
     "GPTConfig",
     "GPT",
     "PRESETS",
     "ARCHS",
     "MLP_KINDS",
+    "CHECKPOINTING",
     "preset",
     "RMSNorm",
     "rms_norm",
@@ -37,6 +41,8 @@ __all__ = [
 
 ARCHS = ("gpt", "llama")
 MLP_KINDS = ("gelu", "swiglu")
+# activation checkpointing (`GPT.checkpoint_blocks`), as torchtitan names its modes
+CHECKPOINTING = ("none", "selective", "full")
 # what each architecture has unless told otherwise: (mlp, bias)
 _ARCH_DEFAULTS = {"gpt": ("gelu", True), "llama": ("swiglu", False)}
 
@@ -133,24 +139,6 @@ def preset(name: str, **overrides) -> GPTConfig:
     return GPTConfig.from_dict(base)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, computed in at least FP32."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square normalization with a learned per-channel gain (no mean, no bias)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 def rope_angles(
     t: int, head_dim: int, theta: float, device: torch.device | None = None, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,15 +212,11 @@ class MLP(nn.Module):
         # SwiGLU's gate and up projections are one GEMM (one FP8 layer), split afterwards.
         self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        # modules, not functional calls, so that fp8lm.initialize(activations="fp8") can swap them
+        self.act = SwiGLU() if self.swiglu else nn.GELU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return self.c_proj(h)
+        return self.c_proj(self.act(self.c_fc(x)))
 
 
 def embed(wte: nn.Embedding, wpe: nn.Embedding | None, idx: torch.Tensor) -> torch.Tensor:
@@ -257,8 +241,14 @@ class Block(nn.Module):
         self.ln_2 = _norm(cfg)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.checkpointed = False  # activation checkpointing (GPT.checkpoint_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self.body, x, scaling=self)
+        return self.body(x)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln_1(x)))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
@@ -289,6 +279,16 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    def checkpoint_blocks(self, mode: str) -> None:
+        """Activation checkpointing (`fp8lm.nn.checkpoint`: FP8 casts recomputed bit for bit):
+        ``"none"``; ``"selective"``, every other block (the 2nd, 4th, ...: torchtitan's
+        layer-selective checkpointing at frequency 2), so half the blocks keep only their input
+        for backward; ``"full"``, every block."""
+        if mode not in CHECKPOINTING:
+            raise ValueError(f"unknown activation checkpointing {mode!r}: use one of {', '.join(CHECKPOINTING)}")
+        for i, block in enumerate(self.blocks):
+            block.checkpointed = mode == "full" or (mode == "selective" and i % 2 == 1)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
