@@ -111,3 +111,21 @@ def test_bad_arguments():
         fp8lm.memory_report(torch.zeros(3))
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         fp8lm.memory_report(nn.Linear(2, 2), optimizer={"state": {}})
+
+
+def test_peak_memory_follows_storages_until_they_are_freed():
+    from fp8lm.memory import PeakMemory
+
+    with PeakMemory("cpu", baseline=100) as peak:
+        a = torch.empty(1000)  # 4000 bytes
+        del a
+        b = torch.empty(500)  # 2000: a's bytes are free again
+        b.view(2, 250).add_(1)  # views and in-place ops allocate nothing
+        c = fp8lm.quantize(torch.ones(64))  # a temporary 256 (freed) and its payload and scale
+    assert peak.peak == 4000 and peak.total == 4100
+    del b, c
+    x = torch.randn(1000, requires_grad=True)
+    with PeakMemory("cpu") as peak:
+        y = x * 2  # 4000, kept for sin's backward
+        y.sin().sum().backward()  # at most y, cos(y) and the gradient grad * cos(y) at once
+    assert 12000 <= peak.peak <= 12016  # and the loss and its gradient

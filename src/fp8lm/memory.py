@@ -1,4 +1,5 @@
-"""`memory_report`: the real storage bytes of a model's training state, by kind.
+"""`memory_report`: the real storage bytes of a model's training state, by kind; `PeakMemory`:
+the most bytes that tensors held at once while a block of code ran.
 
 Counts what is allocated, not what the dtypes suggest: a ScalingTensor contributes its payload's
 storage (and its scale, under ``scales``), and every storage is counted once, however many tensors
@@ -10,14 +11,18 @@ the whole model's parameter count.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .scaling import ScalingMeta
 from .tensor import ScalingTensor
 
-__all__ = ["memory_report", "REPORT_KEYS"]
+__all__ = ["memory_report", "REPORT_KEYS", "PeakMemory"]
 
 # Kinds of storage, in the order of the report. ``buffers``: module buffers and other tensors a
 # module holds as attributes; ``other``: optimizer state that is none of the named kinds (e.g. the
@@ -97,3 +102,92 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     report["num_params"] = sum(p.numel() for p in params)
     report["bytes_per_param"] = report["total"] / max(report["num_params"], 1)
     return report
+
+
+def _plain_storages(t: torch.Tensor):
+    """The plain storages under ``t``: a wrapper subclass (a ScalingTensor, a DTensor) is those of
+    its inner tensors."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _plain_storages(inner)
+        return
+    if t.device.type != "meta":
+        yield t.untyped_storage()
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Counts the bytes of the storages that ops create (an op's outputs that alias none of its
+    inputs) for as long as they live, and the most at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._tracked: dict[int, weakref.finalize] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(s) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for s in _plain_storages(t)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                for storage in _plain_storages(t):
+                    key = id(storage)
+                    if key not in inputs and key not in self._tracked:
+                        nbytes = storage.nbytes()
+                        self._tracked[key] = weakref.finalize(storage, self._free, key, nbytes)
+                        self.live += nbytes
+                        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._tracked.pop(key, None)
+        self.live -= nbytes
+
+    def stop(self) -> None:
+        for finalizer in self._tracked.values():
+            finalizer.detach()
+        self._tracked.clear()
+
+
+class PeakMemory:
+    """Context manager: ``peak``, the most bytes that tensors allocated inside the block held at
+    once, and ``total``, that plus what was allocated before it (``baseline`` bytes, given).
+
+    On CUDA from the caching allocator's statistics (``torch.cuda.max_memory_allocated``, which
+    counts everything allocated on the device: ``total`` is the device's peak and ``baseline`` is
+    not used). Elsewhere, where there are no allocator statistics, a dispatch mode follows every
+    storage an op creates until it is freed: a kernel's scratch memory inside one op, storages
+    resized in place (FSDP2 frees its gathered parameters so) and allocations on other threads
+    are not seen; it slows the block down, so time nothing under it."""
+
+    def __init__(self, device: torch.device | str, baseline: int = 0) -> None:
+        self.device = torch.device(device)
+        self.baseline = baseline
+        self.peak = 0
+        self.total = 0
+        self._mode: _LiveStorages | None = None
+        self._start = 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._mode = _LiveStorages()
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mode is None:
+            torch.cuda.synchronize(self.device)
+            self.total = torch.cuda.max_memory_allocated(self.device)
+            self.peak = self.total - self._start
+            return
+        self._mode.__exit__(*exc)
+        self._mode.stop()
+        self.peak = self._mode.peak
+        self.total = self.baseline + self.peak
+        self._mode = None

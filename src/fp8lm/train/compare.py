@@ -45,6 +45,8 @@ def _level_config(cfg: TrainConfig, level: str, out: Path) -> TrainConfig:
         grad_sync_scaling=cfg.grad_sync_scaling if level in FP8_DATA_PARALLEL_LEVELS else "local",
         # the FP8 recipe goes to the FP8 runs alone
         recipe=cfg.recipe if level in FP8_LEVELS else DEFAULT_RECIPE,
+        # and so do FP8-saved activations
+        activations=cfg.activations if level in FP8_LEVELS else "bf16",
     )
     if cfg.resume:  # a level that had not started yet when the comparison stopped starts now
         run.resume = bool(list_checkpoints(Path(run.out) / "checkpoints"))
@@ -94,6 +96,7 @@ def _rows(summaries: dict) -> dict:
             "train_loss": s["train_loss"],
             "bytes_per_param": s["bytes_per_param"],
             "act_bytes_per_token": s["act_bytes_per_token"],
+            "peak_step_bytes": s.get("peak_step_bytes"),
             "tokens_per_s": s["tokens_per_s"],
             "skipped_steps": s["skipped_steps"],
         }
@@ -158,6 +161,7 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
             for key in ("val_loss", "train_loss", "bytes_per_param", "act_bytes_per_token", "tokens_per_s")
         }
         bits = [r.get("val_bits_per_byte") for r in seed_rows.values()]
+        peaks = [r.get("peak_step_bytes") for r in seed_rows.values()]
         rows[level] = {
             "val_loss": means["val_loss"],
             "val_bits_per_byte": statistics.fmean(bits) if None not in bits else None,
@@ -169,6 +173,7 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
             "train_loss": means["train_loss"],
             "bytes_per_param": means["bytes_per_param"],
             "act_bytes_per_token": means["act_bytes_per_token"],
+            "peak_step_bytes": statistics.fmean(peaks) if None not in peaks else None,  # type: ignore[type-var]
             "tokens_per_s": means["tokens_per_s"],
             "skipped_steps": sum(r["skipped_steps"] for r in seed_rows.values()),
         }

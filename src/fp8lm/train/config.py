@@ -48,6 +48,8 @@ DEFAULT_RECIPE = "tensorwise-delayed"  # fp8lm.recipe.DEFAULT_RECIPE
 MODEL_PRESETS = ("tiny", "small", "base", "gpt2")  # fp8lm.train.model.PRESETS
 MLP_KINDS = ("gelu", "swiglu")  # fp8lm.train.model.MLP_KINDS
 ARCHS = ("gpt", "llama")  # fp8lm.train.model.ARCHS
+ACTIVATIONS = ("bf16", "fp8")  # fp8lm.policy.ACTIVATIONS
+CHECKPOINTING = ("none", "selective", "full")  # fp8lm.train.model.CHECKPOINTING
 
 OPT_LEVELS = ("fp32", "bf16", *FP8_LEVELS)  # the two baselines, then fp8lm's levels
 SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
@@ -200,6 +202,14 @@ class TrainConfig:
         choices=SECOND_MOMENT_FORMATS,
         type=str.upper,
     )
+    activation_checkpointing: str = option(
+        "none",
+        "recompute activations in backward instead of keeping them: selective, every other block (the 2nd, "
+        "4th, ...); full, every block (FP8 casts recomputed bit for bit: the same training)",
+        group=_OPTIM,
+        choices=CHECKPOINTING,
+        resume="free",
+    )
     seed: int = option(1337, "seed of the weights and the batch order", group=_OPTIM)
     device: str | None = option(
         None, "cpu, cuda, cuda:1, ... (default: cuda when available)", group=_OPTIM, resume="free"
@@ -302,6 +312,14 @@ class TrainConfig:
         group=_NUMERICS,
         choices=RECIPE_NAMES,
     )
+    activations: str = option(
+        "bf16",
+        "FP8 levels: how the norms' and activation functions' inputs are saved for backward: bf16, as "
+        "computed; fp8, in E4M3 with a scale per token and 128 features (the linear layers' inputs are FP8 "
+        "at every FP8 level)",
+        group=_NUMERICS,
+        choices=ACTIVATIONS,
+    )
     fallback: bool = option(
         False,
         "move a layer to BF16 while its telemetry shows too much underflow or saturation, and back "
@@ -375,6 +393,7 @@ class TrainConfig:
         if self.amp_options and self.opt_level not in FP8_LEVELS:
             raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
         self._check_recipe()
+        self._check_activations()
         self._check_tokenizer()
         if self.exp_avg_sq is not None:
             if self.opt_level not in FP8_OPTIMIZER_LEVELS:
@@ -557,6 +576,24 @@ class TrainConfig:
         if "recipe" in self.amp_options:
             raise RunError(f"--recipe {self.recipe} and the fp8lm.initialize option recipe: pass one of them")
 
+    def _check_activations(self) -> None:
+        if self.activations not in ACTIVATIONS:
+            raise RunError(f"unknown --activations {self.activations!r}: use one of {', '.join(ACTIVATIONS)}")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise RunError(
+                f"unknown --activation-checkpointing {self.activation_checkpointing!r}: use one of "
+                f"{', '.join(CHECKPOINTING)}"
+            )
+        if self.activations == "bf16":
+            return
+        if self.opt_level not in FP8_LEVELS:
+            raise RunError(
+                f"--activations fp8 sets how the FP8 levels ({'/'.join(FP8_LEVELS)}) save activations (this run is "
+                f"{self.opt_level}); drop it or pick an FP8 level"
+            )
+        if "activations" in self.amp_options:
+            raise RunError("--activations fp8 and the fp8lm.initialize option activations: pass one of them")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -586,6 +623,8 @@ class TrainConfig:
         options = dict(self.amp_options)
         if self.recipe != DEFAULT_RECIPE:
             options["recipe"] = Recipe.from_name(self.recipe)
+        if self.activations != "bf16":
+            options["activations"] = self.activations
         if self.exp_avg_sq is not None:
             policy = {**options.get("policy", {}), "*": {"exp_avg_sq": self.exp_avg_sq.upper()}}
             options["policy"] = policy

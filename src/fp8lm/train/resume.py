@@ -53,6 +53,7 @@ RESUME_KEYS = (
     "tokenizer",
     "vocab_size",
     "recipe",
+    "activations",
     "exp_avg_sq",
     "fallback",
 )

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..distributed import ddp_bytes, reset_comm_stats
 from ..fallback import PrecisionFallback
-from ..memory import memory_report
+from ..memory import PeakMemory, memory_report
 from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..ops.gemm import CPUBF16Linear
 from ..optim import SkipsNonFiniteSteps
@@ -129,6 +129,7 @@ class TrainingRun:
         self.model_config = cfg.model_config()
         torch.manual_seed(cfg.seed)
         model = self.build_model()
+        self._checkpoint_blocks(model)
         resume = load_checkpoint(self.out / "checkpoints") if resuming else None
         self.reshard: Reshard | None = None  # set when resuming in another layout or rank count
         if resume is not None:
@@ -165,6 +166,7 @@ class TrainingRun:
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.model_config.block_size
         self.logs: RunLogs | None = None
         self.act_bytes_per_token: float | None = None  # measured after the last step
+        self.peak_step_bytes: int | None = None  # measured during the last step
 
     # -- pieces a subclass may override -------------------------------------------------------
 
@@ -238,20 +240,26 @@ class TrainingRun:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         reset_comm_stats()
-        with self.telemetry.step(step) if self.telemetry else contextlib.nullcontext():
-            loss_sum = self.forward_backward()
-        records = self.telemetry.after_backward() if self.telemetry else []
-        grad_norm = self.optimizer_step()
+        done = step + 1
+        peak = self._peak_memory() if done == cfg.steps else None  # the last step's, measured
+        with peak if peak is not None else contextlib.nullcontext():
+            with self.telemetry.step(step) if self.telemetry else contextlib.nullcontext():
+                loss_sum = self.forward_backward()
+            records = self.telemetry.after_backward() if self.telemetry else []
+            grad_norm = self.optimizer_step()
+        if peak is not None:
+            self.peak_step_bytes = peak.total
         if self.telemetry:
             records += self.telemetry.after_optimizer_step()
         step_bytes = self.layout.comm_bytes(self.model, self.num_params)
         counted = self.layout.counted_comm(self.model)
-        done = step + 1
         if done == cfg.steps:  # training state at its fullest: weights, gradients, moments
             self.memory = memory_report(self.core, self.layout.local_optimizer(self.optimizer))
         self.optimizer.zero_grad(set_to_none=True)
         train_loss = float(mean_over_ranks(loss_sum, self.ranks)) / cfg.grad_accum
-        if step > self.start_step or done == cfg.steps:
+        # the first step compiles and warms up; a step measured off the GPU runs slower
+        slowed = peak is not None and self.device.type != "cuda" and self.timed_steps > 0
+        if (step > self.start_step or done == cfg.steps) and not slowed:
             self.timed_steps += 1
             self.train_time += time.perf_counter() - t0
         record = {
@@ -493,6 +501,7 @@ class TrainingRun:
             "val_bits_per_byte": records[-1].get("val_bits_per_byte"),
             "tokens_per_s": self.timed_steps * self.tokens_per_step / self.train_time,  # steps after the first
             "act_bytes_per_token": self.act_bytes_per_token,
+            "peak_step_bytes": self.peak_step_bytes,  # rank 0's
             "bytes_per_param": self.memory["bytes_per_param"],
             "memory": self.memory,  # rank 0's share under O3
             "skipped_steps": self.skipped_steps,
@@ -521,6 +530,24 @@ class TrainingRun:
         return saved / self.batch_tokens(batch)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _checkpoint_blocks(self, model: nn.Module) -> None:
+        """--activation-checkpointing on the model's blocks."""
+        mode = self.cfg.activation_checkpointing
+        if hasattr(model, "checkpoint_blocks"):
+            model.checkpoint_blocks(mode)
+        elif mode != "none":
+            raise RunError(
+                f"--activation-checkpointing {mode} checkpoints fp8lm's GPT blocks; this model "
+                f"({type(model).__name__}) has none: drop the option"
+            )
+
+    def _peak_memory(self) -> PeakMemory:
+        """The measurement of a step's peak memory: on the GPU the allocator's; elsewhere the
+        training state before the step (`memory_report`: weights, optimizer state, buffers) plus
+        the most that the step's tensors hold at once (`fp8lm.memory.PeakMemory`)."""
+        before = memory_report(self.core, self.layout.local_optimizer(self.optimizer))["total"]
+        return PeakMemory(self.device, baseline=before)
 
     def _device(self) -> torch.device:
         device = torch.device(self.cfg.device or default_device())

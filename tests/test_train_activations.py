@@ -1,0 +1,69 @@
+"""`fp8lm train --activations fp8 --activation-checkpointing ...`: the options, their refusals, what
+`compare` passes on, and the summary's activation and peak-memory figures."""
+
+import sysconfig
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fp8lm.train.compare import _level_config
+from fp8lm.train.config import RunError, TrainConfig
+from fp8lm.train.loop import train
+from fp8lm.train.report import read_metrics
+
+EMAIL = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
+TINY = dict(model="tiny", batch_size=4, seq_len=32, eval_every=3, eval_batches=2, progress=False, lr=1e-2, data=EMAIL)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tokens"))
+
+
+def test_options_reach_initialize_and_are_refused_where_they_do_not_apply():
+    cfg = TrainConfig(opt_level="O2", activations="fp8", activation_checkpointing="selective")
+    cfg.validate()
+    assert cfg.initialize_options() == {"activations": "fp8"}
+    assert TrainConfig(opt_level="O2").initialize_options() == {}
+    TrainConfig(opt_level="bf16", activation_checkpointing="full").validate()  # any level checkpoints
+    for bad, message in [
+        (TrainConfig(opt_level="bf16", activations="fp8"), "--activations fp8 sets how the FP8 levels"),
+        (TrainConfig(opt_level="O2", activations="fp4"), "unknown --activations 'fp4'"),
+        (TrainConfig(opt_level="O2", activation_checkpointing="half"), "unknown --activation-checkpointing 'half'"),
+        (
+            TrainConfig(opt_level="O1", activations="fp8", amp_options={"activations": "fp8"}),
+            "pass one of them",
+        ),
+    ]:
+        with pytest.raises(RunError, match=message):
+            bad.validate()
+
+
+def test_compare_gives_fp8_activations_to_the_fp8_levels_alone(tmp_path):
+    cfg = TrainConfig(activations="fp8", activation_checkpointing="full")
+    runs = {level: _level_config(cfg, level, tmp_path) for level in ("fp32", "bf16", "O1", "O2")}
+    assert {level: r.activations for level, r in runs.items()} == {
+        "fp32": "bf16",
+        "bf16": "bf16",
+        "O1": "fp8",
+        "O2": "fp8",
+    }
+    assert all(r.activation_checkpointing == "full" for r in runs.values())
+    for run in runs.values():
+        run.validate()
+
+
+def test_fp8_activations_and_checkpointing_in_a_run(tmp_path, cache):
+    base = TrainConfig(**TINY, opt_level="O2", steps=3, cache_dir=cache, out=str(tmp_path / "plain"))
+    plain = train(base)
+    fp8 = train(replace(base, activations="fp8", out=str(tmp_path / "fp8")))
+    full = train(replace(base, activations="fp8", activation_checkpointing="full", out=str(tmp_path / "full")))
+    assert fp8["act_bytes_per_token"] < 0.85 * plain["act_bytes_per_token"]
+    assert full["act_bytes_per_token"] < 0.6 * fp8["act_bytes_per_token"]
+    # checkpointing recomputes bit for bit: the same training
+    assert read_metrics(tmp_path / "fp8" / "metrics.jsonl") == read_metrics(tmp_path / "full" / "metrics.jsonl")
+    for s in (plain, fp8, full):
+        assert s["peak_step_bytes"] > s["memory"]["total"] - s["memory"]["gradients"]
+    assert full["peak_step_bytes"] < fp8["peak_step_bytes"] < plain["peak_step_bytes"]
+    assert full["config"]["activations"] == "fp8" and full["config"]["activation_checkpointing"] == "full"
