@@ -1,5 +1,6 @@
 """Every distributed layout checkpoints and resumes: `fp8lm train` under `--tp 2`, `--pp 2`,
-`--pp 2 --fsdp`, `--pp 2` at O3 (FP8 ZeRO per stage) and `--tp 2 --pp 2` (4 ranks) and 3-D (`--tp 2 --pp 2 --fsdp`, 8 ranks), with its
+`--pp 2 --fsdp`, `--pp 2` at O3 (FP8 ZeRO per stage), `--tp 2 --pp 2` (4 ranks), 3-D (`--tp 2 --pp 2 --fsdp`, 8 ranks),
+data parallel, FP8 ZeRO, and O3 under `--tp 2` and `--tp 2 --pp 2`, with its
 last checkpoint deleted and resumed from the one before,
 writes the uninterrupted run's metrics byte for byte; and a checkpoint of one layout resumes in
 another (resharded)."""
@@ -75,8 +76,10 @@ def drop_last_checkpoint(run) -> None:
         (4, ("--pp", "2", "--opt-level", "O3", "--pp-microbatches", "2")),
         (2, ()),
         (2, ("--opt-level", "O3")),
+        (4, ("--tp", "2", "--opt-level", "O3")),
+        (4, ("--tp", "2", "--pp", "2", "--opt-level", "O3", "--pp-microbatches", "2")),
     ],
-    ids=["tp2", "pp2", "pp2_fsdp", "tp2_pp2", "3d", "pp2_o3", "dp", "zero"],
+    ids=["tp2", "pp2", "pp2_fsdp", "tp2_pp2", "3d", "pp2_o3", "dp", "zero", "tp2_o3", "tp2_pp2_o3"],
 )
 def test_a_resumed_run_continues_byte_for_byte(tmp_path, ranks, flags):
     whole, cache = tmp_path / "whole", tmp_path / "cache"
@@ -184,6 +187,22 @@ def test_fp8_zero_checkpoint_resumes_in_one_process_and_under_pp2(tmp_path, caps
     argv = options(init, cache, "--init-from", str(final), "--steps", "1", "--eval-every", "1", "--save-every", "0")
     assert main(argv) == 0
     assert metrics(init)[-1]["val_loss"] == pytest.approx(metrics(whole)[-1]["val_loss"], rel=0.05)
+
+
+def test_tp2_o3_checkpoint_resumes_in_one_process(tmp_path, capsys):
+    """O3 under --tp 2 (FP8 ZeRO over the tensor-parallel parts, one scale per FP8 weight) against
+    one process, and its checkpoint resumed there: the same batches, the same state."""
+    from fp8lm.cli import main
+
+    whole, cache = tmp_path / "tp2_o3", tmp_path / "cache"
+    check(train(2, whole, cache, "--tp", "2", "--opt-level", "O3"))
+    alone = tmp_path / "alone"
+    assert main(options(alone, cache, "--opt-level", "O3")) == 0
+    assert metrics(whole)[-1]["val_loss"] == pytest.approx(metrics(alone)[-1]["val_loss"], rel=0.002)
+    one = resumed_copy(whole, "one_process")
+    assert main(options(one, cache, "--opt-level", "O3", "--resume")) == 0
+    assert "resharded: tp 2 on 2 rank(s) -> one process on 1 rank(s)" in capsys.readouterr().out
+    check_close(one, whole, 0.002)
 
 
 def test_tp2_pp2_trains_at_the_baseline_levels_too(tmp_path):

@@ -151,7 +151,6 @@ def test_tp2_with_fsdp_on_4_ranks_is_2d(work, single):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"tp": 2, "opt_level": "O3"}, "--tp 2 with O3 is not supported: .* use --opt-level O2 .* with --fsdp"),
         ({"pp": 2, "grad_accum": 2}, "--pp splits each step into --pp-microbatches itself: drop --grad-accum"),
         ({"tp": 2, "opt_level": "O1", "grad_sync_scaling": "shared"}, "--grad-sync-scaling .* --tp 2 replaces"),
         ({"tp": 0}, "--tp must be >= 1, got 0"),
@@ -173,6 +172,8 @@ def test_tp_and_pp_within_their_limits_are_accepted():
         {"tp": 2, "fsdp": True, "opt_level": "O2"},
         {"pp": 2, "opt_level": "O1"},
         {"pp": 2, "fsdp": True, "opt_level": "O2"},
+        {"tp": 2, "opt_level": "O3"},
+        {"tp": 2, "pp": 2, "opt_level": "O3"},
         {"tp": 2, "save_every": 2, "opt_level": "O2"},
         {"pp": 2, "resume": True},
         {"tp": 2, "pp": 2, "fsdp": True, "opt_level": "O2"},

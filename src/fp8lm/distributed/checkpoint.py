@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_map_only
 
 from ..optim import FP8Adam, FP8AdamW, SkipsNonFiniteSteps
@@ -59,6 +60,7 @@ __all__ = [
     "row_chunked",
     "weight_scales",
     "restore_weight_scales",
+    "zero_state_like",
 ]
 
 SKIPPED = "skipped_steps"  # the optimizer's own counter, which get_state_dict leaves out
@@ -146,10 +148,23 @@ def _zero_targets(path: str, model: nn.Module, optimizer: FP8ZeroOptimizer) -> d
     for key, meta in metadata.items():
         part, _, entry = key.partition(".")
         kind, _, rest = entry.partition(".")
-        name = next((n for n in owned if rest.startswith(n + ".")), None)
-        if part == "optim" and (entry == SKIPPED or (kind in ("state", "param_groups") and name is not None)):
-            state["optim"][entry] = torch.empty(meta.size, dtype=meta.properties.dtype) if is_tensor(meta) else None
+        name = rest.rpartition(".")[0]
+        if part == "optim" and (entry == SKIPPED or (kind in ("state", "param_groups") and name in owned)):
+            value = torch.empty(meta.size, dtype=meta.properties.dtype) if is_tensor(meta) else None
+            state["optim"][entry] = zero_state_like(optimizer, entry, value)
     return state
+
+
+def zero_state_like(optimizer: FP8ZeroOptimizer, key: str, value):
+    """Entry ``key`` (``state.<name>.<field>``) of FP8 ZeRO's state as this rank holds it: a whole
+    tensor of a tensor-parallel DTensor parameter's shape as that DTensor's local part; any other
+    value as it is."""
+    p = optimizer.param_named(key.partition(".")[2].rpartition(".")[0]) if key.startswith("state.") else None
+    if not isinstance(p, DTensor) or not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape):
+        return value
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    local = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(p.device).contiguous()
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def weight_scales(model: nn.Module) -> dict[str, torch.Tensor]:

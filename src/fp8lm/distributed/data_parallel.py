@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..formats import E4M3, Format, format_of
 from ..tensor import ScalingTensor
@@ -35,6 +36,7 @@ def broadcast_module(module: nn.Module, group=None, src: int = 0) -> None:
     """Make every rank's parameters and buffers equal to rank ``src``'s (ScalingTensors by payload
     and scale, so the copies are bit-identical)."""
     for t in [*module.parameters(), *module.buffers()]:
+        t = t.to_local() if isinstance(t, DTensor) else t  # a tensor-parallel rank's part
         for part in [t.payload, t.scale] if isinstance(t, ScalingTensor) else [t.data]:
             comm.broadcast(part, src, group)
 

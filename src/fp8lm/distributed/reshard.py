@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .checkpoint import SKIPPED, restore_weight_scales, row_chunked, set_state_dicts, state_dicts
+from .checkpoint import SKIPPED, restore_weight_scales, row_chunked, set_state_dicts, state_dicts, zero_state_like
 from .dcp_reader import CheckpointError, CheckpointReader, PlainDataLoadPlanner, check_finite, is_tensor, read_dcp
 from .zero import FP8ZeroOptimizer
 
@@ -89,6 +89,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: di
         target_optim = {k: v for k, v in full["optim"].items() if k.split(".")[0] in ("state", "param_groups")}
         target_optim = {k: v for k, v in target_optim.items() if k.partition(".")[2].rpartition(".")[0] in owned}
         _require_state(owned, target_optim)
+        target_optim = {k: zero_state_like(optimizer, k, v) for k, v in target_optim.items()}
     local = {
         "model": _local_parts(target_model, full["model"]),
         "optim": _local_parts(target_optim, full["optim"]),

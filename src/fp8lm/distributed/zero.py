@@ -23,8 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..grad import clip_grad_norm_
+from ..optim.dtensor import sharded_like
 from ..optim.skipping import SkipsNonFiniteSteps
 from ..tensor import ScalingTensor
 from . import comm
@@ -48,8 +50,15 @@ def partition_by_size(numels: list[int], world_size: int) -> list[int]:
     return owners
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor-parallel DTensor; any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _storage(p: torch.Tensor) -> torch.Tensor:
-    """The bytes a parameter is stored in: a ScalingTensor's payload, or the tensor itself."""
+    """The bytes this rank stores a parameter in: a ScalingTensor's payload, or the tensor itself
+    (of a tensor-parallel DTensor: its local part)."""
+    p = _local(p)
     return p.payload if isinstance(p, ScalingTensor) else p.data
 
 
@@ -67,9 +76,19 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
     ``norm_group``: the ranks over which the gradient norm adds up, when more than
     ``process_group``'s hold parameters of the model (pipeline stages, each sharded over its own
     data-parallel ranks: the stages' ``pp x dp`` group); ``process_group`` by default.
+    ``norm_stage_size``: how many ranks of ``norm_group`` hold each owned gradient (the
+    tensor-parallel ranks, whose DTensor parameters ZeRO partitions by their local parts:
+    `fp8lm.clip_grad_norm_`'s ``stage_size``).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, process_group=None, norm_group=None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        process_group=None,
+        norm_group=None,
+        norm_stage_size: int = 1,
+    ) -> None:
         self.rank, self.world_size = comm.check_group(process_group)
         if any(optimizer.state.values()):
             raise ValueError(
@@ -89,15 +108,16 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
             raise ValueError("a parameter appears twice in the optimizer's param groups")
         self.process_group = process_group
         self.norm_group = norm_group if norm_group is not None else process_group
+        self.norm_stage_size = norm_stage_size
         self.names = [names[id(p)] for p in params]
         self.params = params
-        self.owners = partition_by_size([p.numel() for p in params], self.world_size)
+        self.owners = partition_by_size([_local(p).numel() for p in params], self.world_size)
         self.shard = optimizer
         self._owner_of = {id(p): o for p, o in zip(params, self.owners)}
         super().__init__([dict(g, params=list(g["params"])) for g in optimizer.param_groups], optimizer.defaults)
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if self._owner_of[id(p)] == self.rank]
-        self._grad_layout = FlatLayout.by_owner([p.numel() for p in params], self.owners, self.world_size)
+        self._grad_layout = FlatLayout.by_owner([_local(p).numel() for p in params], self.owners, self.world_size)
         self._weight_layout = FlatLayout.by_owner(
             [_storage(p).numel() * _storage(p).element_size() for p in params], self.owners, self.world_size
         )
@@ -116,14 +136,16 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         reduced gradient is finite (the same answer on every rank)."""
         if self._reduced:
             return self._finite
-        grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in self.params]
+        grads = [
+            _local(p.grad) if p.grad is not None else torch.zeros(_local(p).shape, device=p.device) for p in self.params
+        ]
         red = FP8Reduction(grads, self._grad_layout, self.process_group, average=True).start()
         shard = red.reduce()
         for p in self.params:
             p.grad = None
         for s, a, b in self._grad_layout.pieces(self.rank):
             p = self.params[s]
-            p.grad = shard[a:b].view(p.shape)
+            p.grad = sharded_like(shard[a:b].view(_local(p).shape), p)
         flag = torch.isfinite(shard).all().float().reshape(1)  # on the gradients' device (NCCL)
         self._finite = bool(comm.all_reduce(flag, dist.ReduceOp.MIN, self.process_group)[0] > 0)
         self._reduced = True
@@ -139,7 +161,12 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         owned = [p for p in self.owned if p.grad is not None]
         # each rank holds whole gradients of its own parameters: their norms add up over the group
         total = clip_grad_norm_(
-            owned, max_norm, norm_type, error_if_nonfinite, group=self.norm_group or dist.group.WORLD
+            owned,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            group=self.norm_group or dist.group.WORLD,
+            stage_size=self.norm_stage_size,
         )
         # Finite gradients whose squares overflow float32 too: clipping by 0 would apply a
         # momentum-only step; like every fp8lm clip, the step is skipped and counted.
@@ -183,8 +210,8 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         for s, a, b in layout.pieces(self.rank):
             p = self.params[s]
             mine[a:b] = _storage(p).reshape(-1).view(torch.uint8)
-            if isinstance(p, ScalingTensor):
-                scales[s] = p.scale
+            if isinstance(_local(p), ScalingTensor):
+                scales[s] = _local(p).scale
         gathered = torch.empty(layout.numel, dtype=torch.uint8, device=device)
         comm.all_gather(gathered, mine, self.process_group)
         # Only the owner's entry is non-zero: a MAX all-reduce hands every scale to every rank.
@@ -193,8 +220,8 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
             if self.owners[s] == self.rank:
                 continue
             _storage(p).reshape(-1).view(torch.uint8).copy_(gathered[off : off + n])
-            if isinstance(p, ScalingTensor):
-                p.scale.copy_(scales[s])
+            if isinstance(_local(p), ScalingTensor):
+                _local(p).scale.copy_(scales[s])
 
     # -- memory ----------------------------------------------------------------------------------
     def state_bytes(self) -> dict:
@@ -204,9 +231,9 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         out = dict.fromkeys(("weights", "master_weights", "exp_avg", "exp_avg_sq", "scales", "gradients"), 0)
         for p in self.params:
             out["weights"] += _nbytes(_storage(p))
-            out["scales"] += 4 if isinstance(p, ScalingTensor) else 0
+            out["scales"] += 4 if isinstance(_local(p), ScalingTensor) else 0
             if p.grad is not None:
-                g = p.grad
+                g = _local(p.grad)
                 out["gradients"] += _nbytes(_storage(g))
                 out["scales"] += 4 if isinstance(g, ScalingTensor) else 0
         for state in self.shard.state.values():
@@ -220,7 +247,7 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
                     continue
                 out[kind] += _nbytes(_storage(value))
         out["total"] = sum(out.values())
-        out["num_params"] = sum(p.numel() for p in self.params)
+        out["num_params"] = sum(_local(p).numel() for p in self.params)  # this rank's parts under TP
         out["bytes_per_param"] = out["total"] / max(1, out["num_params"])
         return out
 
@@ -273,6 +300,10 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         self.shard.load_state_dict(sd)
         if "skipped_steps" in state_dict:
             self.skipped_steps = int(state_dict["skipped_steps"])
+
+    def param_named(self, name: str) -> nn.Parameter | None:
+        """The parameter called ``name`` in the model (None if there is none)."""
+        return dict(zip(self.names, self.params)).get(name)
 
     def owned_names(self) -> list[str]:
         """Names of the parameters whose optimizer state lives on this rank."""

@@ -9,6 +9,7 @@ docs/optimizer.md has the reasoning, docs/measurements/optimizer.md the measurem
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,7 +21,7 @@ from ..tensor import ScalingTensor
 from .dtensor import local_tensor
 from .functional import adam_hyperparams, adam_ratio_bound
 from .fused import KERNELS, fused_adam_step_
-from .sharded import ShardedParam, agree_amaxes, agree_scales
+from .sharded import ShardedParam, agree_amaxes, agree_scales, agree_shard_scales
 from .skipping import SkipsNonFiniteSteps
 from .slots import AdamSlot, ParamSlot
 from .state import FORMAT_KEYS, check_param_dtype, checked_state, init_state, validate_group
@@ -141,7 +142,10 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
         return slot
 
     def _finish_step(self, params: list[torch.Tensor], staged: list) -> None:
-        """After an applied step: write back staged weights and masters, count the step."""
+        """After an applied step: write back staged weights and masters, count the step. An FP8
+        weight written from its master in parts (a tensor-parallel DTensor under FP8 ZeRO) gets
+        the scale of the whole tensor: each part requantized to the smallest of their scales."""
+        written: dict = defaultdict(list)
         for original, contiguous in staged:
             original.copy_(contiguous)
         for p in params:
@@ -155,6 +159,10 @@ class _FP8AdamBase(SkipsNonFiniteSteps, torch.optim.Optimizer):
                 value = local_tensor(state["master"]).float() / state["master_scale"]
                 weight = local_tensor(p)
                 weight.data.copy_(value) if not isinstance(weight, ScalingTensor) else weight.copy_(value)
+                if isinstance(p, DTensor) and isinstance(weight, ScalingTensor):
+                    written[p.device_mesh].append((weight.payload, weight.scale))
+        for mesh, shards in written.items():  # one scale per FP8 weight over its tensor-parallel parts
+            agree_shard_scales(shards, mesh)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):

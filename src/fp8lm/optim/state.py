@@ -67,12 +67,6 @@ def init_state(state: dict, p: torch.Tensor, group: dict) -> dict:
     state["exp_avg_sq"] = sharded_like(torch.zeros(local.shape, dtype=v_fmt.dtype, device=dev), p)
     state["exp_avg_sq_scale"] = torch.ones((), dtype=torch.float32, device=dev)
     if not param_is_master(p, master_fmt):
-        if isinstance(p, DTensor) and isinstance(local, ScalingTensor):
-            raise ValueError(
-                f"a sharded {local.fmt.name} parameter needs a separate {master_fmt.name} master weight, which "
-                "fp8lm keeps only in FP8 ZeRO: shard O2 models with FSDP2 (their FP16 weights are the masters), "
-                "or train O3 with fp8lm.distributed.FP8ZeroOptimizer"
-            )
         value = local.detach().dequantize() if isinstance(local, ScalingTensor) else local.detach().float()
         scale = compute_scale(_whole_amax(value, p), master_fmt)
         state["master"] = sharded_like(saturating_cast(value, scale, master_fmt), p)

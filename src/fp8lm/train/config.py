@@ -498,12 +498,6 @@ class TrainConfig:
         flag = f"--tp {self.tp}" if self.pp == 1 else f"--pp {self.pp}"
         refusals = [
             (
-                self.opt_level == "O3" and self.tp > 1,
-                f"--tp {self.tp} with O3 is not supported: E4M3 weights sliced by tensor parallelism need FP16 "
-                "masters with one scale across the slices, which FP8AdamW does not keep; use --opt-level O2 "
-                "(its FP16 weights are the masters) with --fsdp to shard the state",
-            ),
-            (
                 self.grad_sync_scaling != "local",
                 f"--grad-sync-scaling sets FP8DataParallel's all-reduce, which {flag} replaces: drop it",
             ),

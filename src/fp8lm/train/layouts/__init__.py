@@ -19,6 +19,7 @@ from .pipeline import PipelineLayout
 from .pipeline_zero import PipelineZeroLayout
 from .replicated import ReplicatedLayout
 from .tensor import TensorParallelLayout
+from .tensor_zero import TensorParallelZeroLayout
 from .zero import ZeroLayout
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "PipelineZeroLayout",
     "ReplicatedLayout",
     "TensorParallelLayout",
+    "TensorParallelZeroLayout",
     "ZeroLayout",
 ]
 
@@ -39,6 +41,7 @@ __all__ = [
 LAYOUTS: tuple[type[Layout], ...] = (
     PipelineZeroLayout,
     PipelineLayout,
+    TensorParallelZeroLayout,
     TensorParallelLayout,
     FSDPLayout,
     ZeroLayout,

@@ -1,6 +1,7 @@
 """Pipeline stages with FP8 ZeRO (``--pp N`` at O3): each stage's FP8 weights, FP16 masters and
 moments sharded by whole tensors over the stage's data-parallel ranks (`FP8ZeroOptimizer`), the
-gradient norm summed over every stage."""
+gradient norm summed over every stage. With ``--tp`` too (3-D at O3), each stage is split over
+the ``tp`` ranks first, as in `fp8lm.train.layouts.tensor_zero`."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ class PipelineZeroLayout(ZeroState, PipelineLayout):
 
     @classmethod
     def applies(cls, spec: LayoutSpec, ranks) -> bool:
-        return ranks.pp > 1 and ranks.tp == 1 and spec.opt_level == "O3"
+        return ranks.pp > 1 and spec.opt_level == "O3"
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         stage, optimizer, layout = super().parallelize(model, optimizer, spec, ranks, mesh)
-        optimizer = FP8ZeroOptimizer(stage, optimizer, mesh.group("dp_shard"), norm_group=mesh.group("model"))
+        group, model_group = mesh.group("dp_shard"), mesh.group("model")
+        optimizer = FP8ZeroOptimizer(stage, optimizer, group, norm_group=model_group, norm_stage_size=ranks.tp)
         return stage, optimizer, layout
