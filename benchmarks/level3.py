@@ -23,7 +23,11 @@ Per layout and level it also reports the step time against one process (``time_v
 tokens per second of one process over the layout's, all ranks sharing this machine's cores).
 
 A layout's result is kept in ``OUT/<layout>/``; with ``--results FILE`` the layouts found in
-``OUT`` are gathered into one JSON file (the single-process one is the reference of the gaps).
+``OUT`` are gathered into one JSON file (the single-process one is the reference of the gaps);
+``--merge`` keeps the layouts FILE already holds that ``OUT`` lacks (its one-process reference
+too), so one layout can be added to a table::
+
+    python benchmarks/level3.py --layout tp-o3 --levels O3 --results FILE --merge
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ LAYOUTS = {
     "3d": (["--tp", "2", "--pp", "2", "--fsdp"], 8),
     "dp-o3": ([], 4),  # FP8 ZeRO over 4 ranks (O3 only)
     "pp-o3": (["--pp", "2"], 4),  # FP8 ZeRO per stage (O3 only)
+    "tp-o3": (["--tp", "2"], 4),  # FP8 ZeRO over each tensor-parallel part, dp 2 x tp 2 (O3 only)
+    "tp-pp-o3": (["--tp", "2", "--pp", "2"], 4),  # O3 in 3-D: tp 2 x pp 2 (O3 only)
 }
 
 
@@ -94,9 +100,10 @@ def level_result(summary: dict) -> dict:
     }
 
 
-def gather(out: Path) -> dict:
-    """Every trained layout in ``out``: levels, gaps to one process, byte ratios."""
-    layouts = {}
+def gather(out: Path, known: dict | None = None) -> dict:
+    """Every trained layout in ``out`` (and in ``known``, those ``out`` lacks): levels, gaps to one
+    process, byte ratios."""
+    layouts = dict(known or {})
     for layout in LAYOUTS:
         folder = out / layout
         done = [level for level in LEVELS if (folder / level / "summary.json").exists()]
@@ -148,11 +155,20 @@ def main() -> None:
     )
     ap.add_argument("--out", default="runs/level3")
     ap.add_argument("--results", help="write the gathered layouts to this JSON file too")
+    ap.add_argument("--merge", action="store_true", help="keep the layouts --results already holds that OUT lacks")
     args = ap.parse_args()
     out = Path(args.out)
     for layout in LAYOUTS if args.layout == "all" else [args.layout] if args.layout else []:
         train(layout, args, out)
-    result = {"benchmark": "level3", "preset": args.preset, "steps": args.steps, "layouts": gather(out)}
+    known = None
+    if args.merge and args.results and Path(args.results).exists():
+        saved = json.loads(Path(args.results).read_text())
+        if (saved["preset"], saved["steps"]) != (args.preset, args.steps):
+            raise SystemExit(
+                f"--merge: {args.results} holds {saved['preset']} x {saved['steps']} steps, not this run's"
+            )
+        known = saved["layouts"]
+    result = {"benchmark": "level3", "preset": args.preset, "steps": args.steps, "layouts": gather(out, known)}
     result["machine"] = machine()
     text = json.dumps(result, indent=1)
     print(text)
