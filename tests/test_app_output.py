@@ -1,6 +1,7 @@
 """What the app prints: the data summary line, the progress without tqdm, no plots without
 matplotlib (said once), telemetry lines that say whether a value matters, DPO named as DPO."""
 
+import json
 import sys
 
 import pytest
@@ -29,6 +30,7 @@ def test_the_data_line_says_how_the_corpus_was_split():
     by_bytes = describe(_info("by-bytes", 15, 0))
     assert "split by bytes" in by_bytes and "no file held out" in by_bytes and "15 file(s) are too few" in by_bytes
     assert "train 950,000 / validation 50,000 tokens" in by_bytes
+    assert by_file.startswith("data: path:corpus: 300 file(s), 1.00 MB, 1,000,000 tokens (bytes);")
 
 
 def _record(layer, kind, underflow=0.0, saturation=0.0):
@@ -41,9 +43,10 @@ def test_telemetry_lines_judge_against_the_fallback_thresholds():
     assert line.startswith("step 5: FP8 telemetry normal, within the --fallback thresholds")
     assert "output-gradient underflow 1.00% (h; threshold 5.0%)" in line
     assert "optimizer-moment underflow 29.55% (lm_head exp_avg) is expected" in line
-    over = telemetry_line([_record("h", "grad_output", 0.2), _record("w", "weight_grad", 0.5)], 7)
+    over = telemetry_line([_record("h", "grad_output", 0.2), _record("w", "weight_grad", 0.5)], 7, "runs/my run")
     assert "over a --fallback threshold: output-gradient underflow of h, weight-gradient underflow of w" in over
     assert "train with --fallback" in over and "\n" not in over
+    assert "fp8lm inspect 'runs/my run' shows them" in over  # the run's own folder, ready to paste
 
 
 def test_progress_without_tqdm_is_plain_lines(monkeypatch, capsys):
@@ -95,7 +98,24 @@ def test_dpo_is_named_dpo_and_inspect_understands_it(tmp_path, token_cache, emai
     rc, out, err = run_main([*argv, "--out", str(run), "--no-progress"], capsys)
     assert rc == 0, err
     assert "step 2: DPO loss" in out and "held-out DPO loss" in out and "train loss" not in out
-    assert "preference pairs, builtin:path:" in out and f"tokens read from {pre / 'cache'}" in out
+    assert "preference pairs built from the starting run's corpus (path:" in out
+    assert f"tokens read from {pre / 'cache'}" in out
     assert not (run / "cache").exists()  # the pretraining run's packed tokens, not a copy
     rc, _, err = run_main(["inspect", str(run)], capsys)
     assert rc == 2 and "is an fp8lm dpo run: DPO records no FP8 telemetry" in err
+    assert f"(--init-from {pre}: fp8lm inspect {pre})" in err  # the run to inspect instead
+
+
+def test_inspect_of_a_dpo_run_names_the_run_it_started_from(tmp_path):
+    from fp8lm.train.telemetry_report import InspectError, read_telemetry
+
+    run = tmp_path / "dpo"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "reference.pt").write_bytes(b"")
+    with pytest.raises(InspectError, match=r"\(its --init-from\)"):  # no summary yet: no name
+        read_telemetry(run)
+    (run / "summary.json").write_text(json.dumps({"config": {"init_from": "runs/pre/checkpoints/step_00000020.pt"}}))
+    with pytest.raises(
+        InspectError, match=r"--init-from runs/pre/checkpoints/step_00000020.pt: fp8lm inspect runs/pre\)"
+    ):
+        read_telemetry(run)

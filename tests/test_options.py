@@ -3,6 +3,7 @@ which import no torch: `fp8lm --help` answers without it."""
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, fields
@@ -88,3 +89,13 @@ def test_a_subclass_that_redefines_an_option_keeps_what_resume_does_with_it():
     for f in config.option_fields(config.DPOConfig):
         if f.name in train:
             assert f.metadata["resume"] == train[f.name], f.name
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "dpo"])
+def test_help_names_only_flags_the_command_has(command, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # no flag broken over two lines
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    own = {flag for action in sub._actions for flag in action.option_strings}
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", sub.format_help()))
+    assert named <= own, f"fp8lm {command} --help names flags it does not have: {sorted(named - own)}"

@@ -666,8 +666,8 @@ class DPOConfig(TrainConfig):
     )
     data: str | None = option(
         None,
-        "JSON Lines with 'prompt', 'chosen', 'rejected' strings (default: built-in pairs from the standard "
-        "library's sources: true continuation chosen, a corrupted one rejected)",
+        "JSON Lines with 'prompt', 'chosen', 'rejected' strings (default: pairs built from the --init-from "
+        "run's corpus: the true continuation chosen, a corrupted one rejected)",
         metavar="PAIRS.jsonl",
     )
     beta: float = option(0.1, "DPO's beta")
@@ -676,6 +676,12 @@ class DPOConfig(TrainConfig):
     batch_size: int = option(16, "pairs per step")
     lr: float = option(3e-4, "peak learning rate")
     warmup_steps: int | None = option(10, "linear warmup steps")
+    decay_steps: int | None = option(
+        None,
+        "length of the learning-rate schedule, warmup included: cosine decay to a tenth of --lr at this step, "
+        "constant after it (default: --steps; --resume keeps the run's, pass it to decay again over a longer run)",
+        resume="free",
+    )
     weight_decay: float = option(0.0, "AdamW weight decay of matrices")
     seed: int = option(1337, "seed of the pair order")
     val_fraction: float = option(0.05, "share of --data pairs held out")

@@ -234,7 +234,7 @@ def describe(info: dict) -> str:
     else:
         total = info["train_tokens"] + info["val_tokens"]
         head = (
-            f"data: {info['source']}: {info['documents']:,} file(s), {total / 1e6:,.2f} MB = tokens (bytes); "
+            f"data: {info['source']}: {info['documents']:,} file(s), {total / 1e6:,.2f} MB, {total:,} tokens (bytes); "
             f"train {info['train_tokens']:,} / validation {info['val_tokens']:,} tokens, "
         )
     if info["split"] == "by-document":

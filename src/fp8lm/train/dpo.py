@@ -92,6 +92,18 @@ def _preferences(cfg: DPOConfig, mcfg: GPTConfig | HFModelConfig, out: Path, cor
     )
 
 
+def _data_line(train: int, held_out: int, info: dict) -> str:
+    """The data summary line of a DPO run: how many pairs, and where they come from."""
+    line = f"data: {train:,} training and {held_out:,} held-out preference pairs"
+    if not info["source"].startswith("builtin:"):
+        return f"{line}, {info['source']}"
+    return (
+        f"{line} built from the starting run's corpus ({info['source'].removeprefix('builtin:')}): "
+        f"a {info['prompt_bytes']}-byte prompt, its true next {info['answer_bytes']} bytes chosen, those bytes with "
+        f"two changed rejected; tokens read from {info['tokens_from']}"
+    )
+
+
 def _reference(mcfg: GPTConfig | HFModelConfig, weights: dict, opt_level: str, device: torch.device) -> nn.Module:
     """The frozen reference: E4M3 at the FP8 levels, BF16 at bf16, FP32 at fp32."""
     model = build_model(mcfg)
@@ -126,11 +138,7 @@ class DPORun(TrainingRun):
         self.train_pairs, self.held_out, self.data_info = _preferences(cfg, self.model_config, self.out, self.corpus)
         if ranks.main:
             barrier(ranks)
-            progress.write_once(
-                f"data: {len(self.train_pairs):,} training and {len(self.held_out):,} held-out preference pairs, "
-                f"{self.data_info['source']}"
-                + (f" (tokens read from {self.data_info['tokens_from']})" if "tokens_from" in self.data_info else "")
-            )
+            progress.write_once(_data_line(len(self.train_pairs), len(self.held_out), self.data_info))
         self.sampler = PairSampler(
             self.train_pairs, cfg.batch_size // ranks.world, cfg.seed + ranks.rank, block_size, self.encode
         )

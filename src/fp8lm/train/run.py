@@ -318,7 +318,7 @@ class TrainingRun:
                 self.logs.telemetry.write(r)
             under, sat = worst(records, "underflow", 1)[0], worst(records, "saturation", 1)[0]
             record["telemetry_underflow"], record["telemetry_saturation"] = under["underflow"], sat["saturation"]
-            progress.write(telemetry_line(records, done))
+            progress.write(telemetry_line(records, done, str(self.out)))
         if self.fallback is None:
             return
         events = self.fallback.update(records) if self.ranks.main else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 from ..telemetry import KINDS, worst
@@ -30,7 +31,7 @@ def read_telemetry(run_dir: str | os.PathLike) -> list[dict]:
     if not records and (run / "checkpoints" / "reference.pt").exists():
         raise InspectError(
             f"{str(run)!r} is an fp8lm dpo run: DPO records no FP8 telemetry; inspect the run it started from "
-            "(its --init-from), trained with fp8lm train at an FP8 level"
+            f"({_started_from(run)}), trained with fp8lm train at an FP8 level"
         )
     if not records:
         raise InspectError(
@@ -38,6 +39,21 @@ def read_telemetry(run_dir: str | os.PathLike) -> list[dict]:
             "(N >= 1, and at most the number of steps)"
         )
     return records
+
+
+def _started_from(run: Path) -> str:
+    """The ``--init-from`` of the DPO run in ``run`` as its ``summary.json`` records it (a run
+    folder, or the run folder of a checkpoint file), or a phrase for it while there is none."""
+    try:
+        start = json.loads((run / "summary.json").read_text(encoding="utf-8"))["config"]["init_from"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its --init-from"
+    if not isinstance(start, str):
+        return "its --init-from"
+    path = Path(start)
+    if path.suffix == ".pt" and path.parent.name == "checkpoints":
+        path = path.parent.parent
+    return f"--init-from {start}: fp8lm inspect {shlex.quote(str(path))}"
 
 
 def _read_records(path: Path) -> list[dict]:
@@ -135,10 +151,11 @@ _JUDGED = (
 )
 
 
-def telemetry_line(records: list[dict], step: int) -> str:
+def telemetry_line(records: list[dict], step: int, out: str = "OUT") -> str:
     """One line about a telemetry sample that says whether it matters: the worst value of each
     statistic that `fp8lm.fallback.FallbackPolicy` judges, against its threshold, and what to do
-    when one is over; the optimizer moments' underflow, reported as what it is (expected)."""
+    when one is over (``out``: the run folder `fp8lm inspect` is pointed at); the optimizer moments'
+    underflow, reported as what it is (expected)."""
     from ..fallback import FallbackPolicy
 
     policy, worst_of, over = FallbackPolicy(), [], []
@@ -153,7 +170,7 @@ def telemetry_line(records: list[dict], step: int) -> str:
     if over:
         verdict = (
             f"over a --fallback threshold: {', '.join(over)} (FP8 loses those values; train with --fallback to run "
-            "such layers in BF16 while it lasts, see fp8lm inspect OUT)"
+            f"such layers in BF16 while it lasts; fp8lm inspect {shlex.quote(out)} shows them)"
         )
     else:
         verdict = "normal, within the --fallback thresholds"
