@@ -12,6 +12,7 @@ time of the first (compiling) step and the mean compiled and eager times of the 
 
     python benchmarks/compile_gpt.py [--preset gpt2] [--levels O1,O2] [--steps 4] [--batch 2] [--seq 64] [--backend inductor]
         [--layers N] [--no-autocast] [--arch llama] [--n-kv-head N]
+        [--activations fp8] [--activation-checkpointing none|selective|full]
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from common import machine
 from torch._dynamo.utils import counters
 
 import fp8lm
-from fp8lm.train.model import ARCHS, GPT, PRESETS, preset
+from fp8lm.policy import ACTIVATIONS
+from fp8lm.train.model import ARCHS, CHECKPOINTING, GPT, PRESETS, preset
 
 
-def build(cfg, level: str):
+def build(cfg, level: str, activations: str = "bf16", checkpointing: str = "none"):
     torch.manual_seed(0)
     model = GPT(cfg)
-    return fp8lm.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level)
+    model.checkpoint_blocks(checkpointing)
+    return fp8lm.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level, activations=activations)
 
 
 def train_step(forward, opt, x, y, autocast: bool) -> tuple[float, float]:
@@ -55,8 +58,8 @@ def ulps(a: float, b: float) -> float:
 def measure_level(cfg, level: str, args) -> dict:
     torch._dynamo.reset()
     counters.clear()
-    eager_model, eager_opt = build(cfg, level)
-    model, opt = build(cfg, level)
+    eager_model, eager_opt = build(cfg, level, args.activations, args.activation_checkpointing)
+    model, opt = build(cfg, level, args.activations, args.activation_checkpointing)
     compiled = torch.compile(model, fullgraph=True, backend=args.backend)
     gen = torch.Generator().manual_seed(1)
     losses, times, graphs_after_first = [], [], None
@@ -98,6 +101,8 @@ def main() -> None:
     parser.add_argument("--arch", default="gpt", choices=ARCHS, help="model architecture")
     parser.add_argument("--n-kv-head", type=int, default=None, help="--arch llama: key/value heads (default: all)")
     parser.add_argument("--layers", type=int, default=None, help="keep only this many of the preset's blocks")
+    parser.add_argument("--activations", default="bf16", choices=ACTIVATIONS, help="saved activations (fp8lm.nn.saved)")
+    parser.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING, help="of the blocks")
     parser.add_argument(
         "--no-autocast",
         dest="autocast",
@@ -128,6 +133,8 @@ def main() -> None:
                 "num_layers": cfg.n_layer,
                 "backend": args.backend,
                 "autocast": "bf16" if args.autocast else None,
+                "activations": args.activations,
+                "activation_checkpointing": args.activation_checkpointing,
                 "tokens_per_step": args.batch * args.seq,
                 "steps": args.steps,
                 "levels": levels,

@@ -145,3 +145,23 @@ def test_telemetry_records_each_layer_once_under_checkpointing():
     records = telemetry.after_backward()
     inputs = [(r["layer"], r["kind"]) for r in records if r["kind"] in ("input", "weight", "grad_output")]
     assert inputs and len(inputs) == len(set(inputs))
+
+
+@pytest.mark.slow  # two fullgraph compiles of the model (about a minute each on 2 cores)
+def test_compiled_checkpointing_with_current_scaling_trains_as_eager_and_delayed_is_refused():
+    def build_compiled(recipe):
+        torch.manual_seed(0)
+        model = GPT(preset("tiny", vocab_size=256, block_size=32))
+        model.checkpoint_blocks("full")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return fp8lm.initialize(model, opt, "O2", recipe=recipe, activations="fp8")
+
+    torch._dynamo.reset()
+    eager, eager_opt = build_compiled("tensorwise-current")
+    model, opt = build_compiled("tensorwise-current")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert same(train(compiled, opt)[0], train(eager, eager_opt)[0])
+    torch._dynamo.reset()
+    model, opt = build_compiled("tensorwise-delayed")
+    with pytest.raises(Exception, match="recomputes delayed-scaled FP8 layers"):
+        train(torch.compile(model, fullgraph=True, backend="aot_eager"), opt, steps=1)

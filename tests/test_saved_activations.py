@@ -58,6 +58,17 @@ def test_group_quantization_matches_a_float64_reference(columns, group):
     assert torch.equal(back, payload.double() / scale.double().repeat_interleave(g, dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_quantize_as_their_float32_values(dtype):
+    x = rows_of_many_ranges(2, 12, 256, dtype=dtype)
+    payload, scale = quantize_groups(x)
+    want_payload, want_scale = quantize_groups(x.float())
+    assert torch.equal(scale, want_scale) and torch.equal(payload.view(torch.uint8), want_payload.view(torch.uint8))
+    back = dequantize_groups(payload, scale, dtype)
+    assert back.dtype == dtype
+    assert torch.equal(back, dequantize_groups(payload, scale, torch.float64).to(dtype))
+
+
 def test_every_row_keeps_its_precision_however_small():
     x = rows_of_many_ranges(1, 16, 128)
     back = dequantize_groups(*quantize_groups(x), torch.float32)

@@ -25,6 +25,7 @@ BENCHMARKS = {
     "comm": 2,
     "dist_train": 2,
     "cuda_trace": 1,
+    "activation_memory": 1,
 }
 DEFAULT = ("quantize", "gemm", "train_step", "optimizer_step", "telemetry", "fallback", "comm")
 

@@ -11,8 +11,11 @@ and afterwards the states are put back to what they were when it began: each str
 one amax per forward, as without checkpointing. `is_recomputing` tells hooks (FP8 telemetry)
 that a forward is a recomputation.
 
-Under ``torch.compile`` the compiler recomputes from the graph's own values, which are the same
-by construction; the copies are neither needed nor taken there.
+Under ``torch.compile`` (``fullgraph=True`` traces a checkpointed model in one graph) the
+compiler's partitioner decides what to recompute, and it recomputes a delayed-scaled cast from
+the scaling state as the forward left it (the next step's scale): `checkpoint` refuses that in
+one line. With current scaling (``recipe="tensorwise-current"``), whose scales come from the
+tensors themselves, compiled and eager checkpointed training are the same (tested).
 """
 
 from __future__ import annotations
@@ -50,13 +53,17 @@ def _put(metas: list[ScalingMeta], snapshot: _Snapshot) -> None:
         meta._has_history = has_history
 
 
+def _metas(modules: nn.Module | Iterable[nn.Module]) -> list[ScalingMeta]:
+    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+    return list({id(m): m for root in roots for m in root.modules() if isinstance(m, ScalingMeta)}.values())
+
+
 def scaling_contexts(modules: nn.Module | Iterable[nn.Module]) -> Callable[[], tuple]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``), e.g.
     through torch's ``checkpoint_wrapper``: the recomputation of the region sees the
     `ScalingMeta` states of ``modules`` (all their submodules') as the forward saw them, and
     leaves them as it found them (module docstring)."""
-    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
-    metas = list({id(m): m for root in roots for m in root.modules() if isinstance(m, ScalingMeta)}.values())
+    metas = _metas(modules)
 
     def context_fn() -> tuple:
         before: _Snapshot = []
@@ -97,5 +104,10 @@ def checkpoint(function: Callable, *args, scaling: nn.Module | Iterable[nn.Modul
             )
         scaling = function
     if torch.compiler.is_compiling():
+        if any(meta.delayed for meta in _metas(scaling)):
+            raise RuntimeError(
+                "fp8lm.nn.checkpoint under torch.compile recomputes delayed-scaled FP8 layers with the next "
+                "step's scale; use current scaling (recipe='tensorwise-current') or run the checkpointed model eagerly"
+            )
         return torch_checkpoint(function, *args, use_reentrant=False, **kwargs)
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=scaling_contexts(scaling), **kwargs)

@@ -90,21 +90,35 @@ def quantize_groups(
     group of g = `group_columns` (C, group_size) consecutive columns: the power-of-two scale of the
     group's amax (`fp8lm.scaling.pow2_scale`; 1 for an all-zero group), ``payload =
     saturate(x * scale)`` rounded to nearest even. A group holding inf or NaN gets a NaN scale,
-    so that it reads back as NaN (the step's non-finite check sees it)."""
+    so that it reads back as NaN (the step's non-finite check sees it).
+
+    Memory: one temporary of x's size and dtype (a power-of-two scale multiplies a BF16 or FP32
+    value exactly, so the product is formed in x's dtype; FP16 and others go through FP32)."""
     columns = x.shape[-1]
     g = group_columns(columns, group_size) if columns else 1
-    xf = x.detach().to(torch.float32).unflatten(-1, (columns // g, g))
-    amax = xf.abs().amax(-1, keepdim=True) if xf.numel() else xf.new_zeros(*xf.shape[:-1], 1)
+    exact = x.dtype in (torch.float32, torch.bfloat16)
+    grouped = x.detach().unflatten(-1, (columns // g, g))
+    if not exact:
+        grouped = grouped.to(torch.float32)
+    if grouped.numel():
+        low, high = torch.aminmax(grouped, dim=-1, keepdim=True)  # no |x| temporary
+        amax = torch.maximum(high.float(), -low.float())  # NaN where the group holds one
+    else:
+        amax = torch.zeros(*grouped.shape[:-1], 1, device=x.device)
     scale = torch.where(torch.isfinite(amax), pow2_scale(amax, fmt.max), torch.nan)
-    payload = (xf * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    scaled = grouped * scale.to(grouped.dtype)
+    payload = scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype)
     return payload.flatten(-2), scale.squeeze(-1)
 
 
 def dequantize_groups(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of `quantize_groups`' ``payload`` and ``scale``, as ``dtype``."""
+    """The values of `quantize_groups`' ``payload`` and ``scale``, as ``dtype`` (exact in any float
+    dtype that holds the values: FP8 values and power-of-two scales multiply exactly)."""
     groups = scale.shape[-1]
-    values = payload.to(torch.float32).unflatten(-1, (groups, payload.shape[-1] // groups)) / scale.unsqueeze(-1)
-    return values.flatten(-2).to(dtype)
+    wide = dtype in (torch.float32, torch.bfloat16, torch.float64)  # holds any scale's reciprocal
+    values = payload.to(dtype if wide else torch.float32).unflatten(-1, (groups, payload.shape[-1] // groups))
+    values = values.mul_(scale.reciprocal().to(values.dtype).unsqueeze(-1)).flatten(-2)
+    return values if wide else values.to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
