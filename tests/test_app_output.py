@@ -86,6 +86,30 @@ def test_compare_without_tqdm_and_matplotlib_runs_and_says_so(
     assert out.count("data: path:") == 1  # one data line for the comparison
     assert "train fp32: 8/8 steps" in out  # one progress across both runs, named by the one training
     assert "no plots" in out and "plot:" not in out
+    assert "\nbf16: step 4: train loss" in out and "\nfp32: step 4: train loss" in out  # whose loss it is
+    # resumed with bf16 finished: the progress counts what trains now, so its ETA is fp32's alone
+    argv = [*argv, "--levels", "bf16,fp32,O1", "--resume"]
+    rc, out, err = run_main([*argv, "--cache-dir", token_cache, "--out", str(tmp_path / "c")], capsys)
+    assert rc == 0, err
+    assert "train O1: 4/4 steps" in out and "/8 steps" not in out and "/12 steps" not in out
+
+
+def test_one_progress_line_across_runs_names_them_and_counts_what_trains(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setattr(progress, "_said", {"tqdm"})
+    with progress.overall(30, 0, "compare (3 runs)", enabled=True):
+        progress.skipped(10)  # a run finished before: nothing of it left to train
+        with progress.naming("O2 seed 1"):
+            assert progress.run_name() == "O2 seed 1"
+            bar = progress.bar(10, 6, f"train {progress.run_name()}", enabled=True)  # resumes at step 6
+            for _ in range(4):
+                bar.update(1)
+            progress.say("step 10: train loss 1.0000, val loss 1.0000")
+        assert progress.run_name() is None
+        progress.bar(10, 0, "train bf16", enabled=True).update(10)
+    lines = capsys.readouterr().out.splitlines()
+    assert "O2 seed 1: step 10: train loss 1.0000, val loss 1.0000" in lines
+    assert lines[-1].startswith("train bf16: 14/14 steps")  # 30 - 10 finished - 6 done before
 
 
 @pytest.mark.slow

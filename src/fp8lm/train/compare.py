@@ -73,8 +73,9 @@ def parse_seeds(spec: str) -> list[int]:
     return seeds
 
 
-def _train_levels(cfg: TrainConfig, levels: list[str], out: Path, ranks) -> tuple[dict, dict]:
-    """Train every level of one comparison into ``<out>/<level>/``; returns (runs, summaries)."""
+def _train_levels(cfg: TrainConfig, levels: list[str], out: Path, ranks, seed: int | None = None) -> tuple[dict, dict]:
+    """Train every level of one comparison into ``<out>/<level>/``; returns (runs, summaries).
+    Each run's lines are named by its level (and ``seed``, one of several)."""
     runs = {level: _level_config(cfg, level, out) for level in levels}
     finished = {level: _finished(run) for level, run in runs.items()}  # decided once, alike on every rank
     for level, run in runs.items():  # all levels checked before the first one trains
@@ -83,7 +84,15 @@ def _train_levels(cfg: TrainConfig, levels: list[str], out: Path, ranks) -> tupl
             check_output(run)
     if ranks.main:
         (out / "compare.json").unlink(missing_ok=True)
-    return runs, {level: finished[level] or train(run) for level, run in runs.items()}
+    summaries = {}
+    for level, run in runs.items():
+        summaries[level] = finished[level]
+        if summaries[level] is not None:
+            progress.skipped(run.steps)
+            continue
+        with progress.naming(level if seed is None else f"{level} seed {seed}"):
+            summaries[level] = train(run)
+    return runs, summaries
 
 
 def _rows(summaries: dict) -> dict:
@@ -131,7 +140,7 @@ def _compare(cfg: TrainConfig, levels: list[str], seeds: list[int] | None, ranks
     per_seed = {}
     for seed in seeds:
         seed_cfg = replace(cfg, seed=seed, out=str(out / f"seed{seed}"), cache_dir=cache)
-        runs, summaries = _train_levels(seed_cfg, levels, Path(seed_cfg.out), ranks)
+        runs, summaries = _train_levels(seed_cfg, levels, Path(seed_cfg.out), ranks, seed)
         if ranks.main:
             seed_rows = _rows(summaries)
             per_seed[seed] = (runs, summaries, seed_rows)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["bar", "write", "write_once", "overall", "pyplot", "EXTRA"]
+__all__ = ["bar", "write", "write_once", "say", "naming", "run_name", "overall", "skipped", "pyplot", "EXTRA"]
 
 EXTRA = "pip install 'fp8lm[train]'"
 _said: set[str] = set()  # what was said once already
@@ -97,10 +97,13 @@ class _Quiet:
 
 
 class _Share:
-    """One run's view of the `overall` bar: it advances the shared bar and names the run."""
+    """One run's view of the `overall` bar: it advances the shared bar and names the run; the
+    steps the run took before (``done``: it resumes) leave the bar's total, which counts what
+    trains now and so times the ETA."""
 
-    def __init__(self, shared: Any, desc: str) -> None:
+    def __init__(self, shared: Any, desc: str, done: int = 0) -> None:
         self.shared = shared
+        _drop(shared, done)
         shared.set_description(desc)
 
     def set_postfix(self, refresh: bool = False, **values) -> None:
@@ -114,6 +117,42 @@ class _Share:
 
 
 _overall: list[Any] = []  # the bar of the comparison running now, if any
+_names: list[str] = []  # the name of the comparison's run training now, if any
+
+
+@contextlib.contextmanager
+def naming(name: str) -> Iterator[None]:
+    """Within it, `say` prefixes lines with ``name`` (a comparison's level, and seed): the runs of
+    a comparison print the same kinds of lines, each must say whose it is."""
+    _names.append(name)
+    try:
+        yield
+    finally:
+        _names.pop()
+
+
+def run_name() -> str | None:
+    """The name `naming` gave the run training now, or None outside a comparison."""
+    return _names[-1] if _names else None
+
+
+def say(line: str) -> None:
+    """`write` a line about the run training now: prefixed with its `naming` in a comparison."""
+    write(f"{_names[-1]}: {line}" if _names else line)
+
+
+def _drop(shared: Any, steps: int) -> None:
+    if steps > 0:
+        shared.total = max(shared.n, shared.total - steps)
+        if hasattr(shared, "refresh"):  # tqdm's: show the new total now
+            shared.refresh()
+
+
+def skipped(steps: int) -> None:
+    """A run of the comparison in progress that has nothing left to train (it finished before a
+    ``--resume``): its ``steps`` leave the `overall` bar's total."""
+    if _overall:
+        _drop(_overall[-1], steps)
 
 
 def bar(total: int, initial: int, desc: str, enabled: bool) -> Any:
@@ -122,7 +161,7 @@ def bar(total: int, initial: int, desc: str, enabled: bool) -> Any:
     if not enabled:
         return _Quiet()
     if _overall:
-        return _Share(_overall[-1], desc)
+        return _Share(_overall[-1], desc, initial)
     return _new_bar(total, initial, desc)
 
 

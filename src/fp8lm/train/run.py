@@ -318,7 +318,7 @@ class TrainingRun:
                 self.logs.telemetry.write(r)
             under, sat = worst(records, "underflow", 1)[0], worst(records, "saturation", 1)[0]
             record["telemetry_underflow"], record["telemetry_saturation"] = under["underflow"], sat["saturation"]
-            progress.write(telemetry_line(records, done, str(self.out)))
+            progress.say(telemetry_line(records, done, str(self.out)))
         if self.fallback is None:
             return
         events = self.fallback.update(records) if self.ranks.main else []
@@ -329,7 +329,7 @@ class TrainingRun:
         if events:
             record["fallback"] = events
             for e in events:
-                progress.write(f"step {done}: fallback: {e['layer']} -> {e['to']} ({e['reason']})")
+                progress.say(f"step {done}: fallback: {e['layer']} -> {e['to']} ({e['reason']})")
         sys.stdout.flush()
 
     @torch.no_grad()
@@ -361,7 +361,8 @@ class TrainingRun:
 
     def _train_and_summarize(self) -> dict | None:
         cfg = self.cfg
-        bar = progress.bar(cfg.steps, self.start_step, f"{self.NAME} {cfg.opt_level}", cfg.progress and self.ranks.main)
+        name = f"{self.NAME} {progress.run_name() or cfg.opt_level}"
+        bar = progress.bar(cfg.steps, self.start_step, name, cfg.progress and self.ranks.main)
         try:
             for step in range(self.start_step, cfg.steps):
                 record = self.step(step)
@@ -370,7 +371,7 @@ class TrainingRun:
                 if (done % cfg.eval_every == 0 or done == cfg.steps) and evaluates:
                     record.update(self.evaluate())
                     if self.ranks.main:
-                        progress.write(  # flushed: seen at once also when piped to a file
+                        progress.say(  # flushed: seen at once also when piped to a file
                             f"step {done}: {self.LOSS_NAMES[0]} {record['train_loss']:.4f}, "
                             f"{self.LOSS_NAMES[1]} {record['val_loss']:.4f}"
                         )
