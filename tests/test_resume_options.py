@@ -6,6 +6,7 @@ import json
 import pytest
 
 from cli_helpers import run_main
+from fp8lm.train.run import lr_at
 
 
 def _lrs(out):
@@ -38,6 +39,21 @@ def test_resume_with_decay_steps_decays_again_over_the_new_length(finished, caps
     assert "with a new learning-rate schedule (--decay-steps 12" in printed
     lrs = _lrs(finished)
     assert lrs[6] > lrs[5] and lrs[-1] == pytest.approx(1e-4)
+
+
+def test_a_run_started_with_a_longer_schedule_goes_on_with_it(
+    tmp_path, token_cache, email_corpus, tiny_cli_args, capsys
+):
+    out = tmp_path / "long"
+    first = ["train", *tiny_cli_args, "--data", email_corpus, "--cache-dir", token_cache, "--lr", "1e-3"]
+    rc, _, err = run_main([*first, "--steps", "4", "--decay-steps", "8", "--out", str(out)], capsys)
+    assert rc == 0, err
+    rc, printed, err = run_main(["train", "--resume", "--out", str(out), "--steps", "8", "--no-progress"], capsys)
+    assert rc == 0, err
+    assert "extending the run from 4 to 8 steps within its learning-rate schedule (--decay-steps 8)" in printed
+    assert "pass --decay-steps" not in printed  # nothing to change: the schedule already has this length
+    # the schedule of 8 steps (warmup a tenth: none) from the first step to the last
+    assert _lrs(out) == [pytest.approx(lr_at(step, 1e-3, 0, 8, 0.1)) for step in range(8)]
 
 
 def test_a_given_option_that_differs_is_refused_in_one_line(finished, capsys):

@@ -249,6 +249,11 @@ def _schedule_lines(saved: dict, cfg: TrainConfig, given: set[str], step: int) -
             f"--resume: extending the run from {before} to {cfg.steps} steps with a new learning-rate schedule "
             f"(--decay-steps {length}, warmup {warmup}): the lr is that schedule's from step {step + 1} on"
         ]
+    if cfg.steps <= length:  # the run was given a schedule this long (--decay-steps): it goes on with it
+        return [
+            f"--resume: extending the run from {before} to {cfg.steps} steps within its learning-rate schedule "
+            f"(--decay-steps {length}): the lr decays to {cfg.lr * cfg.min_lr_ratio:.2e} at step {length}"
+        ]
     return [
         f"--resume: extending the run from {before} to {cfg.steps} steps; its learning-rate schedule keeps its "
         f"length: the lr reaches {cfg.lr * cfg.min_lr_ratio:.2e} at step {length} and stays there (pass "
