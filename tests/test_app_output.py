@@ -143,3 +143,20 @@ def test_inspect_of_a_dpo_run_names_the_run_it_started_from(tmp_path):
         InspectError, match=r"--init-from runs/pre/checkpoints/step_00000020.pt: fp8lm inspect runs/pre\)"
     ):
         read_telemetry(run)
+
+
+def test_dpo_pairs_say_which_corpus_they_come_from():
+    from fp8lm.train.dpo import _data_line, _pretraining_corpus
+
+    state = {"path": "runs/pre/checkpoints/step_00000002.pt", "options": {"data": "corpus", "val_fraction": 0.1}}
+    corpus = _pretraining_corpus(state)
+    assert corpus is not None and corpus["data"] == "corpus" and corpus["val_fraction"] == 0.1
+    # a run trained on a Hugging Face dataset: not reused, the pairs come from the default corpus
+    assert _pretraining_corpus({**state, "options": {"data": None, "hf_dataset": "wikitext"}}) is None
+    info = {"source": "builtin:stdlib:lib", "prompt_bytes": 64, "answer_bytes": 32, "tokens_from": "runs/dpo/cache"}
+    line = _data_line(8192, 1024, {**info, "from": "the default corpus"})
+    assert line.startswith("data: 8,192 training and 1,024 held-out preference pairs built from the default corpus")
+    assert "(stdlib:lib): a 64-byte prompt, its true next 32 bytes chosen" in line
+    assert _data_line(10, 2, {"source": "jsonl:pairs.jsonl"}) == (
+        "data: 10 training and 2 held-out preference pairs, jsonl:pairs.jsonl"
+    )

@@ -200,8 +200,8 @@ def test_torchrun_two_ranks_and_bit_for_bit_resume(inputs, tmp_path, level):
     part = tmp_path / "part"
     shutil.copytree(whole, part)
     (part / "summary.json").unlink()
-    for p in (part / "checkpoints").glob("step_00000004*"):
-        p.unlink()
+    for p in (part / "checkpoints").glob("step_00000004*"):  # the .pt file and the .dcp folder of its shards
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     torchrun_dpo(inputs, part, level, "--resume")
     assert (part / "metrics.jsonl").read_text() == (whole / "metrics.jsonl").read_text()
     assert json.loads((part / "summary.json").read_text())["tokens"] == summary["tokens"]

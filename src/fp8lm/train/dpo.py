@@ -53,11 +53,14 @@ REFERENCE_FILE = "reference.pt"
 _RESUME_KEYS = ("beta", "batch_size", "lr", "seed", "data", "val_fraction")  # what makes the pairs and the loss
 
 
-def _pretraining_corpus(state: dict) -> dict:
+def _pretraining_corpus(state: dict) -> dict | None:
     """The corpus of the run that wrote checkpoint ``state`` (``RUN/checkpoints/step_N.pt``): its
-    ``--data`` (None: the default corpus; a Hugging Face dataset is not reused), its split and the
-    folders that may hold its packed tokens (its ``--cache-dir``, else ``RUN/cache``): only read."""
+    ``--data`` (None: the default corpus), its split and the folders that may hold its packed
+    tokens (its ``--cache-dir``, else ``RUN/cache``): only read. None for a run trained on a Hugging
+    Face dataset (not reused: the pairs come from the default corpus)."""
     options = state.get("options") or state.get("config") or {}
+    if options.get("hf_dataset"):
+        return None
     run = Path(state["path"]).resolve().parent.parent
     caches = [str(run / "cache")] + ([str(options["cache_dir"])] if options.get("cache_dir") else [])
     return {"data": options.get("data"), "val_fraction": options.get("val_fraction", 0.05), "caches": caches}
@@ -72,6 +75,7 @@ def _preferences(cfg: DPOConfig, mcfg: GPTConfig | HFModelConfig, out: Path, cor
             raise RunError(f"--data {cfg.data!r} is a folder; fp8lm dpo reads a JSON Lines file of pairs")
         train, held_out = split_pairs(read_pairs(cfg.data), cfg.val_fraction)
         return train, held_out, {"source": f"jsonl:{Path(cfg.data).resolve()}"}
+    origin = "the starting run's corpus" if corpus else "the default corpus"
     corpus = corpus or {"data": None, "val_fraction": 0.05, "caches": []}
     source, docs = path_documents(corpus["data"]) if corpus["data"] else stdlib_documents()
     shared = [c for c in corpus["caches"] if is_packed(source, docs, c, corpus["val_fraction"])]
@@ -85,6 +89,7 @@ def _preferences(cfg: DPOConfig, mcfg: GPTConfig | HFModelConfig, out: Path, cor
         held_out,
         {
             "source": "builtin:" + splits.info["source"],
+            "from": origin,
             "prompt_bytes": prompt,
             "answer_bytes": answer,
             "tokens_from": str(cache),
@@ -98,7 +103,7 @@ def _data_line(train: int, held_out: int, info: dict) -> str:
     if not info["source"].startswith("builtin:"):
         return f"{line}, {info['source']}"
     return (
-        f"{line} built from the starting run's corpus ({info['source'].removeprefix('builtin:')}): "
+        f"{line} built from {info.get('from', 'the default corpus')} ({info['source'].removeprefix('builtin:')}): "
         f"a {info['prompt_bytes']}-byte prompt, its true next {info['answer_bytes']} bytes chosen, those bytes with "
         f"two changed rejected; tokens read from {info['tokens_from']}"
     )
