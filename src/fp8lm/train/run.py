@@ -160,13 +160,13 @@ class TrainingRun:
         self.start_step, self.torch_skipped_steps = 0, 0
         self.train_time, self.timed_steps = 0.0, 0  # the first step compiles and warms up: not timed
         self.memory: dict | None = None
+        self.peak_step_bytes: int | None = None  # measured during the last step (or restored with it)
         self.resumed = resume is not None
         if resume is not None:
             self.restore(resume)
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.model_config.block_size
         self.logs: RunLogs | None = None
         self.act_bytes_per_token: float | None = None  # measured after the last step
-        self.peak_step_bytes: int | None = None  # measured during the last step
 
     # -- pieces a subclass may override -------------------------------------------------------
 
@@ -435,6 +435,7 @@ class TrainingRun:
             # what the summary needs besides the logs, so that --resume can finish a run killed
             # between its final checkpoint and summary.json
             "memory": self.memory,
+            "peak_step_bytes": self.peak_step_bytes,  # the last step's: a resume that only writes the summary
             "timing": {"train_time": self.train_time, "timed_steps": self.timed_steps},
         }
         save_checkpoint(state, directory, step, self.cfg.keep_checkpoints)
@@ -464,6 +465,7 @@ class TrainingRun:
             self.fallback.load_state_dict({**saved, "high_precision": held})
         self.start_step, self.torch_skipped_steps = int(state["step"]), int(state["skipped_steps"])
         self.memory = state.get("memory")
+        self.peak_step_bytes = state.get("peak_step_bytes")
         timing = state.get("timing") or {"train_time": 0.0, "timed_steps": 0}
         self.train_time, self.timed_steps = float(timing["train_time"]), int(timing["timed_steps"])
 
