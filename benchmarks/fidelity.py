@@ -81,6 +81,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # O1's linear weights as scaled FP16 (O1's default before, O2's storage)
     "O1-weight-fp16": ("O1", {"policy": {p: {"weight": "FP16"} for p in ("*.c_*.weight", "lm_head.weight")}}),
     "O1-grad-bf16": ("O1", {"policy": {"*": {"grad": "BF16"}}}),
+    # what autograd saves outside the linear layers (norm and activation-function inputs) in E4M3
+    "O2-act-fp8": ("O2", {"activations": "fp8"}),
+    "O1-act-fp8": ("O1", {"activations": "fp8"}),
 }
 
 
