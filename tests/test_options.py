@@ -21,13 +21,13 @@ def test_the_names_spelled_in_config_are_those_of_the_modules_that_own_them():
     from fp8lm.policy import ACTIVATIONS, FP8_LEVELS
     from fp8lm.recipe import DEFAULT_RECIPE, RECIPES
     from fp8lm.telemetry import KINDS
-    from fp8lm.train.model import ARCHS, CHECKPOINTING, MLP_KINDS, PRESETS
+    from fp8lm.train.model import ARCHS, CHECKPOINTING, MLP_KINDS, PRESETS, ROUTERS
     from fp8lm.train.telemetry_report import STATS
 
     assert config.FP8_LEVELS == FP8_LEVELS and config.GRAD_SYNC_SCALINGS == SCALINGS
     assert config.RECIPE_NAMES == tuple(RECIPES) and config.DEFAULT_RECIPE == DEFAULT_RECIPE
     assert config.MODEL_PRESETS == tuple(PRESETS) and config.MLP_KINDS == MLP_KINDS
-    assert config.ARCHS == ARCHS
+    assert config.ARCHS == ARCHS and config.MOE_ROUTERS == ROUTERS
     assert config.ACTIVATIONS == ACTIVATIONS and config.CHECKPOINTING == CHECKPOINTING
     assert TELEMETRY_KINDS == KINDS and TELEMETRY_STATS == STATS
 

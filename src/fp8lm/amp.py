@@ -6,14 +6,24 @@ optimizer is touched, so an error leaves both as they were.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .formats import FP16, Format
-from .nn import FP8Linear, activation_targets, linear_targets, output_head, replace_modules, replace_parameters
+from .nn import (
+    FP8GroupedLinear,
+    FP8Linear,
+    GroupedLinear,
+    activation_targets,
+    grouped_targets,
+    linear_targets,
+    output_head,
+    replace_modules,
+    replace_parameters,
+)
 from .nn.saved import saving_counterpart
 from .policy import FP8_LEVELS, ParamPrecision, Policy, preset
 from .recipe import Recipe, recipe_from
@@ -34,7 +44,7 @@ class QuantizeGrad:
     so models with the hook still pickle). For an FP8Linear's weight, not while the layer has
     fallen back to high precision."""
 
-    def __init__(self, fmt: Format, layer: FP8Linear | None = None):
+    def __init__(self, fmt: Format, layer: FP8Linear | FP8GroupedLinear | None = None):
         self.fmt = fmt
         self.layer = layer
 
@@ -89,7 +99,9 @@ def initialize(
     if activations is not None:
         policy = policy.with_activations(activations)
     layer_options = {"recipe": recipe}
-    plan = _build(model, policy, linear_targets(model, module_filter, multiple_of), layer_options)
+    targets = linear_targets(model, module_filter, multiple_of)
+    grouped = grouped_targets(model, module_filter, multiple_of)
+    plan = _build(model, policy, targets, layer_options, grouped)
     model = _apply(model, plan)
     model._fp8lm_opt_level = opt_level
     model._fp8lm_policy = policy
@@ -132,7 +144,7 @@ def _check_arguments(model, optimizer, opt_level, optimizer_options: dict | None
 class _Plan:
     """What `initialize` builds before it changes anything of the user's."""
 
-    layers: dict[str, FP8Linear] = field(default_factory=dict)  # name -> the layer that replaces it
+    layers: dict[str, FP8Linear | FP8GroupedLinear] = field(default_factory=dict)  # name -> the layer that replaces it
     saving: dict[str, nn.Module] = field(default_factory=dict)  # name -> its FP8-saving module (fp8lm.nn.saved)
     param_map: dict[int, nn.Parameter] = field(default_factory=dict)  # id(old parameter) -> new parameter
     precisions: dict[int, ParamPrecision] = field(default_factory=dict)  # id(new parameter) -> formats
@@ -143,10 +155,17 @@ class _Plan:
         self.precisions[id(new)] = prec
 
 
-def _build(model: nn.Module, policy: Policy, targets: list[str], layer_options: dict) -> _Plan:
-    """The FP8Linear for every target layer and the stored form of every other parameter."""
+def _build(
+    model: nn.Module, policy: Policy, targets: list[str], layer_options: dict, grouped: Sequence[str] = ()
+) -> _Plan:
+    """The FP8Linear for every target layer, the FP8GroupedLinear for every ``grouped`` one (a
+    mixture of experts' experts) and the stored form of every other parameter."""
     plan = _Plan()
     modules = dict(model.named_modules())
+    for name in grouped:
+        old = modules[name]
+        assert isinstance(old, GroupedLinear)  # as grouped_targets found it
+        _build_grouped(plan, policy, name, old, layer_options)
     head = output_head(model)
     for name in targets:
         old = modules[name]
@@ -174,12 +193,32 @@ def _build(model: nn.Module, policy: Policy, targets: list[str], layer_options: 
     return plan
 
 
+def _build_grouped(plan: _Plan, policy: Policy, name: str, old: GroupedLinear, layer_options: dict) -> None:
+    """The FP8GroupedLinear of the experts' layer ``name``: every expert's weight stored as the
+    policy says for a linear layer's weight (one format for all of them)."""
+    precs = [policy.precision(f"{name}.weight.{e}", w, in_linear=True) for e, w in enumerate(old.weight)]
+    if any(p != precs[0] for p in precs[1:]):
+        raise ValueError(
+            f"the precision policy gives the experts of {name!r} different formats; an override must match all "
+            f"of them (e.g. {name}.weight.*)"
+        )
+    prec = precs[0]
+    layer = FP8GroupedLinear.from_grouped(old, weight_format=prec.weight, weight_grad_format=prec.grad, **layer_options)
+    layer.fp8_enabled = policy.gemm_in_fp8(name)
+    plan.layers[name] = layer
+    for old_weight, new_weight in zip(old.weight, layer.weight):
+        plan.add(old_weight, new_weight, prec)
+
+
 def _apply(model: nn.Module, plan: _Plan) -> nn.Module:
     """Swap in the planned layers and parameters and hook the FP8 gradients; returns the model to
     use (the new layer when the model itself was a linear layer)."""
     model = replace_modules(model, {**plan.layers, **plan.saving})
     replace_parameters(model, plan.other_params)
-    owner = {id(layer.weight): layer for layer in plan.layers.values()}
+    owner: dict[int, FP8Linear | FP8GroupedLinear] = {}
+    for layer in plan.layers.values():
+        for weight in layer.weight if isinstance(layer, FP8GroupedLinear) else [layer.weight]:
+            owner[id(weight)] = layer
     for param in {id(p): p for p in plan.param_map.values()}.values():
         prec = plan.precisions[id(param)]
         if prec.scaled_grad and param.requires_grad:

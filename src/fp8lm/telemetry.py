@@ -4,6 +4,10 @@ Per tensor: its amax, the scale it is (or was) cast with, the fraction of its no
 that underflow to zero, and the fraction that saturate at the format's max. `quantization_stats`
 measures a high-precision tensor about to be cast; `stored_stats` an already quantized one
 (where the lost values can no longer be seen, zeros stand in for underflow).
+
+The experts of a mixture (`fp8lm.nn.FP8GroupedLinear`) are recorded one by one, as layers named
+``<layer>.expert<e>``: each expert's tokens, weight, output gradient, weight gradient and moments
+have scales of their own, and a rarely routed expert is where a scale fails first.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 
 from .formats import E4M3, E5M2, Format
 from .nn.checkpoint import is_recomputing
+from .nn.grouped import group_counts
+from .ops.cast import amax
 from .scaling import compute_scale
 from .tensor import ScalingTensor
 
@@ -85,7 +91,8 @@ class Telemetry:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, every: int = 100):
-        from .nn.linear import FP8Linear  # telemetry sits above nn: it observes FP8 layers
+        from .nn.grouped import FP8GroupedLinear  # telemetry sits above nn: it observes FP8 layers
+        from .nn.linear import FP8Linear
 
         if every < 1:
             raise ValueError(f"telemetry interval must be >= 1 step, got {every}")
@@ -93,6 +100,8 @@ class Telemetry:
         self.optimizer = optimizer
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
         self._names = {id(m.weight): name for name, m in self.layers.items()}
+        self.grouped = {name: m for name, m in model.named_modules() if isinstance(m, FP8GroupedLinear)}
+        self._counts: dict[str, list[int]] = {}  # a grouped layer's tokens per expert in this step's forward
         self._step: int | None = None
         self._pending: list[dict] = []
 
@@ -144,7 +153,38 @@ class Telemetry:
 
             handles.append(layer.register_forward_pre_hook(on_input))
             handles.append(layer.register_full_backward_pre_hook(on_grad_output))
+        for name, experts in self.grouped.items():
+            handles.append(experts.register_forward_pre_hook(self._on_grouped_input(name)))
+            handles.append(experts.register_full_backward_pre_hook(self._on_grouped_grad_output(name)))
         return handles
+
+    def _on_grouped_input(self, name: str):
+        def hook(module, args):
+            if is_recomputing():
+                return
+            x = args[0].detach()
+            counts = self._counts[name] = group_counts(args[1], module.num_experts, x.shape[0])
+            for e, (rows, w) in enumerate(zip(x.split(counts), module.weight)):
+                expert = f"{name}.expert{e}"
+                if rows.shape[0]:  # each group of tokens is scaled from its own amax
+                    scale = compute_scale(amax(rows), E4M3, module.recipe.margin)
+                    self._record(expert, "input", E4M3, quantization_stats(rows, E4M3, scale))
+                value = w.dequantize() if isinstance(w, ScalingTensor) else w.detach()
+                self._record(expert, "weight", E4M3, quantization_stats(value, E4M3, compute_scale(amax(value), E4M3)))
+
+        return hook
+
+    def _on_grouped_grad_output(self, name: str):
+        def hook(module, grad_output):
+            counts = self._counts.get(name)
+            if counts is None:
+                return
+            for e, rows in enumerate(grad_output[0].detach().split(counts)):
+                if rows.shape[0]:
+                    scale = compute_scale(amax(rows), E5M2, module.recipe.margin)
+                    self._record(f"{name}.expert{e}", "grad_output", E5M2, quantization_stats(rows, E5M2, scale))
+
+        return hook
 
     def after_backward(self) -> list[dict]:
         """Weight-gradient stats of a sampled step; returns the step's records so far."""
@@ -160,14 +200,21 @@ class Telemetry:
                 fmt = layer.weight_grad_format
                 scale = compute_scale(grad.detach().abs().amax().float(), fmt)
                 self._record(name, "weight_grad", fmt, quantization_stats(grad, fmt, scale))
+        for name, experts in self.grouped.items():
+            for e, w in enumerate(experts.weight):
+                if isinstance(w.grad, ScalingTensor):
+                    self._record(f"{name}.expert{e}", "weight_grad", w.grad.fmt, stored_stats(w.grad))
+        self._counts.clear()
         return self._flush()
 
     def after_optimizer_step(self) -> list[dict]:
         """Stats of the FP8 optimizer's stored moments on a sampled step (FP8Adam/FP8AdamW)."""
         if self._step is None or self.optimizer is None:
             return []
-        for name, layer in self.layers.items():
-            state = self.optimizer.state.get(layer.weight, {})
+        weights = [(name, layer.weight) for name, layer in self.layers.items()]
+        weights += [(f"{n}.expert{e}", w) for n, layer in self.grouped.items() for e, w in enumerate(layer.weight)]
+        for name, weight in weights:
+            state = self.optimizer.state.get(weight, {})
             for kind in ("exp_avg", "exp_avg_sq"):
                 if kind + "_scale" in state:
                     stored = ScalingTensor(state[kind], state[kind + "_scale"])

@@ -1,11 +1,22 @@
 """FP8 modules and model conversion: `FP8Linear`, `convert_linears`, `freeze_fp8`, checkpoint
 helpers, FP8-saving norms and activations (`fp8lm.nn.saved`), activation checkpointing that
-recomputes FP8 casts bit for bit (`fp8lm.nn.checkpoint`)."""
+recomputes FP8 casts bit for bit (`fp8lm.nn.checkpoint`), a mixture of experts (`fp8lm.nn.moe`) and
+its grouped GEMMs (`GroupedLinear`, `FP8GroupedLinear`)."""
 
 from .checkpoint import checkpoint
-from .convert import convert_linears, is_convertible, linear_targets, output_head, replace_modules, replace_parameters
+from .convert import (
+    convert_linears,
+    grouped_targets,
+    is_convertible,
+    linear_targets,
+    output_head,
+    replace_modules,
+    replace_parameters,
+)
 from .frozen import freeze_fp8
+from .grouped import FP8GroupedLinear, GroupedLinear
 from .linear import FP8Linear, is_conv1d
+from .moe import MoE, Router
 from .saved import (
     FP8SavedGELU,
     FP8SavedLayerNorm,
@@ -20,6 +31,11 @@ from .state import load_scaling_state_dict, register_plain_state_dict, scaling_s
 
 __all__ = [
     "FP8Linear",
+    "GroupedLinear",
+    "FP8GroupedLinear",
+    "grouped_targets",
+    "MoE",
+    "Router",
     "convert_linears",
     "linear_targets",
     "output_head",

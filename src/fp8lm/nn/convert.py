@@ -13,10 +13,18 @@ from collections.abc import Callable, Mapping
 from torch import nn
 
 from ..tensor import ScalingTensor
+from .grouped import GroupedLinear
 from .linear import FP8Linear, is_conv1d
 from .state import register_plain_state_dict
 
-__all__ = ["is_convertible", "linear_targets", "replace_modules", "replace_parameters", "convert_linears"]
+__all__ = [
+    "is_convertible",
+    "linear_targets",
+    "grouped_targets",
+    "replace_modules",
+    "replace_parameters",
+    "convert_linears",
+]
 
 ModuleFilter = Callable[[str, nn.Module], bool]
 
@@ -41,6 +49,23 @@ def linear_targets(model: nn.Module, module_filter: ModuleFilter | None = None, 
         in_features, out_features = _linear_dims(module)
         if in_features % multiple_of or out_features % multiple_of:
             uneven.append(f"{name or 'the model'!r} ({in_features}x{out_features})")
+            continue
+        names.append(name)
+    if uneven:
+        _warn_uneven(uneven, multiple_of)
+    return names
+
+
+def grouped_targets(model: nn.Module, module_filter: ModuleFilter | None = None, multiple_of: int = 16) -> list[str]:
+    """Names of the experts' layers (exact `GroupedLinear`s) that `fp8lm.initialize` turns into
+    `FP8GroupedLinear`: accepted by ``module_filter`` and with in and out features multiples of
+    ``multiple_of`` (others stay in high precision, with the warning of `linear_targets`)."""
+    names, uneven = [], []
+    for name, module in model.named_modules():
+        if type(module) is not GroupedLinear or (module_filter is not None and not module_filter(name, module)):
+            continue
+        if module.in_features % multiple_of or module.out_features % multiple_of:
+            uneven.append(f"{name!r} ({module.in_features}x{module.out_features})")
             continue
         names.append(name)
     if uneven:

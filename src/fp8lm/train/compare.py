@@ -108,9 +108,18 @@ def _rows(summaries: dict) -> dict:
             "peak_step_bytes": s.get("peak_step_bytes"),
             "tokens_per_s": s["tokens_per_s"],
             "skipped_steps": s["skipped_steps"],
+            **_moe_row(s),
         }
         for level, s in summaries.items()
     }
+
+
+def _moe_row(summary: dict) -> dict:
+    """A mixture of experts' router load balance over the run (none for a dense model)."""
+    moe = summary.get("moe")
+    if not moe:
+        return {}
+    return {"moe_load_max_over_mean": moe["load_max_over_mean"], "moe_load_cv": moe["load_cv"]}
 
 
 def compare(cfg: TrainConfig, levels: list[str], seeds: list[int] | None = None) -> dict | None:
@@ -186,6 +195,9 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
             "tokens_per_s": means["tokens_per_s"],
             "skipped_steps": sum(r["skipped_steps"] for r in seed_rows.values()),
         }
+        for key in ("moe_load_max_over_mean", "moe_load_cv"):
+            if all(key in r for r in seed_rows.values()):
+                rows[level][key] = statistics.fmean(r[key] for r in seed_rows.values())
     return rows
 
 

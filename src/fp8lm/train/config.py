@@ -50,6 +50,7 @@ MLP_KINDS = ("gelu", "swiglu")  # fp8lm.train.model.MLP_KINDS
 ARCHS = ("gpt", "llama")  # fp8lm.train.model.ARCHS
 ACTIVATIONS = ("bf16", "fp8")  # fp8lm.policy.ACTIVATIONS
 CHECKPOINTING = ("none", "selective", "full")  # fp8lm.train.model.CHECKPOINTING
+MOE_ROUTERS = ("softmax", "sigmoid")  # fp8lm.nn.moe.ROUTERS
 
 OPT_LEVELS = ("fp32", "bf16", *FP8_LEVELS)  # the two baselines, then fp8lm's levels
 SECOND_MOMENT_FORMATS = ("FP16", "E4M3", "E5M2")
@@ -173,6 +174,26 @@ class TrainConfig:
     )
     mlp: str | None = option(
         None, "MLP kind (default: gelu for --arch gpt, swiglu for llama)", group=_MODEL, choices=MLP_KINDS
+    )
+    moe_experts: int = option(
+        0,
+        "mixture of experts: every block's MLP becomes E experts of its kind (GELU for --arch gpt, SwiGLU for "
+        "llama), their GEMMs in FP8 at the FP8 levels with a scale per expert; 0 = a dense MLP",
+        group=_MODEL,
+        metavar="E",
+    )
+    moe_top_k: int = option(2, "--moe-experts: experts each token goes to", group=_MODEL, metavar="K")
+    moe_router: str = option(
+        "softmax",
+        "--moe-experts: the router's top-k, of softmax probabilities or sigmoid scores",
+        group=_MODEL,
+        choices=MOE_ROUTERS,
+    )
+    moe_shared_expert: bool = option(
+        False, "--moe-experts: add a dense MLP that every token goes through too", group=_MODEL
+    )
+    moe_aux_loss_coef: float = option(
+        0.01, "--moe-experts: weight of the load-balancing loss (Switch's) in the training loss", group=_MODEL
     )
     # optimization
     steps: int = option(500, "optimizer steps", group=_OPTIM, resume="free")
@@ -352,6 +373,11 @@ class TrainConfig:
             block_size=self.seq_len,
             arch=self.arch,
             n_kv_head=self.n_kv_head,
+            moe_experts=self.moe_experts,
+            moe_top_k=self.moe_top_k,
+            moe_router=self.moe_router,
+            moe_shared_expert=self.moe_shared_expert,
+            moe_aux_loss_coef=self.moe_aux_loss_coef,
         )
 
     def model_folder(self) -> str | None:
@@ -415,6 +441,7 @@ class TrainConfig:
             )
         self._check_fsdp()
         self._check_model_parallel()
+        self._check_moe()
         if self.fallback and (self.opt_level not in FP8_LEVELS or self.telemetry_interval() == 0):
             raise RunError(
                 f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
@@ -509,6 +536,21 @@ class TrainConfig:
         for refused, message in refusals:
             if refused:
                 raise RunError(message)
+
+    def _check_moe(self) -> None:
+        """What --moe-experts combines with (not yet: --tp, --pp, --fsdp, a --model folder)."""
+        if not self.moe_experts:
+            return
+        given = [flag for flag, on in (("--tp", self.tp > 1), ("--pp", self.pp > 1), ("--fsdp", self.fsdp)) if on]
+        if given:
+            raise RunError(
+                f"--moe-experts does not combine with {', '.join(given)} yet: train the mixture of experts in one "
+                "process or with data parallelism under torchrun"
+            )
+        if self.model_folder() is not None:
+            raise RunError(
+                "--moe-experts builds the built-in models' experts; a --model folder has its own MLPs: drop it"
+            )
 
     def _check_split(self, model: GPTConfig) -> None:
         """The model's sizes divide into --tp shards and --pp stages."""

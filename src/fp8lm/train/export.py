@@ -222,6 +222,11 @@ def hf_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
         model = HFCausalLM(cfg)
         model.load_state_dict(weights, strict=True)
         return model.hf.eval()
+    if cfg.moe_experts:
+        raise ExportError(
+            f"fp8lm export writes dense GPT-2 and Llama models; this run is a mixture of {cfg.moe_experts} experts, "
+            "which it cannot write yet (fp8lm generate runs its checkpoint)"
+        )
     return llama_model(weights, cfg) if cfg.arch == "llama" else gpt2_model(weights, cfg)
 
 

@@ -7,6 +7,11 @@
   (``n_kv_head`` key/value heads, each shared by ``n_head / n_kv_head`` query heads: a q layer
   and a fused k/v layer), a SwiGLU MLP, no biases.
 
+Either may replace every block's MLP by a mixture of experts (``moe_experts`` > 0: `fp8lm.nn.MoE`,
+``moe_top_k`` experts per token, experts of the architecture's MLP kind without biases, an
+optional dense shared expert); in training the mean over blocks of their load-balancing losses,
+times ``moe_aux_loss_coef``, is added to the loss (and kept in ``GPT.moe_aux_loss``).
+
 Every weight matrix is an `nn.Linear` whose dimensions are multiples of 16 (for the presets), so
 `fp8lm.initialize` turns all of them, the output head included, into FP8 layers. The output head
 is not tied to the token embedding: a tied weight would be one tensor in two formats (an FP8
@@ -23,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.checkpoint import checkpoint
+from ..nn.grouped import GroupedLinear
+from ..nn.moe import ROUTERS, MoE, Router
 from ..nn.saved import RMSNorm, SwiGLU, rms_norm
 
 __all__ = [
@@ -32,6 +39,7 @@ __all__ = [
     "ARCHS",
     "MLP_KINDS",
     "CHECKPOINTING",
+    "ROUTERS",
     "preset",
     "RMSNorm",
     "rms_norm",
@@ -61,6 +69,11 @@ class GPTConfig:
     bias: bool | None = None  # None: the architecture's (gpt: biases, llama: none)
     rope_theta: float = 10000.0  # llama: base of the rotary embedding's frequencies
     norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm
+    moe_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts
+    moe_top_k: int = 2  # experts per token
+    moe_router: str = "softmax"  # softmax or sigmoid (fp8lm.nn.moe)
+    moe_shared_expert: bool = False  # a dense MLP that every token goes through too
+    moe_aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -82,6 +95,17 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not (self.rope_theta > 0 and self.norm_eps > 0):
             raise ValueError(f"rope_theta and norm_eps must be > 0, got {self.rope_theta} and {self.norm_eps}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.moe_experts < 0:
+            raise ValueError(f"moe_experts must be >= 0 (0: a dense MLP), got {self.moe_experts}")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k must be in [1, moe_experts={self.moe_experts}], got {self.moe_top_k}")
+        if self.moe_router not in ROUTERS:
+            raise ValueError(f"unknown moe_router {self.moe_router!r}: use one of {', '.join(ROUTERS)}")
+        if not (math.isfinite(self.moe_aux_loss_coef) and self.moe_aux_loss_coef >= 0):
+            raise ValueError(f"moe_aux_loss_coef must be a finite number >= 0, got {self.moe_aux_loss_coef}")
 
     def _check_arch(self) -> None:
         """What each architecture is: llama is SwiGLU without biases, grouped-query attention is llama's."""
@@ -219,6 +243,19 @@ class MLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(x)))
 
 
+def moe(cfg: GPTConfig) -> MoE:
+    """A block's mixture of experts: experts of the architecture's MLP kind and size."""
+    return MoE(
+        cfg.n_embd,
+        cfg.mlp_hidden,
+        cfg.moe_experts,
+        cfg.moe_top_k,
+        router=cfg.moe_router,
+        activation=str(cfg.mlp),
+        shared_expert=MLP(cfg) if cfg.moe_shared_expert else None,
+    )
+
+
 def embed(wte: nn.Embedding, wpe: nn.Embedding | None, idx: torch.Tensor) -> torch.Tensor:
     """The token embeddings of ``idx`` (b, t), plus the position embeddings (gpt's ``wpe``)."""
     x = wte(idx)
@@ -239,7 +276,7 @@ class Block(nn.Module):
         self.ln_1 = _norm(cfg)
         self.attn = GroupedQueryAttention(cfg) if cfg.arch == "llama" else CausalSelfAttention(cfg)
         self.ln_2 = _norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = moe(cfg) if cfg.moe_experts else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.checkpointed = False  # activation checkpointing (GPT.checkpoint_blocks)
 
@@ -266,17 +303,21 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = _norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.moe_aux_loss: torch.Tensor | None = None  # the last training forward's load-balancing loss
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
-        # variance does not grow with depth.
+        # variance does not grow with depth (the experts' too: c_proj.weight.<expert>).
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith("c_proj.weight") or "c_proj.weight." in name:
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding, Router)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, GroupedLinear):
+            for w in module.weight:
+                nn.init.normal_(w, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
@@ -307,4 +348,17 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+            if self.training and self.config.moe_experts:
+                loss = loss + self.config.moe_aux_loss_coef * self._aux_loss()
         return logits, loss
+
+    def _aux_loss(self) -> torch.Tensor:
+        """The mean over blocks of their MoE load-balancing losses (of this forward)."""
+        taken = [b.mlp.take_aux_loss() for b in self.blocks if isinstance(b.mlp, MoE)]
+        aux = torch.stack([a for a in taken if a is not None]).mean()
+        self.moe_aux_loss = aux.detach()
+        return aux
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """The blocks' mixtures of experts by module name (none for a dense model)."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, MoE)}

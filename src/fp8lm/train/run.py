@@ -24,7 +24,8 @@ from torch import nn
 from ..distributed import ddp_bytes, reset_comm_stats
 from ..fallback import PrecisionFallback
 from ..memory import PeakMemory, memory_report
-from ..nn import load_scaling_state_dict, scaling_state_dict
+from ..nn import MoE, load_scaling_state_dict, scaling_state_dict
+from ..nn.moe import load_balance
 from ..ops.gemm import CPUBF16Linear
 from ..optim import SkipsNonFiniteSteps
 from ..telemetry import Telemetry, worst
@@ -269,6 +270,7 @@ class TrainingRun:
             "grad_norm": grad_norm,
             "tokens": done * self.tokens_per_step,
         }
+        record.update(self.moe_metrics())
         if self.ranks.distributed:
             record["comm_bytes"] = step_bytes
             record.update(counted or {})
@@ -277,6 +279,24 @@ class TrainingRun:
         if self.telemetry is not None and self.telemetry.sampled(step):
             self.log_telemetry(records, record)
         return record
+
+    def moe_metrics(self) -> dict:
+        """A mixture of experts' step (none for a dense model): its load-balancing loss (the last
+        micro-batch's, before the coefficient), the load balance of each block's routing this step
+        (this rank's tokens) averaged over the blocks, and the tokens each expert took, summed
+        over the blocks."""
+        layers = [m for m in self.core.modules() if isinstance(m, MoE)]
+        if not layers:
+            return {}
+        counts = [m.take_routed().cpu() for m in layers]
+        balance = [load_balance(c) for c in counts]
+        aux = getattr(self.core, "moe_aux_loss", None)
+        return {
+            "moe_aux_loss": None if aux is None else float(aux),
+            "moe_load_max_over_mean": sum(b["max_over_mean"] for b in balance) / len(balance),
+            "moe_load_cv": sum(b["cv"] for b in balance) / len(balance),
+            "moe_tokens_per_expert": torch.stack(counts).sum(0).tolist(),
+        }
 
     def forward_backward(self) -> torch.Tensor:
         """The step's micro-batches, forward and backward (gradients sync on the last one);
@@ -517,6 +537,7 @@ class TrainingRun:
             "ddp_fp32_bytes_per_step": ddp_bytes(self.num_params, 4, ranks.world),
             "ddp_bf16_bytes_per_step": ddp_bytes(self.num_params, 2, ranks.world),
             "fallback_events": self.fallback.events if self.fallback else [],
+            **_moe_summary(records),
             "model_config": self.model_config.to_dict(),
             "data": self.data_info,
             "device": str(self.device),
@@ -639,6 +660,24 @@ def _counted_comm_per_step(records: list[dict]) -> dict:
         "comm_bytes_by_kind_per_step": {
             kind: sum(r["comm_bytes_by_kind"].get(kind, 0.0) for r in counted) / len(counted) for kind in kinds
         },
+    }
+
+
+def _moe_summary(records: list[dict]) -> dict:
+    """A mixture of experts' routing over the run (from its steps' records): the load balance
+    averaged over the steps, the tokens each expert took in all, the last load-balancing loss."""
+    routed = [r for r in records if "moe_tokens_per_expert" in r]
+    if not routed:
+        return {}
+    tokens = [sum(col) for col in zip(*(r["moe_tokens_per_expert"] for r in routed))]
+    return {
+        "moe": {
+            "load_max_over_mean": sum(r["moe_load_max_over_mean"] for r in routed) / len(routed),
+            "load_cv": sum(r["moe_load_cv"] for r in routed) / len(routed),
+            "tokens_per_expert": tokens,
+            "run_balance": load_balance(torch.tensor(tokens)),
+            "aux_loss": routed[-1]["moe_aux_loss"],
+        }
     }
 
 

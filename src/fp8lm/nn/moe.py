@@ -1,0 +1,159 @@
+"""`MoE`: a mixture-of-experts MLP, its router and its load-balancing loss.
+
+Each token goes to its ``top_k`` experts out of ``num_experts``, chosen by a router (`Router`, a
+bias-free linear map to one logit per expert, computed in FP32 outside autocast: the routing
+decisions are not made in low precision):
+
+- ``"softmax"``: the experts with the largest softmax probabilities (Switch, Mixtral);
+- ``"sigmoid"``: the experts with the largest sigmoid scores (DeepSeek-V3).
+
+With ``top_k > 1`` the chosen experts' weights are their probabilities (scores) renormalized to
+sum to 1; with ``top_k = 1`` the weight is the probability itself, so the loss still trains the
+router. No token is dropped: every expert takes every token routed to it.
+
+The tokens are sorted by expert and the experts' two layers are `GroupedLinear`s (which
+`fp8lm.initialize` turns into `FP8GroupedLinear`: FP8 GEMMs with one scale per expert), with a GELU
+or a SwiGLU between them, no biases; the outputs are summed back per token in FP32, weighted.
+An optional shared expert (any module, e.g. a dense MLP) sees every token and is added.
+
+`load_balance_loss` is the Switch Transformer's auxiliary loss, ``E * sum_e f_e * P_e`` (``f_e``:
+the share of routed token slots that went to expert ``e``; ``P_e``: the mean router probability of
+``e``, for sigmoid scores normalized per token), 1 when the load is uniform. A forward in training
+mode keeps it in ``aux_loss`` for the model to add to its loss (`take_aux_loss`), and counts the tokens each expert
+received in ``routed`` (`take_routed` reads and clears it; `load_balance` summarizes it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import is_recomputing
+from .grouped import GroupedLinear
+from .saved import SwiGLU
+
+__all__ = ["MoE", "Router", "ROUTERS", "EXPERT_ACTIVATIONS", "route", "load_balance_loss", "load_balance"]
+
+ROUTERS = ("softmax", "sigmoid")
+EXPERT_ACTIVATIONS = ("gelu", "swiglu")
+
+
+def route(logits: torch.Tensor, top_k: int, router: str = "softmax") -> tuple[torch.Tensor, ...]:
+    """The routing of tokens with router ``logits`` (T, E): ``(weights, experts, probs)``, the
+    weights (T, k) and indices (T, k) of each token's ``top_k`` experts and the probabilities
+    (T, E) that the load-balancing loss reads (module docstring); in FP32."""
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}: use one of {', '.join(ROUTERS)}")
+    logits = logits.float()
+    scores = logits.softmax(-1) if router == "softmax" else logits.sigmoid()
+    top, experts = scores.topk(top_k, dim=-1)
+    weights = top / top.sum(-1, keepdim=True) if top_k > 1 else top
+    probs = scores if router == "softmax" else scores / scores.sum(-1, keepdim=True)
+    return weights, experts, probs
+
+
+def load_balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Switch's auxiliary loss ``E * sum_e f_e * P_e`` of router probabilities ``probs`` (T, E) and
+    the chosen experts ``experts`` (T, k): 1 for a uniform load, up to E when one expert takes all;
+    its gradient reaches the router through ``P_e``."""
+    num_experts = probs.shape[-1]
+    share = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / max(experts.numel(), 1)
+    return num_experts * (share * probs.mean(0)).sum()
+
+
+def load_balance(counts: torch.Tensor) -> dict[str, float]:
+    """How evenly tokens were routed, from the tokens per expert ``counts``: ``max_over_mean``
+    (the busiest expert's load over the mean, 1 when uniform) and ``cv`` (the coefficient of
+    variation, standard deviation over mean, 0 when uniform)."""
+    c = counts.double()
+    mean = float(c.mean())
+    if mean == 0:
+        return {"max_over_mean": math.nan, "cv": math.nan}
+    return {"max_over_mean": float(c.max()) / mean, "cv": float(c.std(unbiased=False)) / mean}
+
+
+class Router(nn.Module):
+    """One logit per expert, ``x W^T`` with ``W`` (num_experts, dim), in FP32 outside autocast."""
+
+    def __init__(self, dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        nn.init.uniform_(self.weight, -1 / math.sqrt(dim), 1 / math.sqrt(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP ``dim -> hidden -> dim`` (module docstring): ``forward(x)`` for
+    ``x`` of shape (..., dim)."""
+
+    routed: torch.Tensor
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int,
+        top_k: int = 2,
+        *,
+        router: str = "softmax",
+        activation: str = "gelu",
+        shared_expert: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if num_experts < 1 or not 1 <= top_k <= num_experts:
+            raise ValueError(f"an MoE needs >= 1 expert and 1 <= top_k <= experts; got {num_experts} and {top_k}")
+        if router not in ROUTERS:
+            raise ValueError(f"unknown router {router!r}: use one of {', '.join(ROUTERS)}")
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {activation!r}: use one of {', '.join(EXPERT_ACTIVATIONS)}")
+        self.num_experts, self.top_k, self.router_kind = num_experts, top_k, router
+        self.router = Router(dim, num_experts)
+        swiglu = activation == "swiglu"
+        # SwiGLU's gate and up projections are one grouped layer, split by the activation.
+        self.c_fc = GroupedLinear(num_experts, dim, 2 * hidden if swiglu else hidden)
+        self.act = SwiGLU() if swiglu else nn.GELU()
+        self.c_proj = GroupedLinear(num_experts, hidden, dim)
+        self.shared = shared_expert
+        self.aux_loss: torch.Tensor | None = None
+        self.register_buffer("routed", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        weights, experts, probs = route(self.router(x2), self.top_k, self.router_kind)
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # token slots sorted by expert, each expert's in token order
+        token = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        grouped = counts.tolist()
+        y = self.c_proj(self.act(self.c_fc(x2[token], grouped)), grouped)
+        out = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
+        out = out.index_add(0, token, y.float() * weights.reshape(-1)[order, None])
+        out = out.to(y.dtype)
+        if self.shared is not None:
+            out = out + self.shared(x2)
+        if self.training and not is_recomputing():  # activation checkpointing's second forward: done once
+            self.aux_loss = load_balance_loss(probs, experts)
+            self.routed += counts
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The load-balancing loss of the last training forward (None: none since the last call);
+        cleared, so the module holds no autograd graph between steps."""
+        aux, self.aux_loss = self.aux_loss, None
+        return aux
+
+    def take_routed(self) -> torch.Tensor:
+        """The tokens routed to each expert by the training forwards since the last call; cleared."""
+        counts = self.routed.clone()
+        self.routed.zero_()
+        return counts
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, router={self.router_kind}"

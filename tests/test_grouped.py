@@ -1,0 +1,176 @@
+"""FP8GroupedLinear: the experts' three GEMMs in FP8 with a scale per expert, against one FP8 GEMM
+per expert (the same numbers) and a float64 reference."""
+
+import pytest
+import torch
+from torch import nn
+
+import fp8lm
+from fp8lm import E4M3, E5M2, FP16, FP32, ScalingTensor, quantize
+from fp8lm.nn import FP8GroupedLinear, GroupedLinear
+from fp8lm.ops.gemm import FP8Operand, fp8_mm
+
+COUNTS = [10, 0, 21, 7]  # an expert without tokens among them
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    return (10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum())).item()
+
+
+def _layer(seed: int = 0, in_features: int = 32, out_features: int = 48) -> FP8GroupedLinear:
+    torch.manual_seed(seed)
+    plain = GroupedLinear(len(COUNTS), in_features, out_features)
+    with torch.no_grad():
+        for e, w in enumerate(plain.weight):
+            w.mul_(4.0**e)  # experts of different magnitudes: different scales
+    return FP8GroupedLinear.from_grouped(plain)
+
+
+def _operand(t: ScalingTensor) -> FP8Operand:
+    return FP8Operand(t.payload, t.scale_inv)
+
+
+def _run(layer, x, g):
+    xi = x.clone().requires_grad_()
+    y = layer(xi, COUNTS)
+    y.backward(g)
+    return y.detach(), xi.grad
+
+
+def _loop_reference(layer, x, g):
+    """One fp8_mm per expert, every operand quantized on its own by fp8lm.quantize."""
+    ys, dxs, dws = [], [], []
+    for rows, grads, w in zip(x.split(COUNTS), g.split(COUNTS), layer.weight):
+        if rows.shape[0] == 0:
+            ys.append(torch.zeros(0, w.shape[0]))
+            dxs.append(torch.zeros(0, w.shape[1]))
+            dws.append(quantize(torch.zeros(w.shape), E4M3))
+            continue
+        x8, w8, g8 = quantize(rows, E4M3), quantize(w.dequantize(), E4M3), quantize(grads, E5M2)
+        ys.append(fp8_mm(_operand(x8), _operand(w8).t()))
+        dxs.append(fp8_mm(_operand(g8), _operand(w8)))
+        dws.append(quantize(fp8_mm(_operand(g8).t(), _operand(x8)), E4M3))
+    return torch.cat(ys), torch.cat(dxs), dws
+
+
+def test_weights_are_stored_one_scale_per_expert():
+    layer = _layer()
+    scales = [w.scale.item() for w in layer.weight]
+    assert all(isinstance(w, ScalingTensor) and w.payload.dtype == torch.float16 for w in layer.weight)
+    assert scales == sorted(scales, reverse=True) and len(set(scales)) == len(scales)
+    plain = FP8GroupedLinear(2, 16, 16, weight_format=FP32)
+    assert all(type(w) is nn.Parameter for w in plain.weight)
+
+
+def test_three_gemms_equal_one_fp8_gemm_per_expert():
+    layer = _layer()
+    torch.manual_seed(1)
+    x, g = torch.randn(sum(COUNTS), 32), torch.randn(sum(COUNTS), 48)
+    x[:10] *= 1e-3  # the first expert's tokens far smaller: their own scale
+    y, dx = _run(layer, x, g)
+    y_ref, dx_ref, dw_ref = _loop_reference(layer, x, g)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    for w, ref in zip(layer.weight, dw_ref):
+        assert isinstance(w.grad, ScalingTensor) and w.grad.payload.dtype == torch.float8_e4m3fn
+        assert torch.equal(w.grad.payload.float(), ref.payload.float()) and torch.equal(w.grad.scale, ref.scale)
+    assert not w.grad.dequantize().eq(0).all()
+    assert layer.weight[1].grad.dequantize().eq(0).all()  # no tokens: a zero gradient
+
+
+def test_against_float64_reference():
+    layer = _layer()
+    torch.manual_seed(2)
+    x, g = torch.randn(sum(COUNTS), 32), torch.randn(sum(COUNTS), 48)
+    y, dx = _run(layer, x, g)
+    x64 = x.double().requires_grad_()
+    ws = [w.dequantize().double().requires_grad_() for w in layer.weight]
+    y64 = torch.cat([rows @ w.t() for rows, w in zip(x64.split(COUNTS), ws)])
+    y64.backward(g.double())
+    assert sqnr_db(y64.detach(), y) >= 25
+    assert sqnr_db(x64.grad, dx) >= 22
+    for w, w64 in zip(layer.weight, ws):
+        if w64.grad.abs().sum() > 0:
+            assert sqnr_db(w64.grad, w.grad.dequantize()) >= 22
+    # the FP8 operands' own values multiplied in float64: only FP32 summation order apart
+    x8 = [quantize(rows, E4M3).dequantize().double() for rows in x.split(COUNTS) if rows.shape[0]]
+    w8 = [quantize(w.dequantize(), E4M3).dequantize().double() for w, n in zip(layer.weight, COUNTS) if n]
+    exact = torch.cat([a @ b.t() for a, b in zip(x8, w8)])
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_autocast_output_and_high_precision_path():
+    layer = _layer()
+    x = torch.randn(sum(COUNTS), 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x, COUNTS)
+    assert y.dtype == torch.bfloat16 and y.shape == (sum(COUNTS), 48)
+    layer.high_precision = True
+    y_hp = layer(x, COUNTS)
+    plain = torch.cat([rows @ w.dequantize().t() for rows, w in zip(x.split(COUNTS), layer.weight)])
+    torch.testing.assert_close(y_hp, plain)
+
+
+def test_counts_that_do_not_fit_are_refused_in_one_line():
+    layer = _layer()
+    with pytest.raises(ValueError, match="one per expert, summing to the 39 rows") as e:
+        layer(torch.randn(39, 32), COUNTS)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="one per expert"):
+        layer(torch.randn(38, 32), [38, 0, 0])
+
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 32)
+        self.experts = GroupedLinear(len(COUNTS), 32, 16)
+
+    def forward(self, x):
+        return self.experts(self.inp(x), COUNTS)
+
+
+@pytest.mark.parametrize(("level", "payload"), [("O1", None), ("O2", torch.float16), ("O3", torch.float8_e4m3fn)])
+def test_initialize_stores_experts_like_fp8_weights(level, payload):
+    torch.manual_seed(3)
+    model = _Experts()
+    before = [w.detach().clone() for w in model.experts.weight]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fp8lm.initialize(model, opt, level)
+    layer = model.experts
+    assert isinstance(layer, FP8GroupedLinear) and layer.recipe.name == "tensorwise-delayed"
+    for w, old in zip(layer.weight, before):
+        if payload is None:
+            assert type(w) is nn.Parameter
+        else:
+            assert isinstance(w, ScalingTensor) and w.payload.dtype == payload and w.scale.numel() == 1
+        torch.testing.assert_close(w.detach().float() if payload is None else w.dequantize(), old, rtol=0.07, atol=0)
+    expected = fp8lm.optim.FP8AdamW if level != "O1" else torch.optim.AdamW
+    assert isinstance(opt, expected)
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert all(id(w) in held for w in layer.weight)
+    x = torch.randn(sum(COUNTS), 32)
+    model(x).square().mean().backward()
+    assert all(isinstance(w.grad, ScalingTensor) and w.grad.fmt == E4M3 for w in layer.weight)
+    opt.step()
+    moved = [not torch.equal(w.detach().float(), old) for w, old, n in zip(layer.weight, before, COUNTS) if n]
+    assert all(moved)
+    if level != "O1":
+        state = opt.state[layer.weight[0]]
+        assert state["exp_avg"].dtype == torch.float8_e4m3fn
+    sd = model.state_dict()
+    assert [k for k in sd if k.startswith("experts.")] == [f"experts.weight.{e}" for e in range(len(COUNTS))]
+    assert all(type(sd[f"experts.weight.{e}"]) is torch.Tensor for e in range(len(COUNTS)))
+    fresh = _Experts()
+    fresh.load_state_dict(sd)
+    for w, v in zip(fresh.experts.weight, layer.weight):
+        assert torch.equal(w.detach(), v.detach().float() if payload is None else v.dequantize())
+
+
+def test_policy_override_must_cover_every_expert():
+    model = _Experts()
+    with pytest.raises(ValueError, match="different formats") as e:
+        fp8lm.initialize(model, None, "O2", policy={"experts.weight.1": {"weight": FP32}})
+    assert "\n" not in str(e.value)
+    model, _ = fp8lm.initialize(_Experts(), None, "O2", policy={"experts": {"fp8_gemm": False}})
+    assert model.experts.fp8_enabled is False and model.experts.weight[0].fmt == FP16
