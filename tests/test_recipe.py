@@ -45,8 +45,9 @@ def test_bad_recipes_are_refused(changes, message):
 
 
 def test_unknown_name_lists_the_names():
-    with pytest.raises(ValueError, match="unknown recipe 'rowwise': use one of tensorwise-delayed, tensorwise-current"):
-        fp8lm.Recipe.from_name("rowwise")
+    names = "tensorwise-delayed, tensorwise-current, rowwise, rowwise-wgrad-bf16, blockwise, mxfp8, nvfp4"
+    with pytest.raises(ValueError, match=f"unknown recipe 'colwise': use one of {names}"):
+        fp8lm.Recipe.from_name("colwise")
 
 
 def test_layer_takes_the_recipe_and_its_margin():

@@ -18,6 +18,7 @@ _LAZY = {
     "BF16": "formats",
     "FP32": "formats",
     "Recipe": "recipe",
+    "fake_quantize": "ops.finegrained",
     "compute_scale": "scaling",
     "ScalingMeta": "scaling",
     "ScalingTensor": "tensor",

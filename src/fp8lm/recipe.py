@@ -5,7 +5,16 @@ scaling of the input and output-gradient streams (``"delayed"``: from an amax hi
 ``history_len`` steps; ``"current"``: from each tensor's own amax), the margin of the scale, and
 the GEMM backend. Being frozen, a layer's recipe can be shared, compared and used as a key; being
 hashable, ``torch.compile`` treats it as a constant. Named recipes (`RECIPES`) are the supported
-combinations; later ones (row-wise, blocks) are new names.
+combinations.
+
+``granularity`` says how many scales an operand has. ``"tensorwise"``: one per tensor (delayed or
+current scaling). The fine-grained ones scale each block from its own amax (current scaling; an
+amax history does not apply): ``"rowwise"`` (a power-of-two scale per row along the GEMM's
+reduction dimension), ``"blockwise"`` (1 x ``block`` tiles of inputs and output gradients,
+``block`` x ``block`` blocks of weights, FP32 scales ``amax / 448``), ``"mxfp8"`` (OCP MX v1.0:
+1 x ``block`` blocks, E8M0 scales) and ``"nvfp4"`` (E2M1 elements, an E4M3 scale per 1 x ``block``
+or ``block`` x ``block`` weight block and an FP32 scale per tensor). The numerics are in
+`fp8lm.ops.finegrained`.
 """
 
 from __future__ import annotations
@@ -14,11 +23,32 @@ from dataclasses import dataclass, replace
 
 from .formats import E4M3, E5M2, Format, format_of
 
-__all__ = ["Recipe", "RECIPES", "DEFAULT_RECIPE", "SCALING_MODES", "BACKENDS", "recipe_from"]
+__all__ = [
+    "Recipe",
+    "RECIPES",
+    "DEFAULT_RECIPE",
+    "SCALING_MODES",
+    "BACKENDS",
+    "GRANULARITIES",
+    "MX_ROUNDINGS",
+    "WEIGHT_GRAD_GEMMS",
+    "recipe_from",
+]
 
 SCALING_MODES = ("delayed", "current")
 BACKENDS = ("auto", "scaled_mm", "emulated")  # see fp8lm.ops.gemm
 DEFAULT_RECIPE = "tensorwise-delayed"
+GRANULARITIES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
+# The block size of each granularity that has one (None: the whole tensor or row).
+DEFAULT_BLOCKS: dict[str, int | None] = {
+    "tensorwise": None,
+    "rowwise": None,
+    "blockwise": 128,
+    "mxfp8": 32,
+    "nvfp4": 16,
+}
+MX_ROUNDINGS = ("floor", "rceil")
+WEIGHT_GRAD_GEMMS = ("fp8", "bf16")
 
 
 @dataclass(frozen=True)
@@ -29,6 +59,12 @@ class Recipe:
     storage), ``grad_output_format`` (E5M2), ``scaling`` (``"delayed"`` or ``"current"``),
     ``history_len`` (amax history of delayed scaling, >= 1), ``margin`` (scales are lowered by
     ``2**margin``), ``backend`` (``"auto"``, ``"scaled_mm"``, ``"emulated"``).
+
+    Fine-grained scaling (see the module doc): ``granularity``, ``block`` (its block size; None
+    takes the granularity's: 128, 32, 16), ``pow2_scales`` (blockwise: power-of-two block scales),
+    ``mx_rounding`` (mxfp8: ``"floor"``, the OCP scale, or ``"rceil"``, cuBLAS's round-up),
+    ``weight_grad_gemm`` (``"bf16"`` keeps the weight-gradient GEMM in BF16) and
+    ``hadamard_seed`` (nvfp4: the signs of the random Hadamard transform).
     """
 
     input_format: Format = E4M3
@@ -38,6 +74,12 @@ class Recipe:
     history_len: int = 16
     margin: int = 0
     backend: str = "auto"
+    granularity: str = "tensorwise"
+    block: int | None = None
+    pow2_scales: bool = False
+    mx_rounding: str = "floor"
+    weight_grad_gemm: str = "fp8"
+    hadamard_seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("input_format", "weight_format", "grad_output_format"):
@@ -55,6 +97,51 @@ class Recipe:
             )
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
+        self._check_granularity()
+
+    @property
+    def fine_grained(self) -> bool:
+        """Whether operands have more than one scale (any granularity but ``"tensorwise"``)."""
+        return self.granularity != "tensorwise"
+
+    def _check_granularity(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"unknown granularity {self.granularity!r}: use one of {', '.join(GRANULARITIES)}")
+        self._check_block()
+        for field, value, choices in (
+            ("mx_rounding", self.mx_rounding, MX_ROUNDINGS),
+            ("weight_grad_gemm", self.weight_grad_gemm, WEIGHT_GRAD_GEMMS),
+        ):
+            if value not in choices:
+                raise ValueError(f"unknown {field} {value!r}: use one of {', '.join(choices)}")
+        if self.mx_rounding != "floor" and self.granularity != "mxfp8":
+            raise ValueError("mx_rounding applies to granularity='mxfp8' only")
+        if isinstance(self.hadamard_seed, bool) or not isinstance(self.hadamard_seed, int):
+            raise ValueError(f"hadamard_seed must be an int, got {self.hadamard_seed!r}")
+        if self.pow2_scales and self.granularity != "blockwise":
+            raise ValueError(
+                "pow2_scales applies to granularity='blockwise' (rowwise and mxfp8 scales are powers of two)"
+            )
+        if not self.fine_grained:
+            if self.weight_grad_gemm != "fp8":
+                raise ValueError("weight_grad_gemm='bf16' applies to the fine-grained granularities only")
+            return
+        if self.scaling != "current" or self.margin:
+            raise ValueError(
+                f"granularity {self.granularity!r} scales each block from its own amax: use scaling='current' and "
+                f"margin=0 (or Recipe.from_name({self.granularity!r}))"
+            )
+        if self.granularity == "nvfp4" and E5M2 in (self.input_format, self.weight_format, self.grad_output_format):
+            raise ValueError("granularity 'nvfp4' has E2M1 elements with E4M3 block scales: keep the formats E4M3")
+
+    def _check_block(self) -> None:
+        default = DEFAULT_BLOCKS[self.granularity]
+        if self.block is None:
+            object.__setattr__(self, "block", default)
+        elif default is None:
+            raise ValueError(f"granularity {self.granularity!r} has no block size: leave block=None")
+        elif isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"block must be an int >= 1, got {self.block!r}")
 
     @classmethod
     def from_name(cls, name: str) -> Recipe:
@@ -78,9 +165,21 @@ class Recipe:
         return replace(self, **changes)
 
 
+def _fine(granularity: str, weight_grad_gemm: str = "fp8") -> Recipe:
+    """A named fine-grained recipe: current scaling, E4M3 for all three operands."""
+    return Recipe(
+        grad_output_format=E4M3, scaling="current", granularity=granularity, weight_grad_gemm=weight_grad_gemm
+    )
+
+
 RECIPES: dict[str, Recipe] = {
     DEFAULT_RECIPE: Recipe(),
     "tensorwise-current": Recipe(scaling="current"),
+    "rowwise": _fine("rowwise"),
+    "rowwise-wgrad-bf16": _fine("rowwise", weight_grad_gemm="bf16"),
+    "blockwise": _fine("blockwise"),
+    "mxfp8": _fine("mxfp8"),
+    "nvfp4": _fine("nvfp4"),
 }
 
 

@@ -41,6 +41,7 @@ from ..ops.library import traceable_amax, traceable_cast, traceable_cast_dequant
 from ..recipe import SCALING_MODES, Recipe, recipe_from
 from ..scaling import ScalingMeta, ScalingSpec, compute_scale, record_, scale_for_amax_
 from ..tensor import ScalingTensor, quantize
+from .finegrained import fine_grained_linear
 from .state import dequantize_entries
 
 __all__ = ["FP8Linear", "SCALING_MODES"]
@@ -266,6 +267,23 @@ def _stored_weight_grad(grad: torch.Tensor, fmt: Format, dtype: torch.dtype, pla
     return ScalingTensor(payload, scale, dtype)
 
 
+class _WeightValue(torch.autograd.Function):
+    """The weight's values in float32 for a fine-grained recipe's GEMMs (`fine_grained_linear`),
+    from its stored ``payload`` (and ``stored_scale``); its gradient is stored as the tensorwise
+    path stores it (`_stored_weight_grad`)."""
+
+    @staticmethod
+    def forward(ctx, weight, payload, stored_scale, weight_grad_format: Format):
+        ctx.fmt, ctx.dtype, ctx.plain = weight_grad_format, weight.dtype, stored_scale is None
+        value = payload.detach().to(torch.float32)
+        return value.clone() if stored_scale is None else value / stored_scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        plain = ctx.plain and torch.compiler.is_compiling()
+        return _stored_weight_grad(grad, ctx.fmt, ctx.dtype, plain), None, None, None
+
+
 class _Eager(NamedTuple):
     """What eager execution adds to the Function's tensors (None while torch.compile traces, where
     every step runs one graph): the weight's operand made once per change of the weight (or None),
@@ -477,6 +495,9 @@ class FP8Linear(nn.Module):
             payload, stored_scale = weight.payload, weight.scale
         else:
             payload, stored_scale = weight.detach(), None
+        if self.recipe.fine_grained:  # current scaling per block: no scaling state, no cached operand
+            value = _WeightValue.apply(weight, payload, stored_scale, self.weight_grad_format)
+            return fine_grained_linear(x, value, self.bias, self.recipe)
         for meta in (self.input_meta, self.grad_output_meta):
             if meta.scale.device != x.device:
                 meta.to(x.device)

@@ -43,7 +43,15 @@ __all__ = [
 # each against the module that owns it.
 FP8_LEVELS = ("O1", "O2", "O3")  # fp8lm.policy.FP8_LEVELS
 GRAD_SYNC_SCALINGS = ("local", "shared")  # fp8lm.distributed.SCALINGS: FP8DataParallel's scaling modes
-RECIPE_NAMES = ("tensorwise-delayed", "tensorwise-current")  # fp8lm.recipe.RECIPES
+RECIPE_NAMES = (  # fp8lm.recipe.RECIPES
+    "tensorwise-delayed",
+    "tensorwise-current",
+    "rowwise",
+    "rowwise-wgrad-bf16",
+    "blockwise",
+    "mxfp8",
+    "nvfp4",
+)
 DEFAULT_RECIPE = "tensorwise-delayed"  # fp8lm.recipe.DEFAULT_RECIPE
 MODEL_PRESETS = ("tiny", "small", "base", "gpt2")  # fp8lm.train.model.PRESETS
 MLP_KINDS = ("gelu", "swiglu")  # fp8lm.train.model.MLP_KINDS
@@ -329,7 +337,9 @@ class TrainConfig:
     )
     recipe: str = option(
         DEFAULT_RECIPE,
-        "FP8 levels: the fp8lm.Recipe of the FP8 layers (formats, delayed or current scaling, amax history)",
+        "FP8 levels: the fp8lm.Recipe of the FP8 layers: tensorwise (one scale per tensor, delayed or current "
+        "scaling), or fine-grained: rowwise, rowwise-wgrad-bf16, blockwise (1x128 / 128x128), mxfp8, nvfp4 "
+        "(experimental); see docs/recipes.md",
         group=_NUMERICS,
         choices=RECIPE_NAMES,
     )

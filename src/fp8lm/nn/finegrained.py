@@ -1,0 +1,121 @@
+"""The three GEMMs of an `FP8Linear` under a fine-grained recipe (rowwise, blockwise, mxfp8, nvfp4).
+
+Each GEMM quantizes its operands along its own reduction dimension (`fp8lm.ops.finegrained`):
+
+- forward ``y = x W^T``: the input along in_features, the weight along in_features;
+- input gradient ``dx = g W``: the output gradient along out_features, the weight along
+  out_features (the forward's weight operand where its blocks are square: blockwise, nvfp4);
+- weight gradient ``dW = g^T x``: both along the tokens. nvfp4 first applies the random Hadamard
+  transform to both along the tokens (`fp8lm.ops.hadamard`); ``weight_grad_gemm="bf16"`` keeps
+  this GEMM in BF16 (operands rounded to BF16, FP32 accumulation).
+
+What the backward needs is quantized in the forward and saved quantized (the input for the
+weight gradient, the weight for the input gradient), as Transformer Engine does; only BF16
+copies are saved where the weight-gradient GEMM is BF16. The GEMMs are the exact emulation
+(`block_mm`: FP32 GEMMs of the dequantized operands, one rounding to the output dtype) on every
+device. Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
+states are not used. The weight gradient is returned in the weight's dtype; `FP8Linear` stores
+it (`_WeightValue`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.finegrained import BlockOperand, block_mm, quantize_operand
+from ..ops.hadamard import random_hadamard
+from ..recipe import Recipe
+
+__all__ = ["fine_grained_linear"]
+
+
+def _save(ctx, name: str, operand: BlockOperand | torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The tensors of ``operand`` to save for backward; its block size kept on ``ctx``."""
+    if isinstance(operand, BlockOperand):
+        setattr(ctx, name, operand.block)
+        return [operand.payload, operand.d]
+    setattr(ctx, name, None)
+    return [operand, None]
+
+
+def _restore(block, payload: torch.Tensor | None, d: torch.Tensor | None) -> BlockOperand | torch.Tensor | None:
+    """The operand `_save` saved."""
+    if block is None:
+        return payload
+    assert payload is not None and d is not None  # saved together
+    return BlockOperand(payload, d, block)
+
+
+def _weight_grad_input(x2: torch.Tensor, recipe: Recipe) -> BlockOperand | torch.Tensor:
+    """The input as the weight-gradient GEMM reads it: quantized along the tokens, or BF16."""
+    if recipe.weight_grad_gemm == "bf16":
+        return x2.detach().to(torch.bfloat16)
+    if recipe.granularity == "nvfp4":
+        x2 = random_hadamard(x2.detach(), recipe.hadamard_seed)
+    return quantize_operand(x2, recipe, "input", dim=0)
+
+
+def _weight_grad(g2: torch.Tensor, x_op: BlockOperand | torch.Tensor, recipe: Recipe, out_dtype) -> torch.Tensor:
+    """``g^T x``, the weight-gradient GEMM of the recipe."""
+    if isinstance(x_op, torch.Tensor):  # weight_grad_gemm="bf16"
+        g16 = g2.to(torch.bfloat16).to(torch.float32)
+        return torch.mm(g16.t(), x_op.to(torch.float32)).to(out_dtype)
+    if recipe.granularity == "nvfp4":
+        g2 = random_hadamard(g2, recipe.hadamard_seed)
+    return block_mm(quantize_operand(g2, recipe, "grad_output", dim=0).t(), x_op, out_dtype)
+
+
+class _FineGrainedLinear(torch.autograd.Function):
+    """``y = x W^T + b`` with the GEMMs of a fine-grained recipe (module doc). ``weight`` is the
+    weight's values (float32)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe):
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(device_type, enabled=False):
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            w_op = quantize_operand(weight.detach(), recipe, "weight", dim=1)
+            b = None if bias is None else bias.detach()
+            y = block_mm(quantize_operand(x2, recipe, "input", dim=1), w_op.t(), out_dtype, b)
+            w_dgrad = None
+            if need_x:  # square weight blocks serve both GEMMs
+                square = recipe.granularity in ("blockwise", "nvfp4")
+                w_dgrad = w_op if square else quantize_operand(weight.detach(), recipe, "weight", dim=0)
+            x_wgrad = _weight_grad_input(x2, recipe) if need_w else None
+        ctx.save_for_backward(*_save(ctx, "w_block", w_dgrad), *_save(ctx, "x_block", x_wgrad))
+        ctx.recipe, ctx.out_dtype = recipe, out_dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        w_payload, w_d, x_payload, x_d = ctx.saved_tensors
+        recipe, out_dtype = ctx.recipe, ctx.out_dtype
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                w_op = _restore(ctx.w_block, w_payload, w_d)
+                assert isinstance(w_op, BlockOperand)  # the weight is always quantized
+                g_op = quantize_operand(g2, recipe, "grad_output", dim=1)
+                grad_x = block_mm(g_op, w_op, out_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                x_op = _restore(ctx.x_block, x_payload, x_d)
+                assert x_op is not None  # saved when the weight needs a gradient
+                grad_w = _weight_grad(g2, x_op, recipe, out_dtype).to(ctx.w_dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_b = g2.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def fine_grained_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the GEMMs of the fine-grained ``recipe`` (module doc).
+    Output in the autocast dtype under ``torch.autocast``, else ``x``'s dtype."""
+    if not recipe.fine_grained:
+        raise ValueError(f"fine_grained_linear takes a fine-grained recipe, got granularity {recipe.granularity!r}")
+    return _FineGrainedLinear.apply(x, weight, bias, recipe)

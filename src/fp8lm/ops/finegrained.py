@@ -1,0 +1,156 @@
+"""Fine-grained quantization of GEMM operands under a `Recipe`, and the emulated GEMM of them.
+
+`quantize_operand(x, recipe, role, dim)` quantizes a 2-D operand along ``dim``, the reduction
+dimension of the GEMM that reads it (1: along rows, as the forward GEMM reads the input and the
+weight; 0: along columns, as the weight-gradient GEMM reads the input and the output gradient),
+in the blocks of the recipe's granularity (`fp8lm.ops.blocks`; the last block of a dim may be
+partial):
+
+| granularity | input, grad_output | weight | scale (`fp8lm.ops.block_scales`) |
+|---|---|---|---|
+| tensorwise | the tensor | the tensor | `pow2_ceil` (current scaling) |
+| rowwise | a row along ``dim`` | the same | `pow2_ceil` |
+| blockwise | 1 x 128 along ``dim`` | 128 x 128 | `amax_over_max` (`pow2_ceil` with ``pow2_scales``) |
+| mxfp8 | 1 x 32 along ``dim`` | the same | `pow2_floor` (`pow2_ceil` with ``mx_rounding="rceil"``) |
+| nvfp4 | 1 x 16 along ``dim`` | 16 x 16 | two levels, `fp8lm.ops.nvfp4` |
+
+Elements are the role's format of the recipe (``input_format``, ``weight_format``,
+``grad_output_format``), ``cast(x / d)`` rounded to nearest even and saturating; nvfp4's are E2M1,
+stochastically rounded for ``grad_output`` (uniform noise from ``generator``, else torch's default
+generator: ``torch.manual_seed`` makes it reproducible). A `BlockOperand` holds the payload and
+one float32 ``d`` per block; its values are ``payload * d``. `block_mm` multiplies two of them
+exactly as an FP8 GEMM with FP32 accumulation would: the dequantized operands in FP32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..recipe import Recipe, recipe_from
+from . import nvfp4
+from .block_scales import amax_over_max, pow2_ceil, pow2_floor
+from .blocks import Block, block_amax, from_blocks, per_block, to_blocks
+
+__all__ = ["ROLES", "BlockOperand", "operand_block", "quantize_operand", "block_mm", "fake_quantize"]
+
+ROLES = ("input", "weight", "grad_output")
+
+
+class BlockOperand(NamedTuple):
+    """A quantized 2-D operand: a float8 ``payload`` and one float32 ``d`` per ``block`` of it."""
+
+    payload: torch.Tensor
+    d: torch.Tensor
+    block: Block
+
+    def dequantize(self) -> torch.Tensor:
+        """The values the GEMM sees, ``payload * d``, as float32."""
+        values = to_blocks(self.payload.to(torch.float32), self.block) * per_block(self.d)
+        return from_blocks(values, self.payload.shape)
+
+    def t(self) -> BlockOperand:
+        """The transposed operand (a view of the payload)."""
+        return BlockOperand(self.payload.t(), self.d.t(), (self.block[1], self.block[0]))
+
+
+def operand_block(recipe: Recipe, role: str, shape: tuple[int, ...] | torch.Size, dim: int) -> Block:
+    """The block of a 2-D operand of ``shape`` in ``role`` quantized along ``dim`` (see the module doc)."""
+    rows, cols = max(shape[0], 1), max(shape[1], 1)
+    if recipe.granularity == "tensorwise":
+        return rows, cols
+    if recipe.granularity == "rowwise":
+        return (1, cols) if dim == 1 else (rows, 1)
+    size = recipe.block
+    assert size is not None  # every other granularity has one (Recipe)
+    if role == "weight" and recipe.granularity in ("blockwise", "nvfp4"):
+        return size, size
+    return (1, size) if dim == 1 else (size, 1)
+
+
+def _role_format(recipe: Recipe, role: str):
+    return {"input": recipe.input_format, "weight": recipe.weight_format, "grad_output": recipe.grad_output_format}[
+        role
+    ]
+
+
+def _scale_rule(recipe: Recipe):
+    if recipe.granularity == "blockwise" and not recipe.pow2_scales:
+        return amax_over_max
+    if recipe.granularity == "mxfp8" and recipe.mx_rounding == "floor":
+        return pow2_floor
+    return pow2_ceil
+
+
+def quantize_operand(
+    x: torch.Tensor, recipe: Recipe, role: str, dim: int = 1, generator: torch.Generator | None = None
+) -> BlockOperand:
+    """``x`` (2-D) quantized as the recipe's ``role`` operand along ``dim`` (see the module doc)."""
+    block = operand_block(recipe, role, x.shape, dim)
+    xb = to_blocks(x.detach(), block)
+    amax = block_amax(xb)
+    if recipe.granularity == "nvfp4":
+        return _nvfp4_operand(x, xb, amax, block, role == "grad_output", generator)
+    fmt = _role_format(recipe, role)
+    d = _scale_rule(recipe)(amax, fmt.max)
+    q = (xb.to(torch.float32) / per_block(d)).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    return BlockOperand(from_blocks(q, x.shape), d, block)
+
+
+def _nvfp4_operand(
+    x: torch.Tensor,
+    xb: torch.Tensor,
+    amax: torch.Tensor,
+    block: Block,
+    stochastic: bool,
+    generator: torch.Generator | None,
+) -> BlockOperand:
+    s_enc, s_dec = nvfp4.tensor_scales(amax.amax())
+    d = nvfp4.block_scales(amax, s_enc, s_dec)
+    v = xb.to(torch.float32) / per_block(d)
+    v = torch.where(per_block(d) == 0, torch.zeros_like(v), v)
+    noise = None
+    if stochastic:
+        noise = to_blocks(torch.rand(x.shape, generator=generator, device=x.device), block)
+    q = nvfp4.round_e2m1(v, noise).to(torch.float8_e4m3fn)
+    return BlockOperand(from_blocks(q, x.shape), d, block)
+
+
+def block_mm(
+    a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``values(a) @ values(b) (+ bias)`` as ``out_dtype``, ``a`` (M, K) and ``b`` (K, N): an FP32
+    GEMM of the exact float32 values, rounded once."""
+    if a.payload.shape[1] != b.payload.shape[0]:
+        raise ValueError(f"block_mm: shapes {tuple(a.payload.shape)} and {tuple(b.payload.shape)} cannot be multiplied")
+    a32, b32 = a.dequantize(), b.dequantize()
+    out = torch.mm(a32, b32) if bias is None else torch.addmm(bias.to(torch.float32), a32, b32)
+    return out.to(out_dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor, recipe: Recipe | str, role: str, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """The values an FP8 GEMM sees for ``x`` as the ``role`` operand (``"input"``, ``"weight"``,
+    ``"grad_output"``) of ``recipe`` (an `fp8lm.Recipe` or its name), in ``x``'s dtype.
+
+    ``x`` is quantized along its last dimension, the reduction dimension of the first GEMM that
+    reads it (the forward GEMM for an input (..., in_features) or a weight (out_features,
+    in_features), the input-gradient GEMM for an output gradient (..., out_features)); leading
+    dimensions are rows. A weight is 2-D. A tensorwise recipe is scaled from ``x``'s own amax
+    here (current scaling). ``generator``: nvfp4's stochastic rounding of output gradients. No
+    gradient flows through it."""
+    recipe = recipe_from(recipe, "fake_quantize")
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+    if x.dim() == 0 or (role == "weight" and x.dim() != 2):
+        raise ValueError(
+            f"fake_quantize: a {role} must be {'2-D' if role == 'weight' else 'at least 1-D'}, got shape {tuple(x.shape)}"
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"fake_quantize takes a floating-point tensor, got {x.dtype}")
+    if x.numel() == 0:
+        return x.detach().clone()
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    return quantize_operand(x2, recipe, role, generator=generator).dequantize().to(x.dtype).reshape(x.shape)

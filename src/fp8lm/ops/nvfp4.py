@@ -1,0 +1,61 @@
+"""NVFP4 numerics: E2M1 elements with two-level scales (an E4M3 scale per block, an FP32 one per
+tensor), as NVIDIA's NVFP4 recipe.
+
+E2M1 holds 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. With ``amax_t`` the tensor's amax and
+``amax_b`` a block's, all arithmetic in float32:
+
+- tensor: ``s_enc = 6 * 448 / amax_t`` (at most float32's max; 1 for a tensor of zeros, NaN for
+  one holding inf or NaN), ``s_dec = 1 / s_enc``;
+- block: ``sb = e4m3(amax_b / 6 * s_enc)`` (the stored E4M3 scale, round to nearest even,
+  saturating), ``d = sb * s_dec``;
+- element: ``q = e2m1(x / d)`` (0 where ``d`` is 0), saturating at 6, rounded to nearest even or,
+  given uniform ``noise`` in [0, 1), stochastically: up with probability equal to the distance
+  from the grid point below, over the spacing.
+
+The values the GEMM sees are ``q * d``. Elements are kept in an E4M3 payload (every E2M1 value is
+an E4M3 value): one byte each here, not the half byte of the packed format.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .block_scales import exp2i
+
+__all__ = ["E2M1_MAX", "round_e2m1", "tensor_scales", "block_scales", "TENSOR_SCALE_BASE"]
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+TENSOR_SCALE_BASE = E2M1_MAX * E4M3_MAX
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def round_e2m1(v: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """``v`` (float32) on the E2M1 grid, saturating at 6: to nearest even, or stochastically with
+    ``noise`` (uniform in [0, 1), ``v``'s shape). NaN stays NaN; the sign of zero is kept."""
+    a = v.abs().clamp(max=E2M1_MAX)
+    _, exp = torch.frexp(a)  # floor(log2(a)) = exp - 1; one mantissa bit, smallest normal 1
+    quantum = exp2i((exp - 2).clamp(min=-1))
+    r = a / quantum  # exact
+    if noise is None:
+        n = torch.round(r)  # half to even
+    else:
+        low = torch.floor(r)
+        n = low + (noise < r - low).to(r.dtype)
+    return torch.copysign(n * quantum, v)
+
+
+def tensor_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s_enc, s_dec)`` of a tensor of amax ``amax`` (float32; see the module doc)."""
+    # A tensor divided, not a number: torch computes ``number / tensor`` as a product with the
+    # reciprocal, rounded twice.
+    s_enc = (torch.full_like(amax, TENSOR_SCALE_BASE) / amax).clamp(max=_FLOAT32_MAX)
+    s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
+    s_enc = torch.where(torch.isfinite(amax), s_enc, torch.full_like(s_enc, float("nan")))
+    return s_enc, s_enc.reciprocal()
+
+
+def block_scales(amax: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+    """``d`` of each block of amax ``amax`` (float32) under the tensor scales ``s_enc``, ``s_dec``."""
+    stored = (amax / E2M1_MAX * s_enc).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    return stored.to(torch.float32) * s_dec

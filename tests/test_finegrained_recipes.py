@@ -1,0 +1,196 @@
+"""The fine-grained recipes (rowwise, rowwise-wgrad-bf16, blockwise, mxfp8, nvfp4): named frozen
+values, FP8Linear's three GEMMs on the operands `fp8lm.fake_quantize` gives, training, compile,
+checkpoints and the command line's --recipe."""
+
+import math
+
+import pytest
+import torch
+
+import fp8lm
+from fp8lm.nn import FP8Linear
+from fp8lm.ops.finegrained import quantize_operand
+from fp8lm.ops.hadamard import random_hadamard
+from fp8lm.train.config import RunError, TrainConfig
+from fp8lm.train.loop import train
+
+FINE = ("rowwise", "rowwise-wgrad-bf16", "blockwise", "mxfp8", "nvfp4")
+
+
+def test_named_fine_grained_recipes_are_frozen_hashable_values():
+    recipes = {name: fp8lm.Recipe.from_name(name) for name in FINE}
+    assert len(set(recipes.values()) | {fp8lm.Recipe()}) == len(FINE) + 1
+    assert [(r.granularity, r.block) for r in recipes.values()] == [
+        ("rowwise", None),
+        ("rowwise", None),
+        ("blockwise", 128),
+        ("mxfp8", 32),
+        ("nvfp4", 16),
+    ]
+    for name, recipe in recipes.items():
+        assert recipe.name == name and recipe.fine_grained and recipe.steps == 0
+        assert recipe.grad_output_format == fp8lm.E4M3  # E4M3 for all three operands
+    assert recipes["rowwise-wgrad-bf16"].weight_grad_gemm == "bf16"
+    assert not fp8lm.Recipe().fine_grained and fp8lm.Recipe().granularity == "tensorwise"
+    with pytest.raises(AttributeError):
+        recipes["blockwise"].block = 64  # type: ignore[misc]
+    custom = recipes["blockwise"].replace(block=64, pow2_scales=True)
+    assert custom.name is None and custom.block == 64
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"granularity": "colwise"}, "unknown granularity 'colwise'"),
+        ({"granularity": "blockwise"}, "use scaling='current' and margin=0"),
+        ({"granularity": "mxfp8", "scaling": "current", "margin": 1}, "use scaling='current' and margin=0"),
+        ({"granularity": "rowwise", "scaling": "current", "block": 32}, "has no block size"),
+        ({"granularity": "blockwise", "scaling": "current", "block": 0}, "block must be an int >= 1"),
+        ({"mx_rounding": "rceil"}, "applies to granularity='mxfp8' only"),
+        ({"granularity": "mxfp8", "scaling": "current", "mx_rounding": "up"}, "unknown mx_rounding 'up'"),
+        ({"pow2_scales": True}, "applies to granularity='blockwise'"),
+        ({"weight_grad_gemm": "bf16"}, "fine-grained granularities only"),
+        ({"granularity": "nvfp4", "scaling": "current"}, "keep the formats E4M3"),
+    ],
+)
+def test_bad_fine_grained_recipes_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        fp8lm.Recipe(**changes)
+
+
+def _fq_along(x, recipe, role, dim):
+    return quantize_operand(x, recipe, role, dim=dim).dequantize().double()
+
+
+@pytest.mark.parametrize("name", FINE)
+def test_linear_gemms_multiply_the_operands_quantized_along_their_reduction_dims(name):
+    """Forward, input gradient and weight gradient against float64 products of the operands
+    quantized independently (fake_quantize, and along dim 0 its transpose); shapes (111 tokens,
+    200 -> 96 features) divide no block."""
+    recipe = fp8lm.Recipe.from_name(name)
+    layer = FP8Linear(200, 96, weight_format="FP32", weight_grad_format="FP32", recipe=recipe)
+    x = torch.randn(3, 37, 200, requires_grad=True)
+    g = torch.randn(3, 37, 96)
+    y = layer(x)
+    generator_state = torch.get_rng_state()
+    y.backward(g)
+    w, x2, g2 = layer.weight.detach(), x.detach().reshape(-1, 200), g.reshape(-1, 96)
+    ref = lambda v, role: fp8lm.fake_quantize(v, recipe, role).double()  # noqa: E731
+    expected_y = ref(x2, "input") @ ref(w, "weight").t() + layer.bias.detach().double()
+    torch.testing.assert_close(y.detach().reshape(-1, 96).double(), expected_y, rtol=1e-5, atol=1e-5)
+    torch.set_rng_state(generator_state)  # nvfp4: the same noise for the output gradient
+    g_dx = ref(g2, "grad_output")
+    w_dx = ref(w, "weight") if name in ("blockwise", "nvfp4") else _fq_along(w, recipe, "weight", 0)
+    torch.testing.assert_close(x.grad.reshape(-1, 200).double(), g_dx @ w_dx, rtol=1e-5, atol=1e-5)
+    if recipe.weight_grad_gemm == "bf16":
+        expected_w = g2.bfloat16().double().t() @ x2.bfloat16().double()
+    elif name == "nvfp4":
+        hx, hg = random_hadamard(x2, recipe.hadamard_seed), random_hadamard(g2, recipe.hadamard_seed)
+        expected_w = _fq_along(hg, recipe, "grad_output", 0).t() @ _fq_along(hx, recipe, "input", 0)
+    else:
+        expected_w = _fq_along(g2, recipe, "grad_output", 0).t() @ _fq_along(x2, recipe, "input", 0)
+    if name != "nvfp4":  # nvfp4 draws noise for the weight-gradient operand after the dx one
+        torch.testing.assert_close(layer.weight.grad.double(), expected_w, rtol=1e-5, atol=1e-5)
+    else:
+        error = (layer.weight.grad.double() - expected_w).norm() / expected_w.norm()
+        assert error < 0.2  # stochastic rounding of the gradient: same spec, other noise
+    torch.testing.assert_close(layer.bias.grad, g2.sum(0))
+
+
+def test_weight_gradient_at_rest_stays_an_e4m3_scaling_tensor():
+    layer = FP8Linear(64, 32, recipe="blockwise")
+    layer(torch.randn(5, 64)).sum().backward()
+    assert isinstance(layer.weight.grad, fp8lm.ScalingTensor) and layer.weight.grad.fmt == fp8lm.E4M3
+
+
+def test_non_finite_inputs_make_outputs_nan():
+    layer = FP8Linear(64, 32, recipe="mxfp8")
+    x = torch.randn(4, 64)
+    x[0, 0] = float("inf")
+    y = layer(x)
+    assert y[0].isnan().all() and not y[1:].isnan().any()
+
+
+def test_fullgraph_compile_of_a_fine_grained_layer_gives_the_eager_numbers():
+    torch.manual_seed(0)
+    layer = FP8Linear(96, 64, recipe="blockwise")
+    x = torch.randn(2, 40, 96, requires_grad=True)
+
+    def step(inp):
+        out = layer(inp)
+        out.square().sum().backward()
+        return out
+
+    eager_y = step(x)
+    eager_grads = (x.grad.clone(), layer.weight.grad.dequantize().clone())
+    x.grad, layer.weight.grad = None, None
+    torch._dynamo.reset()
+    compiled_y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    compiled_y.square().sum().backward()
+    assert torch.equal(compiled_y, eager_y)
+    assert torch.equal(x.grad, eager_grads[0])
+    assert torch.equal(layer.weight.grad.dequantize(), eager_grads[1])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, email_corpus):
+    cache = str(tmp_path_factory.mktemp("tokens"))
+    results = {}
+
+    def run(recipe: str, steps: int = 12, **kw):
+        if (recipe, steps) not in results:
+            out = tmp_path_factory.mktemp(recipe)
+            tiny = dict(model="tiny", batch_size=4, seq_len=32, eval_every=steps, eval_batches=2, lr=1e-2)
+            cfg = TrainConfig(
+                **tiny,
+                progress=False,
+                data=email_corpus,
+                opt_level="O2",
+                steps=steps,
+                recipe=recipe,
+                out=str(out),
+                cache_dir=cache,
+                **kw,
+            )
+            results[(recipe, steps)] = (train(cfg), out)
+        return results[(recipe, steps)]
+
+    return run
+
+
+@pytest.mark.parametrize("name", FINE)
+def test_a_tiny_model_trains_at_o2_with_each_recipe(runs, name):
+    tensorwise, _ = runs("tensorwise-current")
+    summary, _ = runs(name)
+    assert math.isfinite(summary["val_loss"])
+    tolerance = 0.05 if name == "nvfp4" else 0.02
+    assert abs(summary["val_loss"] - tensorwise["val_loss"]) / tensorwise["val_loss"] < tolerance, (summary, tensorwise)
+
+
+def test_checkpoint_round_trip_with_a_fine_grained_recipe(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = fp8lm.initialize(model, opt, "O2", recipe="mxfp8")
+    x = torch.randn(8, 64)
+    model(x).square().mean().backward()
+    opt.step()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    fresh, fresh_opt = fp8lm.initialize(fresh, fresh_opt, "O2", recipe="mxfp8")
+    saved = torch.load(path, weights_only=True)
+    fresh.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["opt"])
+    assert fresh[0].recipe == fp8lm.Recipe.from_name("mxfp8")
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_train_config_takes_every_recipe_name():
+    for name in FINE:
+        cfg = TrainConfig(opt_level="O2", recipe=name)
+        cfg.validate()
+        assert cfg.initialize_options() == {"recipe": fp8lm.Recipe.from_name(name)}
+    with pytest.raises(RunError, match="--recipe sets the FP8 layers"):
+        TrainConfig(opt_level="bf16", recipe="blockwise").validate()
