@@ -194,3 +194,12 @@ def test_train_config_takes_every_recipe_name():
         assert cfg.initialize_options() == {"recipe": fp8lm.Recipe.from_name(name)}
     with pytest.raises(RunError, match="--recipe sets the FP8 layers"):
         TrainConfig(opt_level="bf16", recipe="blockwise").validate()
+
+
+def test_grouped_expert_gemms_refuse_a_fine_grained_recipe():
+    from fp8lm.nn import FP8GroupedLinear
+
+    with pytest.raises(ValueError, match="use a tensorwise recipe for the experts"):
+        FP8GroupedLinear(4, 32, 16, recipe="blockwise")
+    with pytest.raises(RunError, match="not implemented for the experts' grouped GEMMs"):
+        TrainConfig(opt_level="O2", recipe="mxfp8", moe_experts=4).validate()

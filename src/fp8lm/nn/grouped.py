@@ -207,6 +207,11 @@ class FP8GroupedLinear(GroupedLinear):
         self.weight_format = format_of(weight_format)
         self.weight_grad_format = format_of(weight_grad_format)
         self.recipe = recipe_from(recipe, "FP8GroupedLinear")
+        if self.recipe.fine_grained:
+            raise ValueError(
+                f"FP8GroupedLinear scales each expert's token group as one tensor; the {self.recipe.granularity} "
+                "recipe is for FP8Linear: use a tensorwise recipe for the experts"
+            )
         self.fp8_enabled = True
         self.high_precision = False
         super().__init__(num_experts, in_features, out_features, device, dtype)
