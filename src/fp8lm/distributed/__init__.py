@@ -15,6 +15,7 @@ from .collectives import (
     shared_scale_all_reduce,
 )
 from .data_parallel import FP8DataParallel, broadcast_module
+from .expert_parallel import ExpertParallelMoE, expert_parallel
 from .fsdp import fully_shard, precompute_fp8_scales
 from .mesh import ParallelDims, ParallelMesh
 from .reduction import SCALINGS, FlatLayout, FP8Reduction, LocalScaling, SharedScaling
@@ -33,6 +34,8 @@ __all__ = [
     "AutoScaler",
     "FP8DataParallel",
     "broadcast_module",
+    "ExpertParallelMoE",
+    "expert_parallel",
     "SCALINGS",
     "FlatLayout",
     "FP8Reduction",

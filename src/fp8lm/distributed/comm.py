@@ -143,12 +143,32 @@ def reduce_scatter(
     return work if async_op else output
 
 
-def all_to_all(output: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op: bool = False):
+def all_to_all(
+    output: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group=None,
+    async_op: bool = False,
+    output_splits: list[int] | None = None,
+    input_splits: list[int] | None = None,
+):
     """Chunk ``j`` of this rank's ``input_tensor`` goes to rank ``j``; chunk ``i`` of ``output`` comes from
-    rank ``i`` (equal chunks along the first dimension)."""
+    rank ``i`` (equal chunks along the first dimension, or the rows of ``input_splits`` /
+    ``output_splits``: then what is counted is the bytes of the chunks sent to the other ranks)."""
     note_devices("all_to_all", output, input_tensor)
-    accounting.record("all_to_all", _nbytes(input_tensor), dist.get_world_size(group), _nbytes(input_tensor))
-    work = dist.all_to_all_single(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    full: float = _nbytes(input_tensor)
+    if input_splits is not None and world > 1 and input_tensor.shape[0]:
+        row = full // input_tensor.shape[0]
+        full = (full - input_splits[rank] * row) * world / (world - 1)  # its cost share: the rows that leave
+    accounting.record("all_to_all", full, world, _nbytes(input_tensor))
+    work = dist.all_to_all_single(
+        _wire(output),
+        _wire(input_tensor),
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=group,
+        async_op=async_op,
+    )
     return work if async_op else output
 
 

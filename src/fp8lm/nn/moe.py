@@ -131,8 +131,7 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)  # token slots sorted by expert, each expert's in token order
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts)
-        grouped = counts.tolist()
-        y = self.c_proj(self.act(self.c_fc(x2[token], grouped)), grouped)
+        y = self.run_experts(x2[token], counts)
         out = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
         out = out.index_add(0, token, y.float() * weights.reshape(-1)[order, None])
         out = out.to(y.dtype)
@@ -142,6 +141,12 @@ class MoE(nn.Module):
             self.aux_loss = load_balance_loss(probs, experts)
             self.routed += counts
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for tokens ``x`` sorted by expert, ``counts`` (E,) of them each
+        (`fp8lm.distributed.ExpertParallelMoE` runs them on the ranks that hold them)."""
+        grouped = counts.tolist()
+        return self.c_proj(self.act(self.c_fc(x, grouped)), grouped)
 
     def take_aux_loss(self) -> torch.Tensor | None:
         """The load-balancing loss of the last training forward (None: none since the last call);
