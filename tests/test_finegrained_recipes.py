@@ -203,3 +203,38 @@ def test_grouped_expert_gemms_refuse_a_fine_grained_recipe():
         FP8GroupedLinear(4, 32, 16, recipe="blockwise")
     with pytest.raises(RunError, match="not implemented for the experts' grouped GEMMs"):
         TrainConfig(opt_level="O2", recipe="mxfp8", moe_experts=4).validate()
+
+
+@pytest.mark.parametrize("name", ["rowwise", "rowwise-wgrad-bf16"])
+def test_rowwise_gemms_through_scaled_mm_match_the_emulation(name):
+    """backend='scaled_mm' (on CPU, torch's kernel) gives the emulation's BF16 results within one
+    rounding of BF16: row-wise scales go to torch._scaled_mm as scale_a (M, 1) and scale_b (1, N).
+    (No bias: _scaled_mm adds it rounded to BF16, the emulation in FP32.)"""
+    recipe = fp8lm.Recipe.from_name(name)
+    torch.manual_seed(0)
+    emulated = FP8Linear(200, 96, bias=False, weight_grad_format="FP32", recipe=recipe.replace(backend="emulated"))
+    fast = FP8Linear(200, 96, bias=False, weight_grad_format="FP32", recipe=recipe.replace(backend="scaled_mm"))
+    fast.load_state_dict(emulated.state_dict())
+    x, g = torch.randn(111, 200), torch.randn(111, 96)
+    outs = []
+    for layer in (emulated, fast):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(xi)
+        y.float().backward(g)
+        outs.append((y.float(), xi.grad, layer.weight.grad.float()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, rtol=2**-8, atol=1e-6)
+
+
+def test_scaled_mm_takes_only_row_wise_e4m3_operands_with_a_bf16_result():
+    from fp8lm.ops.finegrained import takes_rowwise_scaled_mm
+
+    x, w = torch.randn(64, 128), torch.randn(32, 128)
+    for name, expected in (("rowwise", True), ("blockwise", False), ("mxfp8", False)):
+        recipe = fp8lm.Recipe.from_name(name)
+        a, b = quantize_operand(x, recipe, "input"), quantize_operand(w, recipe, "weight").t()
+        assert takes_rowwise_scaled_mm(a, b, torch.bfloat16) is expected
+    rowwise = fp8lm.Recipe.from_name("rowwise")
+    a, b = quantize_operand(x, rowwise, "input"), quantize_operand(w, rowwise, "weight").t()
+    assert not takes_rowwise_scaled_mm(a, b, torch.float32)

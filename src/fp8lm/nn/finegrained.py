@@ -11,9 +11,11 @@ Each GEMM quantizes its operands along its own reduction dimension (`fp8lm.ops.f
 
 What the backward needs is quantized in the forward and saved quantized (the input for the
 weight gradient, the weight for the input gradient), as Transformer Engine does; only BF16
-copies are saved where the weight-gradient GEMM is BF16. The GEMMs are the exact emulation
-(`block_mm`: FP32 GEMMs of the dequantized operands, one rounding to the output dtype) on every
-device. Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
+copies are saved where the weight-gradient GEMM is BF16. The GEMMs (`block_mm`) are
+``torch._scaled_mm`` with row-wise scales for the rowwise recipes where the recipe's backend
+resolves to it (CUDA of compute capability 9.0+, dims multiples of 16; ``backend="scaled_mm"``
+on CPU), else the exact emulation (FP32 GEMMs of the dequantized operands, one rounding to the
+output dtype): blockwise, mxfp8 and nvfp4 have no fast kernel here yet. Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
 states are not used. The weight gradient is returned in the weight's dtype; `FP8Linear` stores
 it (`_WeightValue`).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.finegrained import BlockOperand, block_mm, quantize_operand
+from ..ops.gemm import choose_backend, emulation_dtype
 from ..ops.hadamard import random_hadamard
 from ..recipe import Recipe
 
@@ -55,14 +58,17 @@ def _weight_grad_input(x2: torch.Tensor, recipe: Recipe) -> BlockOperand | torch
     return quantize_operand(x2, recipe, "input", dim=0)
 
 
-def _weight_grad(g2: torch.Tensor, x_op: BlockOperand | torch.Tensor, recipe: Recipe, out_dtype) -> torch.Tensor:
+def _weight_grad(
+    g2: torch.Tensor, x_op: BlockOperand | torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, backend: str
+) -> torch.Tensor:
     """``g^T x``, the weight-gradient GEMM of the recipe."""
-    if isinstance(x_op, torch.Tensor):  # weight_grad_gemm="bf16"
-        g16 = g2.to(torch.bfloat16).to(torch.float32)
-        return torch.mm(g16.t(), x_op.to(torch.float32)).to(out_dtype)
+    if isinstance(x_op, torch.Tensor):  # weight_grad_gemm="bf16": BF16 operands, FP32 accumulation
+        compute = emulation_dtype(out_dtype, g2.device)
+        g16 = g2.to(torch.bfloat16).to(compute)
+        return torch.mm(g16.t(), x_op.to(compute)).to(out_dtype)
     if recipe.granularity == "nvfp4":
         g2 = random_hadamard(g2, recipe.hadamard_seed)
-    return block_mm(quantize_operand(g2, recipe, "grad_output", dim=0).t(), x_op, out_dtype)
+    return block_mm(quantize_operand(g2, recipe, "grad_output", dim=0).t(), x_op, out_dtype, backend=backend)
 
 
 class _FineGrainedLinear(torch.autograd.Function):
@@ -74,18 +80,19 @@ class _FineGrainedLinear(torch.autograd.Function):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        backend = choose_backend(x.device, recipe.backend)
         with torch.autocast(device_type, enabled=False):
             x2 = x.detach().reshape(-1, x.shape[-1])
             w_op = quantize_operand(weight.detach(), recipe, "weight", dim=1)
             b = None if bias is None else bias.detach()
-            y = block_mm(quantize_operand(x2, recipe, "input", dim=1), w_op.t(), out_dtype, b)
+            y = block_mm(quantize_operand(x2, recipe, "input", dim=1), w_op.t(), out_dtype, b, backend)
             w_dgrad = None
             if need_x:  # square weight blocks serve both GEMMs
                 square = recipe.granularity in ("blockwise", "nvfp4")
                 w_dgrad = w_op if square else quantize_operand(weight.detach(), recipe, "weight", dim=0)
             x_wgrad = _weight_grad_input(x2, recipe) if need_w else None
         ctx.save_for_backward(*_save(ctx, "w_block", w_dgrad), *_save(ctx, "x_block", x_wgrad))
-        ctx.recipe, ctx.out_dtype = recipe, out_dtype
+        ctx.recipe, ctx.out_dtype, ctx.backend = recipe, out_dtype, backend
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -93,7 +100,7 @@ class _FineGrainedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         w_payload, w_d, x_payload, x_d = ctx.saved_tensors
-        recipe, out_dtype = ctx.recipe, ctx.out_dtype
+        recipe, out_dtype, backend = ctx.recipe, ctx.out_dtype, ctx.backend
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
@@ -101,11 +108,11 @@ class _FineGrainedLinear(torch.autograd.Function):
                 w_op = _restore(ctx.w_block, w_payload, w_d)
                 assert isinstance(w_op, BlockOperand)  # the weight is always quantized
                 g_op = quantize_operand(g2, recipe, "grad_output", dim=1)
-                grad_x = block_mm(g_op, w_op, out_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
+                grad_x = block_mm(g_op, w_op, out_dtype, backend=backend).to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 x_op = _restore(ctx.x_block, x_payload, x_d)
                 assert x_op is not None  # saved when the weight needs a gradient
-                grad_w = _weight_grad(g2, x_op, recipe, out_dtype).to(ctx.w_dtype)
+                grad_w = _weight_grad(g2, x_op, recipe, out_dtype, backend).to(ctx.w_dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_b = g2.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None

@@ -19,7 +19,9 @@ Elements are the role's format of the recipe (``input_format``, ``weight_format`
 stochastically rounded for ``grad_output`` (uniform noise from ``generator``, else torch's default
 generator: ``torch.manual_seed`` makes it reproducible). A `BlockOperand` holds the payload and
 one float32 ``d`` per block; its values are ``payload * d``. `block_mm` multiplies two of them
-exactly as an FP8 GEMM with FP32 accumulation would: the dequantized operands in FP32.
+as an FP8 GEMM with FP32 accumulation does: ``torch._scaled_mm`` with row-wise scales where it
+takes them (the rowwise recipes on CUDA), else exactly, the dequantized operands in FP32 (the
+other granularities have no kernel here yet).
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ from . import nvfp4
 from .block_scales import amax_over_max, pow2_ceil, pow2_floor
 from .blocks import Block, block_amax, from_blocks, per_block, to_blocks
 
-__all__ = ["ROLES", "BlockOperand", "operand_block", "quantize_operand", "block_mm", "fake_quantize"]
+__all__ = [
+    "ROLES",
+    "BlockOperand",
+    "operand_block",
+    "quantize_operand",
+    "block_mm",
+    "takes_rowwise_scaled_mm",
+    "rowwise_scaled_mm",
+    "fake_quantize",
+]
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -118,15 +129,52 @@ def _nvfp4_operand(
 
 
 def block_mm(
-    a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+    a: BlockOperand,
+    b: BlockOperand,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    backend: str = "emulated",
 ) -> torch.Tensor:
-    """``values(a) @ values(b) (+ bias)`` as ``out_dtype``, ``a`` (M, K) and ``b`` (K, N): an FP32
-    GEMM of the exact float32 values, rounded once."""
+    """``values(a) @ values(b) (+ bias)`` as ``out_dtype``, ``a`` (M, K) and ``b`` (K, N), with
+    FP32 accumulation. ``backend="scaled_mm"`` (as `fp8lm.ops.gemm.choose_backend` resolves it)
+    runs ``torch._scaled_mm`` with row-wise scales where it takes the operands (`rowwise_scaled_mm`);
+    otherwise, and with ``"emulated"``, an FP32 GEMM of the exact float32 values, rounded once."""
     if a.payload.shape[1] != b.payload.shape[0]:
         raise ValueError(f"block_mm: shapes {tuple(a.payload.shape)} and {tuple(b.payload.shape)} cannot be multiplied")
+    if backend == "scaled_mm" and takes_rowwise_scaled_mm(a, b, out_dtype):
+        return rowwise_scaled_mm(a, b, out_dtype, bias)
     a32, b32 = a.dequantize(), b.dequantize()
     out = torch.mm(a32, b32) if bias is None else torch.addmm(bias.to(torch.float32), a32, b32)
     return out.to(out_dtype)
+
+
+def takes_rowwise_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies ``a`` and ``b`` with their own scales: E4M3 operands
+    with one scale per row of ``a`` and per column of ``b`` (row-wise scaling along the reduction
+    dimension), a BF16 result, and on CUDA dims that are multiples of 16 on a device of compute
+    capability 9.0 or more."""
+    (m, k), n = a.payload.shape, b.payload.shape[1]
+    if not (a.payload.dtype == b.payload.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16):
+        return False
+    if tuple(a.d.shape) != (m, 1) or tuple(b.d.shape) != (1, n) or min(m, k, n) == 0:
+        return False
+    if a.payload.device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(a.payload.device) >= (9, 0) and not (m % 16 or k % 16 or n % 16)
+
+
+def rowwise_scaled_mm(
+    a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`block_mm` of row-wise scaled operands (`takes_rowwise_scaled_mm`) by ``torch._scaled_mm``:
+    ``a`` row-major, ``b`` column-major (a copy where the payload is not laid out so), the scales
+    as its ``scale_a`` (M, 1) and ``scale_b`` (1, N), the bias in its epilogue."""
+    a_data = a.payload.contiguous()
+    b_data = b.payload if b.payload.t().is_contiguous() else b.payload.t().contiguous().t()
+    epilogue = None if bias is None else bias.to(out_dtype)
+    # Unit strides: a transposed operand's (M, 1) scales may be a view with stride (1, M).
+    scale_a, scale_b = a.d.flatten().unsqueeze(1), b.d.flatten().unsqueeze(0)
+    return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, bias=epilogue, out_dtype=out_dtype)
 
 
 def fake_quantize(
