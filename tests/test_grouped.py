@@ -174,3 +174,22 @@ def test_policy_override_must_cover_every_expert():
     assert "\n" not in str(e.value)
     model, _ = fp8lm.initialize(_Experts(), None, "O2", policy={"experts": {"fp8_gemm": False}})
     assert model.experts.fp8_enabled is False and model.experts.weight[0].fmt == FP16
+
+
+def test_telemetry_records_each_expert_and_no_gradient_loss_for_one_without_tokens():
+    from fp8lm.telemetry import Telemetry
+
+    torch.manual_seed(5)
+    model = _Experts()
+    model, opt = fp8lm.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+    telemetry = Telemetry(model, opt, every=1)
+    with telemetry.step(0):
+        model(torch.randn(sum(COUNTS), 32)).square().mean().backward()
+    records = telemetry.after_backward()
+    opt.step()
+    records += telemetry.after_optimizer_step()
+    by_expert = {e: {r["kind"] for r in records if r["layer"] == f"experts.expert{e}"} for e in range(len(COUNTS))}
+    assert by_expert[0] == {"input", "weight", "grad_output", "weight_grad", "exp_avg", "exp_avg_sq"}
+    assert by_expert[1] == {"weight", "exp_avg", "exp_avg_sq"}  # no tokens: no input, no gradient to lose
+    inputs = [r for r in records if r["kind"] == "input" and r["layer"].startswith("experts.")]
+    assert len(inputs) == 3 and all(r["saturation"] == 0 for r in inputs)  # each group scaled from its own amax

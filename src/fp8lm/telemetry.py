@@ -201,8 +201,10 @@ class Telemetry:
                 scale = compute_scale(grad.detach().abs().amax().float(), fmt)
                 self._record(name, "weight_grad", fmt, quantization_stats(grad, fmt, scale))
         for name, experts in self.grouped.items():
+            counts = self._counts.get(name, [])
             for e, w in enumerate(experts.weight):
-                if isinstance(w.grad, ScalingTensor):
+                # an expert without tokens this step has an all-zero gradient: nothing was lost
+                if isinstance(w.grad, ScalingTensor) and e < len(counts) and counts[e] > 0:
                     self._record(f"{name}.expert{e}", "weight_grad", w.grad.fmt, stored_stats(w.grad))
         self._counts.clear()
         return self._flush()

@@ -137,9 +137,11 @@ class MoE(nn.Module):
         out = out.to(y.dtype)
         if self.shared is not None:
             out = out + self.shared(x2)
-        if self.training and not is_recomputing():  # activation checkpointing's second forward: done once
-            self.aux_loss = load_balance_loss(probs, experts)
-            self.routed += counts
+        if self.training:
+            aux = load_balance_loss(probs, experts)  # recomputed too: checkpointing saves the same tensors
+            if not is_recomputing():  # activation checkpointing's second forward: kept and counted once
+                self.aux_loss = aux
+                self.routed += counts
         return out.reshape(*shape[:-1], out.shape[-1])
 
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
