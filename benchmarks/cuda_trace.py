@@ -460,13 +460,14 @@ def trace_step(model: nn.Module, optimizer, x: torch.Tensor, log: OpLog) -> tupl
 
 
 def fp8lm_model(
-    model: nn.Module, attention_bf16: bool = False, fp32_weights: bool = False
+    model: nn.Module, attention_bf16: bool = False, fp32_weights: bool = False, recipe: str | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """O1's FP8 GEMMs and E4M3 weight gradients on every linear layer (none of these models has an
     output head, which O1 would give a BF16 one), with its optimizer (torch's AdamW, kept). The
     weights are stored as FP8Linear's and O2's (scaled FP16, whose amax the optimizer step records
     as it writes them), or with ``fp32_weights`` as O1's default (plain FP32: the forward measures
-    their amax); ``attention_bf16``: the attention projections' GEMMs in BF16 (a policy override)."""
+    their amax); ``attention_bf16``: the attention projections' GEMMs in BF16 (a policy override);
+    ``recipe``: a named `fp8lm.Recipe` (default: tensorwise-delayed)."""
     import fp8lm
     from fp8lm.policy import preset
 
@@ -476,7 +477,7 @@ def fp8lm_model(
         policy = policy.with_linear(weight=fp8lm.FP16)
     if attention_bf16:
         policy = policy.override("*attn*", fp8_gemm=False)
-    model, optimizer = fp8lm.initialize(model, optimizer, opt_level="O1", policy=policy)
+    model, optimizer = fp8lm.initialize(model, optimizer, opt_level="O1", policy=policy, recipe=recipe)
     assert optimizer is not None  # one was given
     return model, optimizer
 
@@ -588,8 +589,14 @@ def step_ratios(variants: dict, width: int, tokens: int) -> dict:
 def convert(variant: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``model`` as ``variant`` trains it, with its optimizer."""
     if variant.startswith("fp8lm"):
+        from fp8lm.recipe import RECIPES
+
+        recipe = variant.removeprefix("fp8lm_")
         return fp8lm_model(
-            model, attention_bf16=variant == "fp8lm_attn_bf16", fp32_weights=variant == "fp8lm_fp32_weights"
+            model,
+            attention_bf16=variant == "fp8lm_attn_bf16",
+            fp32_weights=variant == "fp8lm_fp32_weights",
+            recipe=recipe if recipe in RECIPES else None,
         )
     if variant == "torchao":
         model = torchao_model(model)
@@ -661,14 +668,20 @@ def main() -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=[(8192, 4096, 4096)], help="linear layers MxKxN")
     parser.add_argument("--block", type=parse_block, default=(2048, 8192, 2048), help="GPT block WIDTHxTOKENSxSEQ")
     parser.add_argument("--quick", action="store_true", help="small shapes, for tests")
+    parser.add_argument(
+        "--recipes",
+        default="",
+        help="also trace fp8lm (compiled casts) with these named recipes, comma-separated: variants fp8lm_NAME",
+    )
     args = parser.parse_args()
     if args.quick:
         args.shapes, args.block = [(1024, 512, 512)], (256, 1024, 256)
     warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
     load_fake_cuda_guard()
     pretend_hopper()
+    recipes = [f"fp8lm_{name}" for name in args.recipes.split(",") if name]
     variants = run_variants(
-        args, ["bf16", "fp8lm_eager", "fp8lm_compiled", "fp8lm_attn_bf16", "fp8lm_fp32_weights", "torchao"]
+        args, ["bf16", "fp8lm_eager", "fp8lm_compiled", "fp8lm_attn_bf16", "fp8lm_fp32_weights", "torchao", *recipes]
     )
     print(
         json.dumps(

@@ -18,7 +18,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def quick() -> dict:
-    proc = run("--quick")
+    proc = run("--quick", "--recipes", "rowwise,nvfp4")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
@@ -127,3 +127,14 @@ def test_host_synchronisations_are_counted():
     proc = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[0] == "4"
+
+
+def test_fine_grained_recipes_trace_on_the_cuda_path(quick):
+    """rowwise multiplies with torch._scaled_mm (row-wise scales); nvfp4 is emulated: GEMMs of the
+    dequantized operands plus the Hadamard transforms of the weight-gradient GEMM's two inputs.
+    Both quantize each operand in one compiled function, with no host sync."""
+    rowwise, nvfp4 = (quick["variants"][v]["linear"][0]["total"] for v in ("fp8lm_rowwise", "fp8lm_nvfp4"))
+    assert rowwise["gemms"] == rowwise["fp8_gemms"] == 3
+    assert nvfp4["gemms"] == 5 and nvfp4["fp8_gemms"] == 0
+    assert rowwise["syncs"] == nvfp4["syncs"] == 0
+    assert quick["variants"]["fp8lm_rowwise"]["block"]["total"]["fp8_gemms"] == 12

@@ -273,3 +273,24 @@ def test_random_hadamard_is_exact_on_small_integers_and_keeps_products():
     y = torch.randn(37, 6, generator=g)
     product = random_hadamard(y, seed=3).t() @ got
     torch.testing.assert_close(product, y.t() @ x, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, role", [("blockwise", "weight"), ("nvfp4", "input")])
+def test_the_compiled_quantization_gives_the_eager_bits(name, role):
+    """What runs off the CPU (`FUSED_QUANTIZE`), compiled by inductor here for the CPU: the same
+    payload, scales and values as the eager ops. The two recipes whose scales divide by numbers
+    that are not powers of two (a minute each: one compile per function)."""
+    from fp8lm.ops import finegrained
+
+    recipe = fp8lm.Recipe.from_name(name)
+    x = hostile(150, 200, seed=9)
+    x[4:7] = 1.0
+    block = finegrained.operand_block(recipe, role, x.shape, 1)
+    torch._dynamo.reset()
+    payload, d = torch.compile(finegrained._quantize, dynamic=True)(x, recipe, role, block, None)
+    eager_payload, eager_d = finegrained._quantize(x, recipe, role, block, None)
+    assert torch.equal(payload.view(torch.uint8), eager_payload.view(torch.uint8))
+    assert torch.equal(d.nan_to_num(), eager_d.nan_to_num())
+    values = torch.compile(finegrained._dequantize, dynamic=True)(payload, d, block)
+    assert torch.equal(values.nan_to_num(), finegrained._dequantize(eager_payload, eager_d, block).nan_to_num())

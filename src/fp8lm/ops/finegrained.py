@@ -34,6 +34,7 @@ from ..recipe import Recipe, recipe_from
 from . import nvfp4
 from .block_scales import amax_over_max, pow2_ceil, pow2_floor
 from .blocks import Block, block_amax, from_blocks, per_block, to_blocks
+from .fastpath import COMPILED_CASTS, FastPath
 
 __all__ = [
     "ROLES",
@@ -47,6 +48,10 @@ __all__ = [
 ]
 
 ROLES = ("input", "weight", "grad_output")
+# Off the CPU, one operand's quantization (block amaxes, scales, the cast: a dozen eager kernels)
+# runs as one compiled function; FP8LM_FUSED_CAST=0 turns it off.
+FUSED_QUANTIZE = FastPath("compiled block quantization", fallback="eager ops", switch=COMPILED_CASTS)
+_compiled: dict = {}
 
 
 class BlockOperand(NamedTuple):
@@ -57,13 +62,29 @@ class BlockOperand(NamedTuple):
     block: Block
 
     def dequantize(self) -> torch.Tensor:
-        """The values the GEMM sees, ``payload * d``, as float32."""
-        values = to_blocks(self.payload.to(torch.float32), self.block) * per_block(self.d)
-        return from_blocks(values, self.payload.shape)
+        """The values the GEMM sees, ``payload * d``, as float32 (compiled off the CPU, as
+        `quantize_operand`)."""
+        if self.payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
+            return _dequantize(self.payload, self.d, self.block)
+        fn = _compiled_fn(_dequantize)
+        return FUSED_QUANTIZE.run(
+            lambda: fn(self.payload, self.d, self.block), lambda: _dequantize(self.payload, self.d, self.block)
+        )
 
     def t(self) -> BlockOperand:
         """The transposed operand (a view of the payload)."""
         return BlockOperand(self.payload.t(), self.d.t(), (self.block[1], self.block[0]))
+
+
+def _dequantize(payload: torch.Tensor, d: torch.Tensor, block: Block) -> torch.Tensor:
+    return from_blocks(to_blocks(payload.to(torch.float32), block) * per_block(d), payload.shape)
+
+
+def _compiled_fn(fn):
+    """``fn`` compiled once (dynamic shapes: one graph for every layer)."""
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
 
 
 def operand_block(recipe: Recipe, role: str, shape: tuple[int, ...] | torch.Size, dim: int) -> Block:
@@ -97,16 +118,33 @@ def _scale_rule(recipe: Recipe):
 def quantize_operand(
     x: torch.Tensor, recipe: Recipe, role: str, dim: int = 1, generator: torch.Generator | None = None
 ) -> BlockOperand:
-    """``x`` (2-D) quantized as the recipe's ``role`` operand along ``dim`` (see the module doc)."""
+    """``x`` (2-D) quantized as the recipe's ``role`` operand along ``dim`` (see the module doc).
+    Off the CPU it runs as one compiled function (`FUSED_QUANTIZE`), unless a ``generator`` is
+    given or torch.compile is already tracing."""
     block = operand_block(recipe, role, x.shape, dim)
-    xb = to_blocks(x.detach(), block)
+    x = x.detach()
+    if x.device.type == "cpu" or generator is not None or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
+        return BlockOperand(*_quantize(x, recipe, role, block, generator), block)
+
+    def fused():
+        with torch.no_grad():
+            return _compiled_fn(_quantize)(x, recipe, role, block, None)
+
+    return BlockOperand(*FUSED_QUANTIZE.run(fused, lambda: _quantize(x, recipe, role, block, None)), block)
+
+
+def _quantize(
+    x: torch.Tensor, recipe: Recipe, role: str, block: Block, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The payload and the scales of `quantize_operand`."""
+    xb = to_blocks(x, block)
     amax = block_amax(xb)
     if recipe.granularity == "nvfp4":
         return _nvfp4_operand(x, xb, amax, block, role == "grad_output", generator)
     fmt = _role_format(recipe, role)
     d = _scale_rule(recipe)(amax, fmt.max)
     q = (xb.to(torch.float32) / per_block(d)).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    return BlockOperand(from_blocks(q, x.shape), d, block)
+    return from_blocks(q, x.shape), d
 
 
 def _nvfp4_operand(
@@ -116,7 +154,7 @@ def _nvfp4_operand(
     block: Block,
     stochastic: bool,
     generator: torch.Generator | None,
-) -> BlockOperand:
+) -> tuple[torch.Tensor, torch.Tensor]:
     s_enc, s_dec = nvfp4.tensor_scales(amax.amax())
     d = nvfp4.block_scales(amax, s_enc, s_dec)
     v = xb.to(torch.float32) / per_block(d)
@@ -125,7 +163,7 @@ def _nvfp4_operand(
     if stochastic:
         noise = to_blocks(torch.rand(x.shape, generator=generator, device=x.device), block)
     q = nvfp4.round_e2m1(v, noise).to(torch.float8_e4m3fn)
-    return BlockOperand(from_blocks(q, x.shape), d, block)
+    return from_blocks(q, x.shape), d
 
 
 def block_mm(
