@@ -124,13 +124,15 @@ def quantize_operand(
     block = operand_block(recipe, role, x.shape, dim)
     x = x.detach()
     if x.device.type == "cpu" or generator is not None or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-        return BlockOperand(*_quantize(x, recipe, role, block, generator), block)
+        payload, d = _quantize(x, recipe, role, block, generator)
+        return BlockOperand(payload, d, block)
 
-    def fused():
+    def fused() -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             return _compiled_fn(_quantize)(x, recipe, role, block, None)
 
-    return BlockOperand(*FUSED_QUANTIZE.run(fused, lambda: _quantize(x, recipe, role, block, None)), block)
+    payload, d = FUSED_QUANTIZE.run(fused, lambda: _quantize(x, recipe, role, block, None))
+    return BlockOperand(payload, d, block)
 
 
 def _quantize(
