@@ -60,7 +60,7 @@ def checks(rank, world):
     whole = build()
     ep = ExpertParallelMoE.from_moe(copy.deepcopy(whole), None)
     out["local_experts"] = list(ep.local_experts)
-    out["ep_expert_weights"] = [w.detach().clone() for w in ep.c_fc.weight]
+    out["ep_expert_weights"] = [w.detach().clone() for _, w in ep.c_fc.held_weights()]
     x, g = rank_tokens(rank), torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(200 + rank))
     xi = x.clone().requires_grad_()
     reset_comm_stats()
@@ -69,7 +69,7 @@ def checks(rank, world):
     y.backward(g)
     out["stats_forward"], out["stats"] = forward_stats, comm_stats()
     out["y"], out["dx"] = y.detach(), xi.grad
-    out["expert_grads"] = [w.grad.clone() for w in ep.c_fc.weight] + [w.grad.clone() for w in ep.c_proj.weight]
+    out["expert_grads"] = [w.grad.clone() for _, w in ep.c_fc.held_weights() + ep.c_proj.held_weights()]
     out["router_grad"] = ep.router.weight.grad.clone()
     out["counts"] = ep.take_routed()
     # the same tokens in one process: with the FP8 round trips emulated, and without them
@@ -97,9 +97,10 @@ def checks(rank, world):
     out["o2"] = {
         "type": type(model[0]).__name__,
         "layer": type(layer).__name__,
-        "experts": len(layer.weight),
-        "grad_fmt": layer.weight[0].grad.fmt.name,
-        "finite": all(bool(torch.isfinite(w.dequantize()).all()) for w in layer.weight),
+        "experts": len(layer.held_weights()),
+        "names": sorted(n for n, _ in model.named_parameters() if ".c_fc." in n),
+        "grad_fmt": layer.held_weights()[0][1].grad.fmt.name,
+        "finite": all(bool(torch.isfinite(w.dequantize()).all()) for _, w in layer.held_weights()),
     }
     return out
 

@@ -60,7 +60,7 @@ def test_all_to_all_bytes_are_fp8_and_counted(ranks):
     for r, out in enumerate(ranks):
         stats, forward = out["stats"], out["stats_forward"]
         # forward: the counts exchange, dispatch and combine; backward: two gradient all-to-alls
-        assert forward["all_to_all_calls"] == 3 and stats["all_to_all_calls"] == 5
+        assert forward["expert_all_to_all_calls"] == 3 and stats["expert_all_to_all_calls"] == 5
         counts = out["counts"]
         local = EXPERTS // 2
         other = counts[(1 - r) * local : (2 - r) * local].sum().item()  # rows that leave for the other rank
@@ -71,20 +71,23 @@ def test_all_to_all_bytes_are_fp8_and_counted(ranks):
             - counts[r * local : (r + 1) * local].sum().item()
         )
         # dispatch sends `other` rows; combine sends back the rows received from the other rank
-        assert forward["all_to_all_bytes"] == count_bytes + wire_row * (other + received)
-        assert stats["all_to_all_bytes"] == count_bytes + 2 * wire_row * (other + received)
+        assert forward["expert_all_to_all_bytes"] == count_bytes + wire_row * (other + received)
+        assert stats["expert_all_to_all_bytes"] == count_bytes + 2 * wire_row * (other + received)
         bf16 = 2 * DIM * 2 * (other + received)
-        assert (stats["all_to_all_bytes"] - count_bytes) / bf16 == pytest.approx(wire_row / (2 * DIM))
+        assert (stats["expert_all_to_all_bytes"] - count_bytes) / bf16 == pytest.approx(wire_row / (2 * DIM))
         assert wire_row / (2 * DIM) <= 0.55
 
 
-def test_o2_trains_the_local_experts_in_fp8(ranks):
-    for out in ranks:
+def test_o2_trains_the_local_experts_in_fp8_under_their_global_names(ranks):
+    local = EXPERTS // 2
+    for r, out in enumerate(ranks):
         o2 = out["o2"]
+        names = [f"0.c_fc.weight.{e}" for e in range(r * local, (r + 1) * local)]
         assert o2 == {
             "type": "ExpertParallelMoE",
             "layer": "FP8GroupedLinear",
-            "experts": EXPERTS // 2,
+            "experts": local,
+            "names": names,
             "grad_fmt": "E4M3",
             "finite": True,
         }

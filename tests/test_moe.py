@@ -185,6 +185,11 @@ def test_moe_model_at_o2_is_near_6_bytes_per_param():
         (dict(tp=2), "--moe-experts does not combine with --tp yet"),
         (dict(fsdp=True, opt_level="O2"), "--moe-experts does not combine with --fsdp yet"),
         (dict(moe_top_k=5), "moe_top_k must be in \\[1, moe_experts=4\\]"),
+        (dict(ep=2, moe_experts=0), "--ep 2 spreads the experts of --moe-experts"),
+        (dict(ep=3), "pass --moe-experts E with E a multiple of 3 \\(got 4\\)"),
+        (dict(ep=2, opt_level="O3"), "--ep with O3"),
+        (dict(ep=2), "launch torchrun --nproc-per-node 2 \\(this run has 1\\)"),
+        (dict(ep=0), "--ep must be >= 1"),
     ],
 )
 def test_bad_moe_run_is_refused_before_any_output(tmp_path, cache, kw, match):

@@ -33,3 +33,33 @@ def test_two_rank_moe_trains_at_o2_and_o3(tmp_path):
         assert all(sum(r["moe_tokens_per_expert"]) == 4 * 32 * 2 * 2 for r in records)
         assert s["moe"]["load_max_over_mean"] >= 1.0
         assert s["comm_bytes_per_step"] > 0
+
+
+def test_ep2_trains_as_data_parallel_does_and_sends_fp8_tokens(tmp_path):
+    """--ep 2: each rank holds half the experts; the same batches as data parallelism on 2 ranks give
+    the same training (bf16: up to float summation order; O2: up to the FP8 all-to-alls' rounding),
+    the tokens travel in FP8 at O2 and as they are at bf16, and a resumed run continues byte for byte."""
+    moe = ["--levels", "bf16,O2", "--moe-experts", "4", "--moe-top-k", "2"]
+    runs = {}
+    for name, extra in (("dp", []), ("ep", ["--ep", "2"])):
+        out = tmp_path / name
+        args = ["-m", "fp8lm.cli", "compare", *moe, *extra, *run_options(out, tmp_path / "cache")]
+        check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        runs[name] = {lv: json.loads((out / lv / "summary.json").read_text()) for lv in ("bf16", "O2")}
+    dp, ep = runs["dp"], runs["ep"]
+    assert ep["O2"]["layout"] == "expert parallel" and dp["O2"]["layout"] == "data parallel"
+    assert abs(ep["bf16"]["val_loss"] / dp["bf16"]["val_loss"] - 1) < 1e-3
+    assert abs(ep["O2"]["val_loss"] / dp["O2"]["val_loss"] - 1) < 1e-2
+    fp8 = ep["O2"]["comm_bytes_by_kind_per_step"]["expert_all_to_all"]
+    baseline = ep["bf16"]["comm_bytes_by_kind_per_step"]["expert_all_to_all"]
+    assert fp8 / baseline <= 0.55  # rows of 32 features: 33 bytes against 128 (FP32 norm output) or 64 (BF16)
+    # resume the O2 run from its step-12 checkpoint: the uninterrupted run's metrics, byte for byte
+    whole = tmp_path / "ep" / "O2"
+    resumed = tmp_path / "resumed"
+    subprocess.run(["cp", "-r", str(whole), str(resumed)], check=True)
+    (resumed / "summary.json").unlink()
+    for p in (resumed / "checkpoints").glob("step_00000016*"):
+        subprocess.run(["rm", "-rf", str(p)], check=True)
+    args = ["-m", "fp8lm.cli", "train", "--out", str(resumed), "--resume", "--no-progress"]
+    check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    assert (resumed / "metrics.jsonl").read_bytes() == (whole / "metrics.jsonl").read_bytes()

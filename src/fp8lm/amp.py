@@ -196,7 +196,7 @@ def _build(
 def _build_grouped(plan: _Plan, policy: Policy, name: str, old: GroupedLinear, layer_options: dict) -> None:
     """The FP8GroupedLinear of the experts' layer ``name``: every expert's weight stored as the
     policy says for a linear layer's weight (one format for all of them)."""
-    precs = [policy.precision(f"{name}.weight.{e}", w, in_linear=True) for e, w in enumerate(old.weight)]
+    precs = [policy.precision(f"{name}.weight.{e}", w, in_linear=True) for e, w in old.held_weights()]
     if any(p != precs[0] for p in precs[1:]):
         raise ValueError(
             f"the precision policy gives the experts of {name!r} different formats; an override must match all "
@@ -206,7 +206,7 @@ def _build_grouped(plan: _Plan, policy: Policy, name: str, old: GroupedLinear, l
     layer = FP8GroupedLinear.from_grouped(old, weight_format=prec.weight, weight_grad_format=prec.grad, **layer_options)
     layer.fp8_enabled = policy.gemm_in_fp8(name)
     plan.layers[name] = layer
-    for old_weight, new_weight in zip(old.weight, layer.weight):
+    for (_, old_weight), (_, new_weight) in zip(old.held_weights(), layer.held_weights()):
         plan.add(old_weight, new_weight, prec)
 
 
@@ -217,7 +217,8 @@ def _apply(model: nn.Module, plan: _Plan) -> nn.Module:
     replace_parameters(model, plan.other_params)
     owner: dict[int, FP8Linear | FP8GroupedLinear] = {}
     for layer in plan.layers.values():
-        for weight in layer.weight if isinstance(layer, FP8GroupedLinear) else [layer.weight]:
+        held = [w for _, w in layer.held_weights()] if isinstance(layer, FP8GroupedLinear) else [layer.weight]
+        for weight in held:
             owner[id(weight)] = layer
     for param in {id(p): p for p in plan.param_map.values()}.values():
         prec = plan.precisions[id(param)]

@@ -165,6 +165,8 @@ class Telemetry:
             x = args[0].detach()
             counts = self._counts[name] = group_counts(args[1], module.num_experts, x.shape[0])
             for e, (rows, w) in enumerate(zip(x.split(counts), module.weight)):
+                if w is None:  # held by another rank
+                    continue
                 expert = f"{name}.expert{e}"
                 if rows.shape[0]:  # each group of tokens is scaled from its own amax
                     scale = compute_scale(amax(rows), E4M3, module.recipe.margin)
@@ -202,7 +204,7 @@ class Telemetry:
                 self._record(name, "weight_grad", fmt, quantization_stats(grad, fmt, scale))
         for name, experts in self.grouped.items():
             counts = self._counts.get(name, [])
-            for e, w in enumerate(experts.weight):
+            for e, w in experts.held_weights():
                 # an expert without tokens this step has an all-zero gradient: nothing was lost
                 if isinstance(w.grad, ScalingTensor) and e < len(counts) and counts[e] > 0:
                     self._record(f"{name}.expert{e}", "weight_grad", w.grad.fmt, stored_stats(w.grad))
@@ -214,7 +216,7 @@ class Telemetry:
         if self._step is None or self.optimizer is None:
             return []
         weights = [(name, layer.weight) for name, layer in self.layers.items()]
-        weights += [(f"{n}.expert{e}", w) for n, layer in self.grouped.items() for e, w in enumerate(layer.weight)]
+        weights += [(f"{n}.expert{e}", w) for n, layer in self.grouped.items() for e, w in layer.held_weights()]
         for name, weight in weights:
             state = self.optimizer.state.get(weight, {})
             for kind in ("exp_avg", "exp_avg_sq"):

@@ -4,7 +4,8 @@ Every collective fp8lm issues (all go through `fp8lm.distributed.comm`) records 
 sends under the usual ring-algorithm costs, for a tensor of ``size`` bytes in total on ``N`` ranks:
 
 - all-reduce: ``2 (N-1)/N * size``
-- reduce-scatter, all-gather, all-to-all: ``(N-1)/N * size`` of the full (concatenated) tensor
+- reduce-scatter, all-gather, all-to-all (``expert_all_to_all`` too: an expert-parallel mixture's
+  token exchanges): ``(N-1)/N * size`` of the full (concatenated) tensor
 - broadcast: ``(N-1)/N * size`` (pipelined ring)
 - send: ``size`` (point to point: all of it); recv: nothing (the sender counts those bytes), but
   the call is counted
@@ -33,7 +34,9 @@ __all__ = [
     "counting",
 ]
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv")
+# expert_all_to_all: an expert-parallel mixture's token exchanges (all-to-alls, counted apart from
+# the gradient reductions' own all-to-alls)
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "expert_all_to_all", "broadcast", "send", "recv")
 
 _bytes: dict[str, float] = defaultdict(float)
 _handed: dict[str, int] = defaultdict(int)

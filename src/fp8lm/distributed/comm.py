@@ -150,17 +150,19 @@ def all_to_all(
     async_op: bool = False,
     output_splits: list[int] | None = None,
     input_splits: list[int] | None = None,
+    kind: str = "all_to_all",
 ):
     """Chunk ``j`` of this rank's ``input_tensor`` goes to rank ``j``; chunk ``i`` of ``output`` comes from
     rank ``i`` (equal chunks along the first dimension, or the rows of ``input_splits`` /
-    ``output_splits``: then what is counted is the bytes of the chunks sent to the other ranks)."""
-    note_devices("all_to_all", output, input_tensor)
+    ``output_splits``: then what is counted is the bytes of the chunks sent to the other ranks).
+    Counted under ``kind`` (``"expert_all_to_all"`` for an expert-parallel mixture's tokens)."""
+    note_devices(kind, output, input_tensor)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     full: float = _nbytes(input_tensor)
     if input_splits is not None and world > 1 and input_tensor.shape[0]:
         row = full // input_tensor.shape[0]
         full = (full - input_splits[rank] * row) * world / (world - 1)  # its cost share: the rows that leave
-    accounting.record("all_to_all", full, world, _nbytes(input_tensor))
+    accounting.record(kind, full, world, _nbytes(input_tensor))
     work = dist.all_to_all_single(
         _wire(output),
         _wire(input_tensor),

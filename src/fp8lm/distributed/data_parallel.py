@@ -16,6 +16,7 @@ hooks fire in, so the collectives always match.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
@@ -32,10 +33,13 @@ from .reduction import SCALINGS, FlatLayout, FP8Reduction, dequantize_payload
 __all__ = ["FP8DataParallel", "broadcast_module"]
 
 
-def broadcast_module(module: nn.Module, group=None, src: int = 0) -> None:
+def broadcast_module(module: nn.Module, group=None, src: int = 0, skip: Iterable[torch.Tensor] = ()) -> None:
     """Make every rank's parameters and buffers equal to rank ``src``'s (ScalingTensors by payload
-    and scale, so the copies are bit-identical)."""
+    and scale, so the copies are bit-identical), except those in ``skip``."""
+    skipped = {id(t) for t in skip}
     for t in [*module.parameters(), *module.buffers()]:
+        if id(t) in skipped:
+            continue
         t = t.to_local() if isinstance(t, DTensor) else t  # a tensor-parallel rank's part
         for part in [t.payload, t.scale] if isinstance(t, ScalingTensor) else [t.data]:
             comm.broadcast(part, src, group)
@@ -60,7 +64,8 @@ class FP8DataParallel(nn.Module):
     ``scaling``: ``"local"`` (each rank scales its own tensors, sums in FP32; nothing saturates)
     or ``"shared"`` (the paper's shared scale with an automatic factor mu per bucket, see
     `AutoScaler`; ``max_saturated_fraction`` and ``autoscale_window`` configure it).
-    Parameters and buffers are broadcast from rank 0 at construction.
+    Parameters and buffers are broadcast from rank 0 at construction. ``local_params``: parameters
+    each rank holds alone (an expert-parallel rank's experts): neither broadcast nor synchronized.
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class FP8DataParallel(nn.Module):
         scaling: str = "local",
         max_saturated_fraction: float = 1e-5,
         autoscale_window: int = 1000,
+        local_params: Iterable[nn.Parameter] = (),
     ):
         super().__init__()
         _, world_size = comm.check_group(process_group)
@@ -87,9 +93,10 @@ class FP8DataParallel(nn.Module):
         self.process_group = process_group
         self.fmt, self.scaling = fmt, scaling
         self.world_size = world_size
-        broadcast_module(module, process_group)
+        local = {id(p) for p in local_params}
+        broadcast_module(module, process_group, skip=[p for p in module.parameters() if id(p) in local])
         cap = bucket_mb * 2**20
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in local]
         self._buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
         for p in reversed(params):

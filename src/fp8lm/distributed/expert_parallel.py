@@ -14,7 +14,8 @@ routes as the MoE does, then:
 
 Backward, each all-to-all's gradient travels the other way in E5M2 with the same per-row scales.
 How many rows go where is exchanged first (a small int64 all-to-all). Every call goes through
-`fp8lm.distributed.comm` and is counted under ``all_to_all`` in `comm_stats`.
+`fp8lm.distributed.comm` and is counted under ``expert_all_to_all`` in `comm_stats`. With ``fp8=False``
+the rows travel as they are (BF16 under autocast): the baseline the FP8 bytes compare with.
 
 Gradients: an expert's weight gradient sums the contributions of every rank's tokens. Where each
 rank's loss is the mean over its own batch and the other parameters' gradients are averaged over
@@ -36,6 +37,7 @@ from . import comm
 __all__ = [
     "ExpertParallelMoE",
     "expert_parallel",
+    "expert_parameters",
     "pack_rows",
     "unpack_rows",
     "fp8_all_to_all",
@@ -45,6 +47,7 @@ __all__ = [
 
 TOKEN_FORMAT: Format = E4M3
 GRADIENT_FORMAT: Format = E5M2
+KIND = "expert_all_to_all"  # what comm_stats counts the exchanges under
 _NAN_EXPONENT = -128  # the exponent byte of a non-finite group's scale (read back as NaN)
 
 
@@ -75,7 +78,7 @@ def fp8_all_to_all(
     columns = x.shape[1]
     wire = pack_rows(x.detach(), fmt)
     out = torch.empty((sum(recv_splits), wire.shape[1]), dtype=torch.uint8, device=x.device)
-    comm.all_to_all(out, wire, group, output_splits=recv_splits, input_splits=send_splits)
+    comm.all_to_all(out, wire, group, output_splits=recv_splits, input_splits=send_splits, kind=KIND)
     return unpack_rows(out, columns, fmt, x.dtype)
 
 
@@ -93,13 +96,33 @@ class _FP8AllToAll(torch.autograd.Function):
         return fp8_all_to_all(grad.contiguous(), recv_splits, send_splits, ctx.grad_fmt, ctx.group), *([None] * 5)
 
 
+class _AllToAll(torch.autograd.Function):
+    """The rows sent as they are (no FP8: the bf16 and fp32 baselines); the gradient goes back alike."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits: list[int], recv_splits: list[int], group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        return _plain_all_to_all(x, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return _plain_all_to_all(grad.contiguous(), recv_splits, send_splits, ctx.group), None, None, None
+
+
+def _plain_all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    out = torch.empty((sum(recv_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_to_all(out, x.detach().contiguous(), group, output_splits=recv_splits, input_splits=send_splits, kind=KIND)
+    return out
+
+
 class ExpertParallelMoE(MoE):
     """The `MoE` ``moe`` with only this rank's experts of those spread over ``group`` (module
     docstring); its router, activation and shared expert are ``moe``'s own modules, its expert
     weights ``moe``'s parameters (``moe`` itself is left whole). Build it from a plain MoE, before
     `fp8lm.initialize` (or use `expert_parallel` for a whole model)."""
 
-    def __init__(self, moe: MoE, group=None) -> None:
+    def __init__(self, moe: MoE, group=None, fp8: bool = True) -> None:
         rank, size = comm.check_group(group)
         if moe.num_experts % size:
             raise ValueError(
@@ -109,7 +132,7 @@ class ExpertParallelMoE(MoE):
             raise TypeError("ExpertParallelMoE splits a plain MoE's experts: apply it before fp8lm.initialize")
         nn.Module.__init__(self)
         self.num_experts, self.top_k, self.router_kind = moe.num_experts, moe.top_k, moe.router_kind
-        self.group, self.ep_rank, self.ep_size = group, rank, size
+        self.group, self.ep_rank, self.ep_size, self.fp8 = group, rank, size, fp8
         local = range(rank * moe.num_experts // size, (rank + 1) * moe.num_experts // size)
         self.router = moe.router
         self.c_fc = _local_experts(moe.c_fc, local)
@@ -120,9 +143,9 @@ class ExpertParallelMoE(MoE):
         self.register_buffer("routed", torch.zeros_like(moe.routed), persistent=False)
 
     @classmethod
-    def from_moe(cls, moe: MoE, group=None) -> ExpertParallelMoE:
-        """``cls(moe, group)``."""
-        return cls(moe, group)
+    def from_moe(cls, moe: MoE, group=None, fp8: bool = True) -> ExpertParallelMoE:
+        """``cls(moe, group, fp8)``."""
+        return cls(moe, group, fp8)
 
     @property
     def local_experts(self) -> range:
@@ -134,34 +157,56 @@ class ExpertParallelMoE(MoE):
         size, local = self.ep_size, self.num_experts // self.ep_size
         send_counts = counts.reshape(size, local)  # row j: the rows for rank j's experts
         recv_counts = torch.empty_like(send_counts)
-        comm.all_to_all(recv_counts, send_counts.contiguous(), self.group)  # row i: from rank i, per local expert
+        comm.all_to_all(recv_counts, send_counts.contiguous(), self.group, kind=KIND)  # row i: from rank i
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        received = _FP8AllToAll.apply(x, send_splits, recv_splits, TOKEN_FORMAT, GRADIENT_FORMAT, self.group)
+        received = self._exchange(x, send_splits, recv_splits)
         # rows arrive by (source rank, expert): regroup them by expert for the grouped GEMMs
         expert_of_row = torch.arange(local, device=x.device).repeat(size)
         expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1))
         order = expert_of_row.argsort(stable=True)
-        y = super().run_experts(received[order], recv_counts.sum(0))
+        counts_here = torch.zeros_like(counts)  # the experts held elsewhere get no rows
+        counts_here[self.local_experts.start : self.local_experts.stop] = recv_counts.sum(0)
+        y = super().run_experts(received[order], counts_here)
         back = torch.empty_like(y).index_copy(0, order, y)
-        return _FP8AllToAll.apply(back, recv_splits, send_splits, TOKEN_FORMAT, GRADIENT_FORMAT, self.group)
+        return self._exchange(back, recv_splits, send_splits)
+
+    def _exchange(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """An all-to-all of rows: FP8 (``fp8``), else as they are."""
+        if self.fp8:
+            return _FP8AllToAll.apply(x, send_splits, recv_splits, TOKEN_FORMAT, GRADIENT_FORMAT, self.group)
+        return _AllToAll.apply(x, send_splits, recv_splits, self.group)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, experts={self.local_experts.start}..{self.local_experts.stop - 1} of {self.ep_size} ranks"
 
 
 def _local_experts(layer: GroupedLinear, experts: range) -> GroupedLinear:
-    """A GroupedLinear over ``layer``'s weights of ``experts`` (the same parameters)."""
-    local = GroupedLinear(len(experts), layer.in_features, layer.out_features, device="meta")
-    local.weight = nn.ParameterList(layer.weight[e] for e in experts)
+    """A GroupedLinear holding ``layer``'s weights of ``experts`` (the same parameters, under the
+    same names ``weight.<expert>``) and None for the others."""
+    local = GroupedLinear(layer.num_experts, layer.in_features, layer.out_features, device="meta")
+    local.weight = nn.ParameterList(w if e in experts else None for e, w in enumerate(layer.weight))
     return local
 
 
-def expert_parallel(model: nn.Module, group=None) -> nn.Module:
-    """Every `MoE` of ``model`` replaced, in place, by its `ExpertParallelMoE` over ``group``;
-    returns ``model``. Call it on the plain model, before `fp8lm.initialize`."""
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The expert weights this rank holds in ``model``'s `ExpertParallelMoE` layers (no other rank
+    holds them: not to be synchronized as data-parallel replicas)."""
+    return [
+        w
+        for m in model.modules()
+        if isinstance(m, ExpertParallelMoE)
+        for layer in (m.c_fc, m.c_proj)
+        for _, w in layer.held_weights()
+    ]
+
+
+def expert_parallel(model: nn.Module, group=None, fp8: bool = True) -> nn.Module:
+    """Every `MoE` of ``model`` replaced, in place, by its `ExpertParallelMoE` over ``group``
+    (``fp8``: FP8 all-to-alls; False: the rows as they are, a baseline); returns ``model``. Call
+    it on the plain model, before `fp8lm.initialize`."""
     targets = [(name, m) for name, m in model.named_modules() if type(m) is MoE]
     for name, moe in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, ExpertParallelMoE.from_moe(moe, group))
+        setattr(parent, attr, ExpertParallelMoE(moe, group, fp8))
     return model

@@ -6,7 +6,9 @@ expert takes, in expert order, summing to ``T``); rows of expert ``e`` become ``
 expert's weight is a parameter of its own, ``weight[e]`` of shape ``(out, in)`` (held in an
 ``nn.ParameterList``), so it is stored like every FP8 weight: `fp8lm.initialize` gives it one
 `ScalingTensor` with one scale per expert (O2: an FP16 payload, O3: E4M3 with an FP16 master), an
-E4M3 gradient with its own scale, and FP8AdamW moments of its own.
+E4M3 gradient with its own scale, and FP8AdamW moments of its own. An entry may be None: an
+expert this rank does not hold (expert parallelism, `fp8lm.distributed.ExpertParallelMoE`), which
+must get no rows; the others keep their names (``weight.<expert>``) as in the whole layer.
 
 `FP8GroupedLinear` runs each expert's three GEMMs in FP8 with tensorwise scales per expert:
 
@@ -81,13 +83,13 @@ class _FP8GroupedFunction(torch.autograd.Function):
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         emulated = choose_backend(x.device, recipe.backend) == "emulated"
         emulated_as = emulation_dtype(out_dtype, x.device) if emulated else None
-        out_features = weights[0].shape[0]
+        out_features = next(w for w in weights if w is not None).shape[0]
         x_ops: list[FP8Operand | None] = []
         w_ops: list[FP8Operand | None] = []
         outputs = []
         with torch.autocast(device_type, enabled=False):
             for rows, weight in zip(x.contiguous().split(list(counts)), weights):
-                if rows.shape[0] == 0:  # no tokens: no amax to scale by, nothing to multiply
+                if rows.shape[0] == 0 or weight is None:  # no tokens: no amax to scale by, nothing to multiply
                     x_ops.append(None)
                     w_ops.append(None)
                     outputs.append(rows.new_zeros((0, out_features), dtype=out_dtype))
@@ -99,7 +101,7 @@ class _FP8GroupedFunction(torch.autograd.Function):
                 w_ops.append(w_op)
         ctx.recipe, ctx.weight_grad_format, ctx.counts = recipe, weight_grad_format, counts
         ctx.out_dtype, ctx.emulated_as, ctx.x_dtype = out_dtype, emulated_as, x.dtype
-        ctx.weight_meta = [(w.dtype, w.shape, w.device) for w in weights]
+        ctx.weight_meta = [None if w is None else (w.dtype, w.shape, w.device) for w in weights]
         ctx.finite = []
         saved: list[torch.Tensor | None] = []
         for x_saved, w_saved in zip(x_ops, w_ops):
@@ -117,10 +119,14 @@ class _FP8GroupedFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         recipe, counts = ctx.recipe, ctx.counts
         need_x = ctx.needs_input_grad[0]
-        grad_x_parts, grad_ws = [], []
+        grad_x_parts: list[torch.Tensor] = []
+        grad_ws: list[torch.Tensor | None] = []
         with torch.autocast(grad_out.device.type, enabled=False):
             for e, rows in enumerate(grad_out.contiguous().split(list(counts))):
                 x8, x_inv, w8, w_inv = saved[4 * e : 4 * e + 4]
+                if ctx.weight_meta[e] is None:  # an expert held elsewhere: no rows, no gradient
+                    grad_ws.append(None)
+                    continue
                 dtype, shape, device = ctx.weight_meta[e]
                 if x8 is None:
                     grad_x_parts.append(rows.new_zeros((0, shape[1]), dtype=ctx.out_dtype))
@@ -175,7 +181,11 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:
         counts = group_counts(counts, self.num_experts, x.shape[0])
         parts = x.split(counts)
-        return torch.cat([F.linear(rows, w) for rows, w in zip(parts, self.weight)])
+        return torch.cat([F.linear(rows, w) for rows, w in zip(parts, self.weight) if w is not None])
+
+    def held_weights(self) -> list[tuple[int, nn.Parameter]]:
+        """``(expert, weight)`` of the experts this layer holds (not None)."""
+        return [(e, w) for e, w in enumerate(self.weight) if w is not None]
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}"
@@ -228,12 +238,12 @@ class FP8GroupedLinear(GroupedLinear):
         if not isinstance(layer, GroupedLinear):
             raise TypeError(f"FP8GroupedLinear.from_grouped expects a GroupedLinear, got {type(layer).__name__}")
         source = list(layer.weight)
-        new = cls(
-            layer.num_experts, layer.in_features, layer.out_features, device="meta", dtype=source[0].dtype, **options
-        )
-        new.weight = nn.ParameterList(new._stored_weight(w.detach()) for w in source)
+        dtype = next(w.dtype for w in source if w is not None)
+        new = cls(layer.num_experts, layer.in_features, layer.out_features, device="meta", dtype=dtype, **options)
+        new.weight = nn.ParameterList(None if w is None else new._stored_weight(w.detach()) for w in source)
         for w, old in zip(new.weight, source):
-            w.requires_grad_(old.requires_grad)
+            if w is not None:
+                w.requires_grad_(old.requires_grad)
         return new
 
     def forward(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:

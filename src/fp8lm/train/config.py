@@ -315,6 +315,14 @@ class TrainConfig:
         group=_PARALLEL,
         resume="layout",
     )
+    ep: int = option(
+        1,
+        "--moe-experts: expert parallelism over all N ranks (N = the world size, dividing the experts): each "
+        "rank holds E/N experts of every block, tokens travel to them and back in FP8 (E4M3, gradients E5M2); "
+        "everything else data-parallel; O1/O2, bf16, fp32",
+        group=_PARALLEL,
+        metavar="N",
+    )
     pp_microbatches: int = option(
         4, "with --pp: micro-batches each step's batch is split into", group=_PARALLEL, resume="layout"
     )
@@ -548,7 +556,9 @@ class TrainConfig:
                 raise RunError(message)
 
     def _check_moe(self) -> None:
-        """What --moe-experts combines with (not yet: --tp, --pp, --fsdp, a --model folder)."""
+        """What --moe-experts combines with (not yet: --tp, --pp, --fsdp, a --model folder), and
+        --ep."""
+        self._check_ep()
         if not self.moe_experts:
             return
         given = [flag for flag, on in (("--tp", self.tp > 1), ("--pp", self.pp > 1), ("--fsdp", self.fsdp)) if on]
@@ -560,6 +570,25 @@ class TrainConfig:
         if self.model_folder() is not None:
             raise RunError(
                 "--moe-experts builds the built-in models' experts; a --model folder has its own MLPs: drop it"
+            )
+
+    def _check_ep(self) -> None:
+        if self.ep < 1:
+            raise RunError(f"--ep must be >= 1, got {self.ep}")
+        if self.ep == 1:
+            return
+        if not self.moe_experts or self.moe_experts % self.ep:
+            raise RunError(
+                f"--ep {self.ep} spreads the experts of --moe-experts over the ranks: pass --moe-experts E with E a "
+                f"multiple of {self.ep} (got {self.moe_experts})"
+            )
+        if self.opt_level == "O3":
+            raise RunError("--ep with O3: FP8 ZeRO would shard the experts each rank holds alone; use O2 with --ep")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != self.ep:
+            raise RunError(
+                f"--ep {self.ep} spreads the experts over all ranks: launch torchrun --nproc-per-node {self.ep} "
+                f"(this run has {world})"
             )
 
     def _check_split(self, model: GPTConfig) -> None:

@@ -147,6 +147,7 @@ class TrainingRun:
             grad_sync_scaling=cfg.grad_sync_scaling,
             fsdp=cfg.fsdp,
             pipeline=pipeline if cfg.pp > 1 else None,
+            ep=cfg.ep,
         )
         # the one mesh of the run, built once (every rank creates its process groups)
         self.mesh = self.ranks.dims.build_mesh(self.device.type) if self.ranks.distributed else None

@@ -14,6 +14,7 @@ from torch import nn
 from ...distributed.mesh import ParallelMesh
 from ..ranks import Ranks
 from .base import Layout, LayoutSpec, PipelineShape
+from .expert import ExpertParallelLayout
 from .fsdp import FSDPLayout
 from .pipeline import PipelineLayout
 from .pipeline_zero import PipelineZeroLayout
@@ -27,6 +28,7 @@ __all__ = [
     "Layout",
     "LayoutSpec",
     "PipelineShape",
+    "ExpertParallelLayout",
     "parallelize",
     "FSDPLayout",
     "PipelineLayout",
@@ -39,6 +41,7 @@ __all__ = [
 
 # Asked in order; the one-process layout (the base) last.
 LAYOUTS: tuple[type[Layout], ...] = (
+    ExpertParallelLayout,
     PipelineZeroLayout,
     PipelineLayout,
     TensorParallelZeroLayout,

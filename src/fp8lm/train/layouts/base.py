@@ -43,8 +43,8 @@ class PipelineShape:
 @dataclass(frozen=True)
 class LayoutSpec:
     """What a run asks of its layout: the precision level (``fp8``: one of fp8lm's), the options
-    of `fp8lm.initialize`, FP8 data parallelism's gradient scaling, FSDP2, and the pipeline's shape
-    (with ``--pp``)."""
+    of `fp8lm.initialize`, FP8 data parallelism's gradient scaling, FSDP2, the pipeline's shape
+    (with ``--pp``) and the expert-parallel ranks (``--ep``)."""
 
     opt_level: str
     fp8: bool
@@ -52,6 +52,7 @@ class LayoutSpec:
     grad_sync_scaling: str = "local"
     fsdp: bool = False
     pipeline: PipelineShape | None = None
+    ep: int = 1  # expert parallelism over this many ranks (`expert.ExpertParallelLayout`)
 
 
 class Layout:
