@@ -238,3 +238,29 @@ def test_scaled_mm_takes_only_row_wise_e4m3_operands_with_a_bf16_result():
     rowwise = fp8lm.Recipe.from_name("rowwise")
     a, b = quantize_operand(x, rowwise, "input"), quantize_operand(w, rowwise, "weight").t()
     assert not takes_rowwise_scaled_mm(a, b, torch.float32)
+
+
+def test_block_stats_count_what_the_blocks_lose():
+    from fp8lm.telemetry import block_stats
+
+    x = torch.ones(2, 64)
+    x[0, 0] = 1e6  # one outlier: it flushes the 31 ones of its 1 x 32 block, not the others
+    x[0, 40] = 1e-9  # below E4M3's range even in its own block (amax 1)
+    stats = block_stats(x, fp8lm.Recipe.from_name("mxfp8"), "input")
+    assert stats.underflow == pytest.approx(32 / 128) and stats.amax == 1e6
+    assert stats.saturation == pytest.approx(1 / 128)  # 1e6 / 2**(19 - 8) = 488 > 448: saturates
+    assert stats.scale == 2.0**-11
+    tensorwise = fp8lm.telemetry.quantization_stats(x, fp8lm.E4M3, fp8lm.compute_scale(torch.tensor(1e6), fp8lm.E4M3))
+    assert tensorwise.underflow == pytest.approx(127 / 128)  # one scale: every value but the outlier
+
+
+def test_telemetry_records_block_stats_of_fine_grained_layers():
+    from fp8lm.telemetry import Telemetry
+
+    model = torch.nn.Sequential(FP8Linear(64, 32, recipe="blockwise"))
+    telemetry = Telemetry(model, every=1)
+    with telemetry.step(0):
+        model(torch.randn(8, 64)).sum().backward()
+    records = {r["kind"]: r for r in telemetry.after_backward()}
+    assert {"input", "weight", "grad_output", "weight_grad"} <= set(records)
+    assert records["grad_output"]["fmt"] == "E4M3" and records["input"]["underflow"] == 0.0

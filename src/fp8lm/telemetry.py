@@ -20,11 +20,14 @@ import torch
 from .formats import E4M3, E5M2, Format
 from .nn.checkpoint import is_recomputing
 from .nn.grouped import group_counts
+from .ops.blocks import from_blocks, per_block, to_blocks
 from .ops.cast import amax
+from .ops.finegrained import quantize_operand
+from .recipe import Recipe
 from .scaling import compute_scale
 from .tensor import ScalingTensor
 
-__all__ = ["TensorStats", "quantization_stats", "stored_stats", "Telemetry", "KINDS", "worst"]
+__all__ = ["TensorStats", "quantization_stats", "block_stats", "stored_stats", "Telemetry", "KINDS", "worst"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,26 @@ def quantization_stats(x: torch.Tensor, fmt: Format, scale: torch.Tensor | float
         scale=float(scale),
         underflow=lost / nonzero if nonzero else 0.0,
         saturation=saturated / max(x.numel(), 1),
+    )
+
+
+def block_stats(x: torch.Tensor, recipe: Recipe, role: str) -> TensorStats:
+    """Stats of ``x`` quantized as the ``role`` operand of a fine-grained ``recipe`` (along its
+    last dimension, as its first GEMM reads it), block by block: ``underflow`` the non-zero values
+    that quantize to zero, ``saturation`` the values beyond the elements' max (6 for nvfp4's E2M1)
+    after their block's scale, ``scale`` that of the block holding the amax."""
+    x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+    operand = quantize_operand(x2, recipe, role)
+    nonzero = int(torch.count_nonzero(x2))
+    lost = int(torch.count_nonzero((operand.dequantize() == 0) & (x2 != 0)))
+    fmt = {"input": recipe.input_format, "weight": recipe.weight_format, "grad_output": recipe.grad_output_format}
+    fmax = 6.0 if recipe.granularity == "nvfp4" else fmt[role].max
+    scaled = from_blocks(to_blocks(x2.abs(), operand.block) / per_block(operand.d), x2.shape)
+    return TensorStats(
+        amax=float(x2.abs().max()) if x2.numel() else 0.0,
+        scale=float(operand.d.max().reciprocal()) if x2.numel() else 1.0,
+        underflow=lost / nonzero if nonzero else 0.0,
+        saturation=int(torch.count_nonzero(scaled > fmax)) / max(x2.numel(), 1),
     )
 
 
@@ -135,6 +158,9 @@ class Telemetry:
             def on_input(module, args, name=name):
                 if is_recomputing():  # activation checkpointing's second forward: recorded once already
                     return
+                if module.recipe.fine_grained:
+                    self._record_blocks(name, module, {"input": args[0], "weight": _weight_value(module.weight)})
+                    return
                 meta = module.input_meta
                 x = args[0]
                 scale = _scale_in_use(module, meta, x, E4M3)
@@ -146,6 +172,9 @@ class Telemetry:
                 )
 
             def on_grad_output(module, grad_output, name=name):
+                if module.recipe.fine_grained:
+                    self._record_blocks(name, module, {"grad_output": grad_output[0]})
+                    return
                 meta = module.grad_output_meta
                 g = grad_output[0]
                 scale = _scale_in_use(module, meta, g, E5M2)
@@ -157,6 +186,17 @@ class Telemetry:
             handles.append(experts.register_forward_pre_hook(self._on_grouped_input(name)))
             handles.append(experts.register_full_backward_pre_hook(self._on_grouped_grad_output(name)))
         return handles
+
+    def _record_blocks(self, name: str, layer, tensors: dict[str, torch.Tensor]) -> None:
+        """`block_stats` of a fine-grained layer's tensors, keyed by role."""
+        recipe = layer.recipe
+        formats = {
+            "input": recipe.input_format,
+            "weight": recipe.weight_format,
+            "grad_output": recipe.grad_output_format,
+        }
+        for role, x in tensors.items():
+            self._record(name, role, formats[role], block_stats(x, recipe, role))
 
     def _on_grouped_input(self, name: str):
         def hook(module, args):
@@ -229,6 +269,10 @@ class Telemetry:
     def _flush(self) -> list[dict]:
         out, self._pending = self._pending, []
         return out
+
+
+def _weight_value(w: torch.Tensor) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, ScalingTensor) else w.detach()
 
 
 def _scale_in_use(layer, meta, x: torch.Tensor, fmt: Format) -> torch.Tensor:
