@@ -11,6 +11,9 @@ of a mixture) each level's gap to bf16 and the router's load balance; printed as
   their outputs are equal;
 - ``all_to_all_vs_bf16``: bytes of the expert-parallel rows (`pack_rows`: an E4M3 payload and one
   exponent byte per 128 features) over BF16 rows, per width;
+- ``cuda_trace`` (with ``--trace``): one training step of `FP8GroupedLinear` and of one `FP8Linear`
+  per expert on fake CUDA tensors (`benchmarks/cuda_trace.py`'s machinery: the H200 code path,
+  nothing computed): kernel launches, GEMMs and MB read and written outside them;
 - ``compare`` (with ``--compare DIR``, the ``--out`` of ``fp8lm compare --seeds ...``): per level
   the mean gap to bf16 over the seeds and, per seed, the router's load balance
   (``summary.json``'s ``moe``: busiest expert over the mean, coefficient of variation).
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 from common import machine, median_time
+from torch import nn
 
 import fp8lm
 from fp8lm.distributed.expert_parallel import pack_rows
@@ -97,6 +101,66 @@ def grouped_vs_loop(experts: int, tokens: int, width: int, hidden: int, reps: in
     }
 
 
+class _Grouped(nn.Module):
+    """The experts' layer over fixed token groups (the trace's model)."""
+
+    def __init__(self, experts: int, width: int, hidden: int, counts: list[int]) -> None:
+        super().__init__()
+        self.experts, self.counts = GroupedLinear(experts, width, hidden), counts
+
+    def forward(self, x):
+        return self.experts(x, self.counts)
+
+
+class _Loop(nn.Module):
+    """One linear layer per expert over the same groups."""
+
+    def __init__(self, experts: int, width: int, hidden: int, counts: list[int]) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(width, hidden, bias=False) for _ in range(experts))
+        self.counts = counts
+
+    def forward(self, x):
+        return torch.cat([layer(rows) for layer, rows in zip(self.experts, x.split(self.counts))])
+
+
+def cuda_trace(experts: int, tokens: int, width: int, hidden: int) -> dict:
+    """One training step of the two models on fake CUDA tensors (benchmarks/cuda_trace.py's
+    machinery: an H200's code path, nothing computed): kernel launches and bytes outside the GEMMs,
+    forward and backward, O1 storage with current scaling (as the grouped layer scales its groups)."""
+    import cuda_trace as ct
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8lm.policy import preset
+
+    ct.load_fake_cuda_guard()
+    ct.pretend_hopper()
+    chosen = torch.randn(tokens, experts).topk(2).indices.reshape(-1)
+    counts = torch.bincount(chosen, minlength=experts).tolist()
+    log = ct.OpLog()
+    real_compile = torch.compile
+    torch.compile = lambda fn=None, **_: log.fused_region(fn)
+    out = {"experts": experts, "rows": len(chosen), "width": width, "hidden": hidden}
+    try:
+        with FakeTensorMode(), log:
+            for name, cls in (("grouped", _Grouped), ("loop_of_fp8linear", _Loop)):
+                with torch.device("cuda"):
+                    model = cls(experts, width, hidden, counts)
+                    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                    policy = preset("O1", output_head=False).with_linear(weight=fp8lm.FP16)
+                    model, optimizer = fp8lm.initialize(
+                        model, optimizer, "O1", policy=policy, recipe="tensorwise-current"
+                    )
+                x = torch.randn(len(chosen), width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                step, _ = ct.trace_step(model, optimizer, x, log)
+                summary = ct.summarize(step)
+                out[name] = {phase: summary[phase]["total"] for phase in ("forward", "backward")}
+                out[name]["total"] = summary["total"]
+    finally:
+        torch.compile = real_compile
+    return out
+
+
 def all_to_all_ratio(widths: list[int]) -> dict:
     out = {}
     for c in widths:
@@ -145,6 +209,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--trace", action="store_true", help="also trace both on fake CUDA tensors")
+    parser.add_argument("--trace-shape", default="8x8192x2048x8192", help="EXPERTSxTOKENSxWIDTHxHIDDEN of the trace")
     parser.add_argument("--compare", type=Path, default=None, help="an fp8lm compare --seeds output folder")
     parser.add_argument("--results", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -154,6 +220,9 @@ def main() -> None:
         "grouped_vs_loop": grouped_vs_loop(args.experts, args.tokens, args.width, args.hidden, args.reps),
         "all_to_all_vs_bf16": all_to_all_ratio([32, 128, 768, 4096]),
     }
+    if args.trace:
+        e, t, w, h = (int(v) for v in args.trace_shape.split("x"))
+        out["cuda_trace"] = cuda_trace(e, t, w, h)
     if args.compare is not None:
         out["compare"] = compare_summary(args.compare)
     text = json.dumps(out, indent=1)

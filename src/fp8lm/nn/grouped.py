@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import E4M3, FP16, FP32, Format, format_of
-from ..ops.cast import amax
 from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm
+from ..ops.library import traceable_amax
 from ..recipe import Recipe, recipe_from
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor, quantize
-from .linear import _carry_nonfinite, _cast, _finite_hint, _stored_weight_grad, _weight_operand
+from .linear import _carry_nonfinite, _cast, _finite_hint, _scale_math, _stored_weight_grad, _weight_operand
 
 __all__ = ["GroupedLinear", "FP8GroupedLinear", "group_counts"]
 
@@ -58,19 +58,26 @@ def group_counts(counts: Sequence[int] | torch.Tensor, num_experts: int, rows: i
     return values
 
 
-def _group_operand(x: torch.Tensor, fmt: Format, margin: int, emulated_as: torch.dtype | None) -> FP8Operand:
-    """One expert's rows as an FP8 operand, scaled from their own amax (current scaling)."""
-    x_amax = amax(x)
+def _group_scales(x: torch.Tensor, fmt: Format, margin: int) -> tuple[torch.Tensor, ...]:
+    """The amax of ``x``, the scale to cast it with and its inverse (carrying non-finite values)."""
+    x_amax = traceable_amax(x)
     scale = compute_scale(x_amax, fmt, margin)
-    scale_inv = _carry_nonfinite(scale.reciprocal(), x_amax)
+    return x_amax, scale, _carry_nonfinite(scale.reciprocal(), x_amax)
+
+
+def _group_operand(x: torch.Tensor, fmt: Format, margin: int, emulated_as: torch.dtype | None) -> FP8Operand:
+    """One expert's rows as an FP8 operand, scaled from their own amax (current scaling); off the
+    CPU the amax and scale arithmetic is one compiled function, as FP8Linear's."""
+    x_amax, scale, scale_inv = _scale_math(_group_scales, x, x, fmt, margin)
     data, deq = _cast(x, scale, scale_inv, fmt, emulated_as)
     return FP8Operand(data, scale_inv, _finite_hint(x_amax), dequantized=deq)
 
 
 def _expert_weight_operand(weight: torch.Tensor, fmt: Format, emulated_as: torch.dtype | None) -> FP8Operand:
-    """One expert's weight as an FP8 operand, from its stored payload and scale (just in time)."""
+    """One expert's weight as an FP8 operand, from its stored payload and scale (just in time; the
+    payload's amax taken from its writer where it noted one)."""
     if isinstance(weight, ScalingTensor):
-        return _weight_operand(weight.payload, weight.scale, fmt, emulated_as)
+        return _weight_operand(weight.payload, weight.scale, fmt, emulated_as, payload_amax=weight.known_payload_amax())
     return _weight_operand(weight.detach(), None, fmt, emulated_as)
 
 
