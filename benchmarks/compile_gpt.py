@@ -32,11 +32,12 @@ from fp8lm.policy import ACTIVATIONS
 from fp8lm.train.model import ARCHS, CHECKPOINTING, GPT, PRESETS, preset
 
 
-def build(cfg, level: str, activations: str = "bf16", checkpointing: str = "none"):
+def build(cfg, level: str, activations: str = "bf16", checkpointing: str = "none", recipe: str | None = None):
     torch.manual_seed(0)
     model = GPT(cfg)
     model.checkpoint_blocks(checkpointing)
-    return fp8lm.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level, activations=activations)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return fp8lm.initialize(model, opt, level, activations=activations, recipe=recipe)
 
 
 def train_step(forward, opt, x, y, autocast: bool) -> tuple[float, float]:
@@ -58,8 +59,8 @@ def ulps(a: float, b: float) -> float:
 def measure_level(cfg, level: str, args) -> dict:
     torch._dynamo.reset()
     counters.clear()
-    eager_model, eager_opt = build(cfg, level, args.activations, args.activation_checkpointing)
-    model, opt = build(cfg, level, args.activations, args.activation_checkpointing)
+    eager_model, eager_opt = build(cfg, level, args.activations, args.activation_checkpointing, args.recipe)
+    model, opt = build(cfg, level, args.activations, args.activation_checkpointing, args.recipe)
     compiled = torch.compile(model, fullgraph=True, backend=args.backend)
     gen = torch.Generator().manual_seed(1)
     losses, times, graphs_after_first = [], [], None
@@ -104,6 +105,9 @@ def main() -> None:
     parser.add_argument("--activations", default="bf16", choices=ACTIVATIONS, help="saved activations (fp8lm.nn.saved)")
     parser.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING, help="of the blocks")
     parser.add_argument(
+        "--recipe", default=None, help="a named fp8lm.Recipe of the FP8 layers (default: tensorwise-delayed)"
+    )
+    parser.add_argument(
         "--no-autocast",
         dest="autocast",
         action="store_false",
@@ -135,6 +139,7 @@ def main() -> None:
                 "autocast": "bf16" if args.autocast else None,
                 "activations": args.activations,
                 "activation_checkpointing": args.activation_checkpointing,
+                "recipe": args.recipe or "tensorwise-delayed",
                 "tokens_per_step": args.batch * args.seq,
                 "steps": args.steps,
                 "levels": levels,

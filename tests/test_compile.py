@@ -53,3 +53,12 @@ def test_fullgraph_compile_of_a_llama_at_o2():
     result = compile_gpt("tiny", 3, "--arch", "llama", "--n-kv-head", "1", levels="O2")
     assert (result["arch"], result["n_kv_head"]) == ("llama", 1)
     check_one_graph_and_eager_losses(result, steps=3, levels=("O2",))
+
+
+@pytest.mark.slow
+def test_fullgraph_compile_of_a_gpt_with_a_fine_grained_recipe():
+    """blockwise (1 x 128 / 128 x 128 scales, emulated GEMMs) at O2: one graph over the steps, the
+    eager losses."""
+    result = compile_gpt("tiny", 3, "--recipe", "blockwise", levels="O2")
+    assert result["recipe"] == "blockwise"
+    check_one_graph_and_eager_losses(result, steps=3, levels=("O2",))
