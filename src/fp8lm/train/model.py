@@ -358,7 +358,3 @@ class GPT(nn.Module):
         aux = torch.stack([a for a in taken if a is not None]).mean()
         self.moe_aux_loss = aux.detach()
         return aux
-
-    def moe_layers(self) -> dict[str, MoE]:
-        """The blocks' mixtures of experts by module name (none for a dense model)."""
-        return {name: m for name, m in self.named_modules() if isinstance(m, MoE)}
