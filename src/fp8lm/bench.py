@@ -26,6 +26,7 @@ BENCHMARKS = {
     "dist_train": 2,
     "cuda_trace": 1,
     "activation_memory": 1,
+    "recipes": 1,
 }
 DEFAULT = ("quantize", "gemm", "train_step", "optimizer_step", "telemetry", "fallback", "comm")
 
