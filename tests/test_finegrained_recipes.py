@@ -264,3 +264,26 @@ def test_telemetry_records_block_stats_of_fine_grained_layers():
     records = {r["kind"]: r for r in telemetry.after_backward()}
     assert {"input", "weight", "grad_output", "weight_grad"} <= set(records)
     assert records["grad_output"]["fmt"] == "E4M3" and records["input"]["underflow"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--fsdp"], ["--tp", "2"]])
+def test_two_ranks_train_with_a_fine_grained_recipe(tmp_path, email_corpus, layout):
+    """FSDP2 (its FP8 all-gather gives the layer an E4M3 weight, quantized again in blocks) and
+    tensor parallelism run a fine-grained recipe; their numerics against one process are not
+    compared here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    args = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "4", "--eval-batches", "2"]
+    args += ["--data", email_corpus, "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--no-progress"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += ["-m", "fp8lm.cli", "train", "--opt-level", "O2", "--recipe", "blockwise", *layout, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert math.isfinite(summary["val_loss"]) and summary["val_loss"] < 5.6
