@@ -96,7 +96,7 @@ class _FP8GroupedFunction(torch.autograd.Function):
         outputs = []
         with torch.autocast(device_type, enabled=False):
             for rows, weight in zip(x.contiguous().split(list(counts)), weights):
-                if rows.shape[0] == 0 or weight is None:  # no tokens: no amax to scale by, nothing to multiply
+                if rows.shape[0] == 0:  # no tokens (always so for an expert not held): nothing to scale or multiply
                     x_ops.append(None)
                     w_ops.append(None)
                     outputs.append(rows.new_zeros((0, out_features), dtype=out_dtype))
@@ -185,8 +185,16 @@ class GroupedLinear(nn.Module):
     def _stored_weight(self, value: torch.Tensor) -> nn.Parameter:
         return nn.Parameter(value)
 
+    def checked_counts(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> list[int]:
+        """`group_counts` of ``counts`` for input ``x``, refusing rows for an expert not held here."""
+        values = group_counts(counts, self.num_experts, x.shape[0])
+        absent = [e for e, (n, w) in enumerate(zip(values, self.weight)) if n and w is None]
+        if absent:
+            raise ValueError(f"rows routed to experts {absent}, which this layer does not hold (another rank does)")
+        return values
+
     def forward(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        counts = group_counts(counts, self.num_experts, x.shape[0])
+        counts = self.checked_counts(x, counts)
         parts = x.split(counts)
         return torch.cat([F.linear(rows, w) for rows, w in zip(parts, self.weight) if w is not None])
 
@@ -256,7 +264,7 @@ class FP8GroupedLinear(GroupedLinear):
     def forward(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled or self.high_precision or x.numel() == 0:
             return super().forward(x, counts)
-        counts = group_counts(counts, self.num_experts, x.shape[0])
+        counts = self.checked_counts(x, counts)
         return _FP8GroupedFunction.apply(x, tuple(counts), self.recipe, self.weight_grad_format, *self.weight)
 
     def extra_repr(self) -> str:
