@@ -26,6 +26,7 @@ other granularities have no kernel here yet).
 
 from __future__ import annotations
 
+import types
 from typing import NamedTuple
 
 import torch
@@ -66,7 +67,7 @@ class BlockOperand(NamedTuple):
         `quantize_operand`)."""
         if self.payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
             return _dequantize(self.payload, self.d, self.block)
-        fn = _compiled_fn(_dequantize)
+        fn = _compiled_fn(_dequantize, self.block)
         return FUSED_QUANTIZE.run(
             lambda: fn(self.payload, self.d, self.block), lambda: _dequantize(self.payload, self.d, self.block)
         )
@@ -80,11 +81,14 @@ def _dequantize(payload: torch.Tensor, d: torch.Tensor, block: Block) -> torch.T
     return from_blocks(to_blocks(payload.to(torch.float32), block) * per_block(d), payload.shape)
 
 
-def _compiled_fn(fn):
-    """``fn`` compiled once (dynamic shapes: one graph for every layer)."""
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)
-    return _compiled[fn]
+def _compiled_fn(fn, *key):
+    """``fn`` compiled, once per ``key``: each key gets a code object of its own, since
+    torch.compile's recompile limit counts graphs per code object (as `fp8lm.ops.cast` does)."""
+    full = (fn, *key)
+    if full not in _compiled:
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_compiled)}")
+        _compiled[full] = torch.compile(types.FunctionType(code, fn.__globals__), dynamic=True)
+    return _compiled[full]
 
 
 def operand_block(recipe: Recipe, role: str, shape: tuple[int, ...] | torch.Size, dim: int) -> Block:
@@ -129,7 +133,7 @@ def quantize_operand(
 
     def fused() -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            return _compiled_fn(_quantize)(x, recipe, role, block, None)
+            return _compiled_fn(_quantize, recipe, role, block)(x, recipe, role, block, None)
 
     payload, d = FUSED_QUANTIZE.run(fused, lambda: _quantize(x, recipe, role, block, None))
     return BlockOperand(payload, d, block)
