@@ -82,7 +82,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O1-weight-fp16": ("O1", {"policy": {p: {"weight": "FP16"} for p in ("*.c_*.weight", "lm_head.weight")}}),
     "O1-grad-bf16": ("O1", {"policy": {"*": {"grad": "BF16"}}}),
     # what autograd saves outside the linear layers (norm and activation-function inputs) in E4M3
+    # (O2's default since its 5-seed comparison; O2-act-bf16 is O2 as it was before)
     "O2-act-fp8": ("O2", {"activations": "fp8"}),
+    "O2-act-bf16": ("O2", {"activations": "bf16"}),
     "O1-act-fp8": ("O1", {"activations": "fp8"}),
 }
 

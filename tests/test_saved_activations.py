@@ -222,8 +222,8 @@ def _gpt(arch):
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_initialize_swaps_the_norms_and_activations_and_keeps_the_loss(arch):
     base = _gpt(arch)
-    plain, _ = fp8lm.initialize(copy.deepcopy(base), None, "O2")
-    fp8, _ = fp8lm.initialize(copy.deepcopy(base), None, "O2", activations="fp8")
+    plain, _ = fp8lm.initialize(copy.deepcopy(base), None, "O2", activations="bf16")
+    fp8, _ = fp8lm.initialize(copy.deepcopy(base), None, "O2")  # O2's default
     assert fp8._fp8lm_policy.activations == "fp8" and plain._fp8lm_policy.activations == "bf16"
     kinds = {type(m) for m in fp8.modules()}
     norm = FP8SavedRMSNorm if arch == "llama" else FP8SavedLayerNorm

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import fp8lm.policy
 from fp8lm.train.compare import _level_config
 from fp8lm.train.config import RunError, TrainConfig
 from fp8lm.train.loop import train
@@ -44,6 +45,12 @@ def test_compare_gives_fp8_activations_to_the_fp8_levels_alone(tmp_path):
     cfg = TrainConfig(activations="fp8", activation_checkpointing="full")
     runs = {level: _level_config(cfg, level, tmp_path) for level in ("fp32", "bf16", "O1", "O2")}
     assert {level: r.activations for level, r in runs.items()} == {
+        "fp32": None,
+        "bf16": None,
+        "O1": "fp8",
+        "O2": "fp8",
+    }
+    assert {level: r.resolved_activations() for level, r in runs.items()} == {
         "fp32": "bf16",
         "bf16": "bf16",
         "O1": "fp8",
@@ -55,7 +62,9 @@ def test_compare_gives_fp8_activations_to_the_fp8_levels_alone(tmp_path):
 
 
 def test_fp8_activations_and_checkpointing_in_a_run(tmp_path, cache):
-    base = TrainConfig(**TINY, opt_level="O2", steps=3, cache_dir=cache, out=str(tmp_path / "plain"))
+    base = TrainConfig(
+        **TINY, opt_level="O2", steps=3, cache_dir=cache, out=str(tmp_path / "plain"), activations="bf16"
+    )
     plain = train(base)
     fp8 = train(replace(base, activations="fp8", out=str(tmp_path / "fp8")))
     full = train(replace(base, activations="fp8", activation_checkpointing="full", out=str(tmp_path / "full")))
@@ -67,3 +76,19 @@ def test_fp8_activations_and_checkpointing_in_a_run(tmp_path, cache):
         assert s["peak_step_bytes"] > s["memory"]["total"] - s["memory"]["gradients"]
     assert full["peak_step_bytes"] < fp8["peak_step_bytes"] < plain["peak_step_bytes"]
     assert full["config"]["activations"] == "fp8" and full["config"]["activation_checkpointing"] == "full"
+
+
+def test_fp8_activations_are_o2s_default_and_recorded_resolved():
+    defaults = {level: TrainConfig(opt_level=level) for level in ("fp32", "bf16", "O1", "O2", "O3")}
+    assert {level: c.resolved_activations() for level, c in defaults.items()} == {
+        "fp32": "bf16",
+        "bf16": "bf16",
+        "O1": "bf16",
+        "O2": "fp8",
+        "O3": "bf16",
+    }
+    assert defaults["O2"].options()["activations"] == "fp8"  # what --resume keeps
+    assert "activations" not in defaults["O2"].initialize_options()  # the preset decides
+    assert TrainConfig(opt_level="O2", activations="bf16").initialize_options()["activations"] == "bf16"
+    assert fp8lm.policy.preset("O2").activations == "fp8"
+    assert fp8lm.policy.preset("O1").activations == fp8lm.policy.preset("O3").activations == "bf16"

@@ -33,8 +33,8 @@ COMMON = (
 # micro-batches (telemetry at step 1 only); the 2-rank runs sync FP8 gradients (O2) and shard the optimizer (O3).
 RUNS = {
     "O1": (1, ["--opt-level", "O1", "--telemetry-every", "4", "--fallback"]),
-    "O2": (1, ["--opt-level", "O2", "--grad-accum", "2", "--telemetry-every", "100"]),
-    "O2-2ranks": (2, ["--opt-level", "O2", "--grad-accum", "2", "--telemetry-every", "4"]),
+    "O2": (1, ["--opt-level", "O2", "--grad-accum", "2", "--telemetry-every", "100", "--activations", "bf16"]),
+    "O2-2ranks": (2, ["--opt-level", "O2", "--grad-accum", "2", "--telemetry-every", "4", "--activations", "bf16"]),
     "O3-2ranks": (2, ["--opt-level", "O3", "--telemetry-every", "4"]),
 }
 

@@ -89,7 +89,7 @@ def initialize(
     ``activations``: ``"fp8"`` saves the inputs of the norms (``nn.LayerNorm``, RMSNorm), GELU and
     SwiGLU modules for backward in FP8 (`fp8lm.nn.saved`: those modules are swapped for FP8-saving
     ones with the same parameters), ``"bf16"`` as the model computes them; default: the policy's
-    (``"bf16"`` in every preset). It sets ``Policy.activations``.
+    (``"fp8"`` at O2, ``"bf16"`` at O1 and O3). It sets ``Policy.activations``.
     Returns ``(model, optimizer)``: the model to use (the same object, or the new `FP8Linear` when
     ``model`` itself is an ``nn.Linear`` or ``Conv1D``) and the optimizer to use from now on.
     """

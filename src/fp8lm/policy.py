@@ -24,11 +24,13 @@ so that its gain and bias grow over training, and per-tensor E4M3 zeroes the gra
 tokens (both measured in docs/training.md). ``preset(level, output_head=False)`` or
 ``policy.without_output_head()`` drops the rule.
 
-Saved activations (``Policy.activations``): ``"bf16"`` (every level's default) leaves what
-autograd saves outside the FP8 linear layers as the model computes it (BF16 or FP32);
-``"fp8"`` stores the norms' and activation functions' inputs in E4M3 with per-row group scales
-(`fp8lm.nn.saved`, which lists what stays in high precision): ``preset("O2").with_activations("fp8")``
-or ``fp8lm.initialize(..., activations="fp8")``. The linear layers' inputs are saved in FP8 at
+Saved activations (``Policy.activations``): ``"fp8"`` (O2's default) stores the norms' and
+activation functions' inputs in E4M3 with per-row group scales (`fp8lm.nn.saved`, which lists
+what stays in high precision); ``"bf16"`` (O1's and O3's default) leaves what autograd saves
+outside the FP8 linear layers as the model computes it (BF16 or FP32):
+``preset("O2").with_activations("bf16")`` or ``fp8lm.initialize(..., activations="bf16")``. O2's
+default follows its 5-seed loss comparison (docs/measurements/activations.md); O1 and O3 were not
+measured with it. The linear layers' inputs are saved in FP8 at
 every level.
 
 Overrides by module-name pattern (``fnmatch``; matched against module and parameter names, later
@@ -199,6 +201,6 @@ def _level_preset(opt_level: str) -> Policy:
         return Policy("O1", linear=ParamPrecision(FP32, E4M3, None, FP32, FP32), matrix=fp32, vector=fp32)
     if opt_level == "O2":
         scaled = ParamPrecision(FP16, E4M3, None, E4M3, FP16)
-        return Policy("O2", linear=scaled, matrix=scaled, vector=vector)
+        return Policy("O2", linear=scaled, matrix=scaled, vector=vector, activations="fp8")
     fp8 = ParamPrecision(E4M3, E4M3, FP16, E4M3, FP16)
     return Policy("O3", linear=fp8, matrix=fp8, vector=vector)

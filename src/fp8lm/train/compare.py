@@ -46,7 +46,7 @@ def _level_config(cfg: TrainConfig, level: str, out: Path) -> TrainConfig:
         # the FP8 recipe goes to the FP8 runs alone
         recipe=cfg.recipe if level in FP8_LEVELS else DEFAULT_RECIPE,
         # and so do FP8-saved activations
-        activations=cfg.activations if level in FP8_LEVELS else "bf16",
+        activations=cfg.activations if level in FP8_LEVELS else None,
     )
     if cfg.resume:  # a level that had not started yet when the comparison stopped starts now
         run.resume = bool(list_checkpoints(Path(run.out) / "checkpoints"))

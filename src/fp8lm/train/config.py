@@ -351,11 +351,11 @@ class TrainConfig:
         group=_NUMERICS,
         choices=RECIPE_NAMES,
     )
-    activations: str = option(
-        "bf16",
+    activations: str | None = option(
+        None,
         "FP8 levels: how the norms' and activation functions' inputs are saved for backward: bf16, as "
         "computed; fp8, in E4M3 with a scale per token and 128 features (the linear layers' inputs are FP8 "
-        "at every FP8 level)",
+        "at every FP8 level); default: fp8 at O2, bf16 at the other levels",
         group=_NUMERICS,
         choices=ACTIVATIONS,
     )
@@ -657,14 +657,14 @@ class TrainConfig:
             )
 
     def _check_activations(self) -> None:
-        if self.activations not in ACTIVATIONS:
+        if self.activations is not None and self.activations not in ACTIVATIONS:
             raise RunError(f"unknown --activations {self.activations!r}: use one of {', '.join(ACTIVATIONS)}")
         if self.activation_checkpointing not in CHECKPOINTING:
             raise RunError(
                 f"unknown --activation-checkpointing {self.activation_checkpointing!r}: use one of "
                 f"{', '.join(CHECKPOINTING)}"
             )
-        if self.activations == "bf16":
+        if self.activations is None or self.activations == "bf16":
             return
         if self.opt_level not in FP8_LEVELS:
             raise RunError(
@@ -694,7 +694,18 @@ class TrainConfig:
         options = {f.name: getattr(self, f.name) for f in option_fields(type(self))}
         if "warmup_steps" in options:
             options["warmup_steps"], options["decay_steps"] = self.schedule()
+        if "activations" in options:  # resolved: a resumed run keeps what it saved with
+            options["activations"] = self.resolved_activations()
         return options
+
+    def resolved_activations(self) -> str:
+        """How this run saves activations outside the linear layers: ``--activations``, else the
+        level's default (fp8 at O2, bf16 otherwise)."""
+        if self.activations is not None:
+            return self.activations
+        if "activations" in self.amp_options:
+            return str(self.amp_options["activations"])
+        return "fp8" if self.opt_level == "O2" else "bf16"
 
     def initialize_options(self) -> dict:
         """Keyword options of `fp8lm.initialize` for this run."""
@@ -703,7 +714,7 @@ class TrainConfig:
         options = dict(self.amp_options)
         if self.recipe != DEFAULT_RECIPE:
             options["recipe"] = Recipe.from_name(self.recipe)
-        if self.activations != "bf16":
+        if self.activations is not None and self.opt_level in FP8_LEVELS:
             options["activations"] = self.activations
         if self.exp_avg_sq is not None:
             policy = {**options.get("policy", {}), "*": {"exp_avg_sq": self.exp_avg_sq.upper()}}

@@ -179,6 +179,7 @@ def resume_config(cfg: TrainConfig) -> dict:
 def _resume_values(cfg: TrainConfig) -> dict:
     values = {key: getattr(cfg, key) for key in RESUME_KEYS}
     values["warmup_steps"] = cfg.schedule()[0]  # resolved: an extended run (more --steps) keeps it
+    values["activations"] = cfg.resolved_activations()  # resolved: the level's default may change
     return values
 
 
