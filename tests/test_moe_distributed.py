@@ -4,6 +4,7 @@ FP8 gradients all-reduced like every other) and O3 (FP8 ZeRO over the experts' w
 import json
 import math
 import subprocess
+import sys
 
 import pytest
 
@@ -60,6 +61,21 @@ def test_ep2_trains_as_data_parallel_does_and_sends_fp8_tokens(tmp_path):
     (resumed / "summary.json").unlink()
     for p in (resumed / "checkpoints").glob("step_00000016*"):
         subprocess.run(["rm", "-rf", str(p)], check=True)
-    args = ["-m", "fp8lm.cli", "train", "--out", str(resumed), "--resume", "--no-progress"]
+    args = ["-m", "fp8lm.cli", "train", "--out", str(resumed), "--resume", "--no-progress", "--ep", "2"]
     check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
     assert (resumed / "metrics.jsonl").read_bytes() == (whole / "metrics.jsonl").read_bytes()
+    # --ep is the launch's layout: the same checkpoint resumes in one process (resharded: every
+    # expert read from the rank that wrote it) and as plain data parallelism
+    final = ep["O2"]["val_loss"]
+    for name, launch in (("one", [sys.executable]), ("dp", torchrun())):
+        out = tmp_path / f"resumed_{name}"
+        subprocess.run(["cp", "-r", str(whole), str(out)], check=True)
+        (out / "summary.json").unlink()
+        for p in (out / "checkpoints").glob("step_00000016*"):
+            subprocess.run(["rm", "-rf", str(p)], check=True)
+        args = ["-m", "fp8lm.cli", "train", "--out", str(out), "--resume", "--no-progress", "--ep", "1"]
+        log = check(subprocess.run([*launch, *args], env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        assert ("resharded" in log) == (name == "one")
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["layout"] == ("one process" if name == "one" else "data parallel")
+        assert abs(summary["val_loss"] / final - 1) < 1e-2

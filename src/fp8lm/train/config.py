@@ -322,6 +322,7 @@ class TrainConfig:
         "everything else data-parallel; O1/O2, bf16, fp32",
         group=_PARALLEL,
         metavar="N",
+        resume="layout",
     )
     pp_microbatches: int = option(
         4, "with --pp: micro-batches each step's batch is split into", group=_PARALLEL, resume="layout"

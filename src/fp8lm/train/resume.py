@@ -321,7 +321,7 @@ def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) 
 
 def layout_options(cfg: TrainConfig) -> dict:
     """How a run spreads its state over the ranks, as a checkpoint records it."""
-    return {"tp": cfg.tp, "pp": cfg.pp, "fsdp": cfg.fsdp}
+    return {"tp": cfg.tp, "pp": cfg.pp, "fsdp": cfg.fsdp, "ep": cfg.ep}
 
 
 def _check_same_options(cfg: TrainConfig, state: dict, model: nn.Module) -> None:
