@@ -79,3 +79,20 @@ def test_ep2_trains_as_data_parallel_does_and_sends_fp8_tokens(tmp_path):
         summary = json.loads((out / "summary.json").read_text())
         assert summary["layout"] == ("one process" if name == "one" else "data parallel")
         assert abs(summary["val_loss"] / final - 1) < 1e-2
+
+
+def test_ep2_on_4_ranks_keeps_a_replica_of_each_expert_per_group(tmp_path):
+    """--ep 2 on 4 ranks: two groups of 2 exchange tokens; each expert's two replicas average their
+    gradients (FP8 at O2): the training of data parallelism on 4 ranks."""
+    runs = {}
+    for name, extra in (("dp", []), ("ep", ["--ep", "2"])):
+        out = tmp_path / name
+        args = ["-m", "fp8lm.cli", "compare", "--levels", "bf16,O2", "--moe-experts", "4", *extra]
+        args += run_options(out, tmp_path / "cache")
+        four = [*torchrun()[:-1], "4", *args]  # torchrun(...) with --nproc_per_node 4
+        check(subprocess.run(four, env=ENV, capture_output=True, text=True, timeout=2 * TIMEOUT_S))
+        runs[name] = {lv: json.loads((out / lv / "summary.json").read_text()) for lv in ("bf16", "O2")}
+    for level, tolerance in (("bf16", 1e-3), ("O2", 1e-2)):
+        ep, dp = runs["ep"][level], runs["dp"][level]
+        assert ep["world_size"] == 4 and ep["layout"] == "expert parallel"
+        assert abs(ep["val_loss"] / dp["val_loss"] - 1) < tolerance

@@ -317,9 +317,9 @@ class TrainConfig:
     )
     ep: int = option(
         1,
-        "--moe-experts: expert parallelism over all N ranks (N = the world size, dividing the experts): each "
-        "rank holds E/N experts of every block, tokens travel to them and back in FP8 (E4M3, gradients E5M2); "
-        "everything else data-parallel; O1/O2, bf16, fp32",
+        "--moe-experts: expert parallelism over groups of N ranks (N dividing the experts and the world size): "
+        "each rank holds E/N experts of every block, tokens travel to them and back in FP8 (E4M3, gradients "
+        "E5M2); everything else data-parallel; O1/O2, bf16, fp32",
         group=_PARALLEL,
         metavar="N",
         resume="layout",
@@ -586,10 +586,10 @@ class TrainConfig:
         if self.opt_level == "O3":
             raise RunError("--ep with O3: FP8 ZeRO would shard the experts each rank holds alone; use O2 with --ep")
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != self.ep:
+        if world % self.ep:
             raise RunError(
-                f"--ep {self.ep} spreads the experts over all ranks: launch torchrun --nproc-per-node {self.ep} "
-                f"(this run has {world})"
+                f"--ep {self.ep} spreads the experts over groups of {self.ep} ranks: launch torchrun with a multiple "
+                f"of {self.ep} ranks (this run has {world})"
             )
 
     def _check_split(self, model: GPTConfig) -> None:

@@ -1,13 +1,16 @@
-"""Expert parallelism (``--ep N``, N the world size): every rank holds the experts
-``[r E/N, (r+1) E/N)`` of each mixture (`fp8lm.distributed.ExpertParallelMoE`: tokens travel to
-their experts and back in FP8 all-to-alls) and a replica of everything else, kept in sync as data
-parallelism does (`FP8DataParallel` at O1/O2, torch's DDP at fp32/bf16), the experts left out.
+"""Expert parallelism (``--ep N``, N dividing the world size): the ranks form groups of N
+consecutive ranks; in each, rank ``r`` holds the experts ``[r E/N, (r+1) E/N)`` of each mixture
+(`fp8lm.distributed.ExpertParallelMoE`: tokens travel to their experts and back in FP8
+all-to-alls within the group), and every rank a replica of everything else, kept in sync over all
+ranks as data parallelism does (`FP8DataParallel` at O1/O2, torch's DDP at fp32/bf16), the experts
+left out. With more ranks than N, each expert has a replica in every group: its gradients are
+averaged over them (an FP8 all-reduce at O1/O2, FP32 at fp32/bf16) before the step.
 
-An expert's gradient sums every rank's tokens, each rank's loss a mean over its own batch: it is
-divided by the world size as it arrives, as the replicated gradients are averaged, so the step is
-that of one process on all ranks' batches. The all-to-alls send FP8 at O1/O2 and the rows as they
+An expert's gradient sums the tokens of its group's ranks, each rank's loss a mean over its own
+batch: it is divided by N as it arrives and averaged over the groups, as the replicated gradients
+are averaged over all ranks, so the step is that of one process on all ranks' batches. The all-to-alls send FP8 at O1/O2 and the rows as they
 are at bf16/fp32 (the baseline of their bytes). The gradient norm adds the replicated gradients' squares
-once and the experts' over the ranks. Every forward needs every rank (validation too).
+once and the experts' over one group. Every forward needs every rank (validation too).
 Checkpoints are Distributed Checkpoint folders, each expert written by the rank that holds it.
 """
 
@@ -15,9 +18,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from ...amp import initialize
-from ...distributed import FP8DataParallel, comm, ddp_bytes
+from ...distributed import FP8DataParallel, comm, ddp_bytes, fp8_all_reduce
 from ...distributed.expert_parallel import expert_parallel, expert_parameters
 from ...tensor import ScalingTensor
 from .base import Layout, LayoutSpec, point_optimizer_at
@@ -40,9 +44,15 @@ class ExpertParallelLayout(ReplicatedLayout):
     name = "expert parallel"
     collective_forward = True
 
-    def __init__(self, ranks, mesh=None, experts: list[nn.Parameter] | None = None) -> None:
+    def __init__(
+        self, ranks, mesh=None, experts: list[nn.Parameter] | None = None, groups: tuple = (None, None), fp8=True
+    ) -> None:
         super().__init__(ranks, mesh)
         self.experts = experts or []
+        # the expert-parallel group (the ranks that exchange tokens) and the group of an expert's
+        # replicas (None: one replica)
+        self.ep_group, self.replica_group = groups
+        self.fp8 = fp8
 
     @classmethod
     def applies(cls, spec: LayoutSpec, ranks) -> bool:
@@ -51,14 +61,15 @@ class ExpertParallelLayout(ReplicatedLayout):
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         group = mesh.group("dp_replicate")
+        ep_group, replica_group = _expert_groups(mesh, spec.ep, ranks.world)
         names = {id(p): n for n, p in model.named_parameters()}
-        expert_parallel(model, group, fp8=spec.fp8)  # the bf16 and fp32 baselines send their own rows
+        expert_parallel(model, ep_group, fp8=spec.fp8)  # the bf16 and fp32 baselines send their own rows
         point_optimizer_at(optimizer, names, dict(model.named_parameters()))  # this rank's experts only
         if spec.fp8:
             model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
         experts = expert_parameters(model)
         for p in experts:
-            p.register_hook(_Divide(ranks.world))
+            p.register_hook(_Divide(spec.ep))
         if spec.fp8:
             model = FP8DataParallel(model, group, scaling=spec.grad_sync_scaling, local_params=experts)
         else:
@@ -66,7 +77,7 @@ class ExpertParallelLayout(ReplicatedLayout):
             ignored = [n for n, p in model.named_parameters() if id(p) in held]
             nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
             model = nn.parallel.DistributedDataParallel(model, process_group=group)
-        return model, optimizer, cls(ranks, mesh, experts)
+        return model, optimizer, cls(ranks, mesh, experts, (ep_group, replica_group), spec.fp8)
 
     def comm_bytes(self, model: nn.Module, num_params: int) -> float:
         """The counted all-to-alls, and the replicated gradients' sync: counted by FP8DataParallel,
@@ -84,6 +95,8 @@ class ExpertParallelLayout(ReplicatedLayout):
     def clip(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         """Clip by the norm of the whole model's gradients: the replicated ones (equal on every
         rank) once, each expert's from the rank that holds it."""
+        if self.replica_group is not None:
+            self._average_over_replicas()
         grads = [p.grad for p in model.parameters() if p.grad is not None]  # model: the core
         held = {id(p.grad) for p in self.experts if p.grad is not None}
         device = grads[0].device
@@ -92,8 +105,7 @@ class ExpertParallelLayout(ReplicatedLayout):
             values = g.dequantize() if isinstance(g, ScalingTensor) else g
             squares[1 if id(g) in held else 0] += values.double().square().sum()
         mine = squares[1:].clone()
-        assert self.mesh is not None  # a distributed layout
-        comm.all_reduce(mine, group=self.mesh.group("dp_replicate"))
+        comm.all_reduce(mine, group=self.ep_group)  # the experts of one group: each once
         total = (squares[0] + mine[0]).sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
         coef = torch.where(torch.isfinite(total), coef, torch.full_like(coef, float("nan")))
@@ -107,3 +119,29 @@ class ExpertParallelLayout(ReplicatedLayout):
                 else:
                     g.mul_(coef.to(g.dtype))
         return float(total)
+
+    def _average_over_replicas(self) -> None:
+        """Each expert's gradient averaged over its replicas (one per group): in FP8 at O1/O2."""
+        with torch.no_grad():
+            for p in self.experts:
+                g = p.grad
+                if g is None:
+                    continue
+                values = g.dequantize() if isinstance(g, ScalingTensor) else g.detach().float()
+                if self.fp8:
+                    mean = fp8_all_reduce(values, self.replica_group, average=True)
+                else:
+                    mean = (
+                        comm.all_reduce(values.clone(), group=self.replica_group)
+                        / comm.check_group(self.replica_group)[1]
+                    )
+                g.copy_(mean)
+
+
+def _expert_groups(mesh, ep: int, world: int) -> tuple:
+    """The expert-parallel group of this rank (``ep`` consecutive ranks) and the group of its
+    experts' replicas (the ranks at its place in the other groups; None when there is one group)."""
+    if ep == world:
+        return mesh.group("dp_replicate"), None
+    experts = init_device_mesh(mesh.root.device_type, (world // ep, ep), mesh_dim_names=("ep_replicate", "ep"))
+    return experts.get_group("ep"), experts.get_group("ep_replicate")
