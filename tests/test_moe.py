@@ -99,6 +99,31 @@ def test_moe_matches_a_per_token_reference(activation, shared):
     assert layer.aux_loss is None and layer.routed.sum().item() == 0  # evaluation neither counts nor keeps it
 
 
+def test_capacity_drops_the_slots_beyond_it_first_tokens_first():
+    torch.manual_seed(6)
+    layer = MoE(16, 32, 4, 2, capacity_factor=0.5)
+    with torch.no_grad():
+        layer.router.weight[0] += 2.0 * layer.router.weight[1]  # a skewed router: some experts overflow
+    x = torch.randn(15, 16)
+    y = layer(x)
+    weights, experts, _ = route(layer.router(x), 2)
+    capacity = math.ceil(0.5 * 30 / 4)
+    taken, ref = [0] * 4, torch.zeros(15, 16)
+    for t in range(15):
+        for j in range(2):
+            e = experts[t, j].item()
+            if taken[e] < capacity:
+                taken[e] += 1
+                h = F.gelu(x[t] @ layer.c_fc.weight[e].t())
+                ref[t] += weights[t, j] * (h @ layer.c_proj.weight[e].t())
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    dropped = 30 - sum(taken)
+    assert dropped > 0 and int(layer.dropped) == dropped
+    assert int(layer.take_routed().sum()) == 30 and int(layer.dropped) == 0  # routed counts the dropped too
+    with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+        MoE(16, 32, 4, 2, capacity_factor=0.0)
+
+
 def test_moe_config_checks():
     with pytest.raises(ValueError, match="moe_top_k must be in \\[1, moe_experts=4\\], got 5"):
         GPTConfig(moe_experts=4, moe_top_k=5)
@@ -151,6 +176,14 @@ def test_tiny_moe_trains_at_bf16_and_o2(tmp_path, cache, arch):
             kinds = {r["kind"] for r in telemetry if r["layer"] == "blocks.1.mlp.c_proj.expert3"}
             assert {"weight", "exp_avg", "exp_avg_sq"} <= kinds
             assert any(r["kind"] == "weight_grad" for r in telemetry if ".expert" in r["layer"])
+
+
+def test_capacity_factor_run_logs_the_dropped_share(tmp_path, cache):
+    train(cfg(tmp_path, cache, opt_level="O2", steps=3, moe_capacity_factor=1.0))
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert all(0.0 <= r["moe_dropped"] < 1.0 for r in records)
+    train(cfg(tmp_path, cache, opt_level="O2", steps=1, out=str(tmp_path / "none")))
+    assert "moe_dropped" not in read_metrics(tmp_path / "none" / "metrics.jsonl")[0]
 
 
 def test_moe_resume_continues_bit_identically(tmp_path, cache):

@@ -140,7 +140,9 @@ class ExpertParallelMoE(MoE):
         self.c_proj = _local_experts(moe.c_proj, local)
         self.shared = moe.shared
         self.aux_loss = None
+        self.capacity_factor = moe.capacity_factor
         self.register_buffer("routed", torch.zeros_like(moe.routed), persistent=False)
+        self.register_buffer("dropped", torch.zeros_like(moe.dropped), persistent=False)
 
     @classmethod
     def from_moe(cls, moe: MoE, group=None, fp8: bool = True) -> ExpertParallelMoE:

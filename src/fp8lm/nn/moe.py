@@ -9,7 +9,10 @@ decisions are not made in low precision):
 
 With ``top_k > 1`` the chosen experts' weights are their probabilities (scores) renormalized to
 sum to 1; with ``top_k = 1`` the weight is the probability itself, so the loss still trains the
-router. No token is dropped: every expert takes every token routed to it.
+router. No token is dropped by default: every expert takes every token routed to it. With a
+``capacity_factor`` ``c`` an expert takes at most ``ceil(c * T * k / E)`` of a forward's ``T * k``
+routed slots, the first tokens first (Switch's capacity); the slots beyond it are dropped (their
+token keeps its other experts and the residual path), counted in ``dropped``.
 
 The tokens are sorted by expert and the experts' two layers are `GroupedLinear`s (which
 `fp8lm.initialize` turns into `FP8GroupedLinear`: FP8 GEMMs with one scale per expert), with a GELU
@@ -93,6 +96,7 @@ class MoE(nn.Module):
     ``x`` of shape (..., dim)."""
 
     routed: torch.Tensor
+    dropped: torch.Tensor
 
     def __init__(
         self,
@@ -104,8 +108,14 @@ class MoE(nn.Module):
         router: str = "softmax",
         activation: str = "gelu",
         shared_expert: nn.Module | None = None,
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
+        if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
+            raise ValueError(
+                f"capacity_factor must be a finite number > 0 (None: no token dropped), got {capacity_factor}"
+            )
+        self.capacity_factor = capacity_factor
         if num_experts < 1 or not 1 <= top_k <= num_experts:
             raise ValueError(f"an MoE needs >= 1 expert and 1 <= top_k <= experts; got {num_experts} and {top_k}")
         if router not in ROUTERS:
@@ -122,6 +132,7 @@ class MoE(nn.Module):
         self.shared = shared_expert
         self.aux_loss: torch.Tensor | None = None
         self.register_buffer("routed", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("dropped", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -129,8 +140,10 @@ class MoE(nn.Module):
         weights, experts, probs = route(self.router(x2), self.top_k, self.router_kind)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # token slots sorted by expert, each expert's in token order
+        routed = counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.capacity_factor is not None:
+            order, counts = self._within_capacity(flat, order, counts)
         token = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
         y = self.run_experts(x2[token], counts)
         out = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
         out = out.index_add(0, token, y.float() * weights.reshape(-1)[order, None])
@@ -141,8 +154,19 @@ class MoE(nn.Module):
             aux = load_balance_loss(probs, experts)  # recomputed too: checkpointing saves the same tensors
             if not is_recomputing():  # activation checkpointing's second forward: kept and counted once
                 self.aux_loss = aux
-                self.routed += counts
+                self.routed += routed
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _within_capacity(self, flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor):
+        """The sorted slots that fit their expert's capacity, and the experts' counts of them."""
+        assert self.capacity_factor is not None
+        capacity = math.ceil(self.capacity_factor * flat.numel() / self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(order.numel(), device=order.device) - starts[flat[order]]
+        kept = position < capacity
+        if self.training and not is_recomputing():
+            self.dropped += (~kept).sum()
+        return order[kept], counts.clamp(max=capacity)
 
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for tokens ``x`` sorted by expert, ``counts`` (E,) of them each
@@ -157,10 +181,13 @@ class MoE(nn.Module):
         return aux
 
     def take_routed(self) -> torch.Tensor:
-        """The tokens routed to each expert by the training forwards since the last call; cleared."""
+        """The tokens routed to each expert by the training forwards since the last call (dropped
+        ones included); cleared, as ``dropped`` is."""
         counts = self.routed.clone()
         self.routed.zero_()
+        self.dropped.zero_()
         return counts
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, top_k={self.top_k}, router={self.router_kind}"
+        capacity = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor}"
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, router={self.router_kind}{capacity}"

@@ -203,6 +203,13 @@ class TrainConfig:
     moe_aux_loss_coef: float = option(
         0.01, "--moe-experts: weight of the load-balancing loss (Switch's) in the training loss", group=_MODEL
     )
+    moe_capacity_factor: float | None = option(
+        None,
+        "--moe-experts: drop the token slots beyond ceil(F x slots / experts) per expert (Switch's capacity; "
+        "the dropped fraction logged as moe_dropped); default: no token dropped",
+        group=_MODEL,
+        metavar="F",
+    )
     # optimization
     steps: int = option(500, "optimizer steps", group=_OPTIM, resume="free")
     batch_size: int = option(16, "sequences per micro-batch", group=_OPTIM)
@@ -397,6 +404,7 @@ class TrainConfig:
             moe_router=self.moe_router,
             moe_shared_expert=self.moe_shared_expert,
             moe_aux_loss_coef=self.moe_aux_loss_coef,
+            moe_capacity_factor=self.moe_capacity_factor,
         )
 
     def model_folder(self) -> str | None:

@@ -74,6 +74,7 @@ class GPTConfig:
     moe_router: str = "softmax"  # softmax or sigmoid (fp8lm.nn.moe)
     moe_shared_expert: bool = False  # a dense MLP that every token goes through too
     moe_aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
+    moe_capacity_factor: float | None = None  # None: no token dropped; else each expert's capacity factor
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -104,6 +105,9 @@ class GPTConfig:
             raise ValueError(f"moe_top_k must be in [1, moe_experts={self.moe_experts}], got {self.moe_top_k}")
         if self.moe_router not in ROUTERS:
             raise ValueError(f"unknown moe_router {self.moe_router!r}: use one of {', '.join(ROUTERS)}")
+        cf = self.moe_capacity_factor
+        if cf is not None and not (math.isfinite(cf) and cf > 0):
+            raise ValueError(f"moe_capacity_factor must be a finite number > 0 (None: no token dropped), got {cf}")
         if not (math.isfinite(self.moe_aux_loss_coef) and self.moe_aux_loss_coef >= 0):
             raise ValueError(f"moe_aux_loss_coef must be a finite number >= 0, got {self.moe_aux_loss_coef}")
 
@@ -253,6 +257,7 @@ def moe(cfg: GPTConfig) -> MoE:
         router=cfg.moe_router,
         activation=str(cfg.mlp),
         shared_expert=MLP(cfg) if cfg.moe_shared_expert else None,
+        capacity_factor=cfg.moe_capacity_factor,
     )
 
 

@@ -284,15 +284,18 @@ class TrainingRun:
     def moe_metrics(self) -> dict:
         """A mixture of experts' step (none for a dense model): its load-balancing loss (the last
         micro-batch's, before the coefficient), the load balance of each block's routing this step
-        (this rank's tokens) averaged over the blocks, and the tokens each expert took, summed
-        over the blocks."""
+        (this rank's tokens) averaged over the blocks, the tokens routed to each expert, summed
+        over the blocks, and with a capacity the share of routed slots dropped."""
         layers = [m for m in self.core.modules() if isinstance(m, MoE)]
         if not layers:
             return {}
+        dropped = sum(int(m.dropped) for m in layers)
         counts = [m.take_routed().cpu() for m in layers]
         balance = [load_balance(c) for c in counts]
         aux = getattr(self.core, "moe_aux_loss", None)
+        capacity = {"moe_dropped": dropped / max(int(sum(c.sum() for c in counts)), 1)}
         return {
+            **(capacity if any(m.capacity_factor is not None for m in layers) else {}),
             "moe_aux_loss": None if aux is None else float(aux),
             "moe_load_max_over_mean": sum(b["max_over_mean"] for b in balance) / len(balance),
             "moe_load_cv": sum(b["cv"] for b in balance) / len(balance),
