@@ -33,6 +33,7 @@ _DEFAULTS = {
     "O1-head-gemm-bf16",
     "O2-head-gemm-bf16",
     "O1-master-fp32",
+    "O2-act-fp8",  # O2's default since its 5-seed comparison
 }
 
 
