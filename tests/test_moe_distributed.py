@@ -96,3 +96,37 @@ def test_ep2_on_4_ranks_keeps_a_replica_of_each_expert_per_group(tmp_path):
         ep, dp = runs["ep"][level], runs["dp"][level]
         assert ep["world_size"] == 4 and ep["layout"] == "expert parallel"
         assert abs(ep["val_loss"] / dp["val_loss"] - 1) < tolerance
+
+
+def test_ep2_with_fsdp_on_4_ranks_trains_as_one_process_and_resumes_byte_for_byte(tmp_path):
+    """--ep 2 --fsdp on 4 ranks: experts split over pairs of ranks, everything else FSDP2-sharded over
+    all 4 (FP8 all-gather at O2); the validation loss of one process, FP8 tokens on the wire (against
+    the same layout at bf16), and a resume from its Distributed Checkpoint continues byte for byte."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2"]
+    steps = ["--steps", "32"]
+    runs = {}
+    for name, launch, extra in (
+        ("one", [sys.executable], ["--levels", "O2"]),
+        ("epfsdp", [*torchrun()[:-1], "4"], ["--levels", "bf16,O2", "--ep", "2", "--fsdp"]),
+    ):
+        out = tmp_path / name
+        args = ["-m", "fp8lm.cli", "compare", *moe, *extra, *run_options(out, tmp_path / "cache", *steps)]
+        check(subprocess.run([*launch, *args], env=ENV, capture_output=True, text=True, timeout=3 * TIMEOUT_S))
+        runs[name] = {lv: json.loads((out / lv / "summary.json").read_text()) for lv in extra[1].split(",")}
+    one, ep = runs["one"]["O2"], runs["epfsdp"]
+    assert ep["O2"]["world_size"] == 4 and ep["O2"]["layout"] == "expert parallel + FSDP2"
+    assert abs(ep["O2"]["val_loss"] / one["val_loss"] - 1) < 1e-2
+    fp8, bf16 = (ep[lv]["comm_bytes_by_kind_per_step"] for lv in ("O2", "bf16"))
+    assert fp8["expert_all_to_all"] > 0 and fp8["all_gather"] > 0
+    assert fp8["expert_all_to_all"] / bf16["expert_all_to_all"] <= 0.55
+    whole = tmp_path / "epfsdp" / "O2"
+    resumed = tmp_path / "resumed"
+    subprocess.run(["cp", "-r", str(whole), str(resumed)], check=True)
+    (resumed / "summary.json").unlink()
+    for p in (resumed / "checkpoints").glob("step_00000032*"):
+        subprocess.run(["rm", "-rf", str(p)], check=True)
+    args = ["-m", "fp8lm.cli", "train", "--out", str(resumed), "--resume", "--no-progress", "--ep", "2", "--fsdp"]
+    four = [*torchrun()[:-1], "4", *args]
+    log = check(subprocess.run(four, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    assert "resharded" not in log
+    assert (resumed / "metrics.jsonl").read_bytes() == (whole / "metrics.jsonl").read_bytes()

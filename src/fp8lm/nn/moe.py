@@ -79,7 +79,8 @@ def load_balance(counts: torch.Tensor) -> dict[str, float]:
 
 
 class Router(nn.Module):
-    """One logit per expert, ``x W^T`` with ``W`` (num_experts, dim), in FP32 outside autocast."""
+    """One logit per expert, ``x W^T`` with ``W`` (num_experts, dim), in FP32 outside autocast
+    (a weight that FSDP2's BF16 policy gathers in BF16 is widened)."""
 
     def __init__(self, dim: int, num_experts: int) -> None:
         super().__init__()
@@ -88,7 +89,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.float(), self.weight)
+            return F.linear(x.float(), self.weight.float())
 
 
 class MoE(nn.Module):

@@ -326,7 +326,7 @@ class TrainConfig:
         1,
         "--moe-experts: expert parallelism over groups of N ranks (N dividing the experts and the world size): "
         "each rank holds E/N experts of every block, tokens travel to them and back in FP8 (E4M3, gradients "
-        "E5M2); everything else data-parallel; O1/O2, bf16, fp32",
+        "E5M2); everything else data-parallel (with --fsdp: sharded with FSDP2); O1/O2, bf16, fp32",
         group=_PARALLEL,
         metavar="N",
         resume="layout",
@@ -565,16 +565,21 @@ class TrainConfig:
                 raise RunError(message)
 
     def _check_moe(self) -> None:
-        """What --moe-experts combines with (not yet: --tp, --pp, --fsdp, a --model folder), and
-        --ep."""
+        """What --moe-experts combines with (not yet: --tp, --pp, --fsdp without --ep, a --model
+        folder), and --ep."""
         self._check_ep()
         if not self.moe_experts:
             return
-        given = [flag for flag, on in (("--tp", self.tp > 1), ("--pp", self.pp > 1), ("--fsdp", self.fsdp)) if on]
+        given = [flag for flag, on in (("--tp", self.tp > 1), ("--pp", self.pp > 1)) if on]
         if given:
             raise RunError(
                 f"--moe-experts does not combine with {', '.join(given)} yet: train the mixture of experts in one "
                 "process or with data parallelism under torchrun"
+            )
+        if self.fsdp and self.ep == 1:
+            raise RunError(
+                "--moe-experts with --fsdp shards the experts' neighbours, not the experts: add --ep N "
+                "(expert parallelism) or drop --fsdp"
             )
         if self.model_folder() is not None:
             raise RunError(

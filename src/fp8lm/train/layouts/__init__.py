@@ -15,6 +15,7 @@ from ...distributed.mesh import ParallelMesh
 from ..ranks import Ranks
 from .base import Layout, LayoutSpec, PipelineShape
 from .expert import ExpertParallelLayout
+from .expert_fsdp import ExpertFSDPLayout
 from .fsdp import FSDPLayout
 from .pipeline import PipelineLayout
 from .pipeline_zero import PipelineZeroLayout
@@ -28,6 +29,7 @@ __all__ = [
     "Layout",
     "LayoutSpec",
     "PipelineShape",
+    "ExpertFSDPLayout",
     "ExpertParallelLayout",
     "parallelize",
     "FSDPLayout",
@@ -41,6 +43,7 @@ __all__ = [
 
 # Asked in order; the one-process layout (the base) last.
 LAYOUTS: tuple[type[Layout], ...] = (
+    ExpertFSDPLayout,
     ExpertParallelLayout,
     PipelineZeroLayout,
     PipelineLayout,

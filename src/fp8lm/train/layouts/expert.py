@@ -27,10 +27,10 @@ from ...tensor import ScalingTensor
 from .base import Layout, LayoutSpec, point_optimizer_at
 from .replicated import ReplicatedLayout
 
-__all__ = ["ExpertParallelLayout"]
+__all__ = ["ExpertParallelLayout", "average_over_replicas", "expert_groups"]
 
 
-class _Divide:
+class DivideGrad:
     """A gradient hook: the gradient divided by ``n`` (a class, so models with it still pickle)."""
 
     def __init__(self, n: int) -> None:
@@ -56,12 +56,12 @@ class ExpertParallelLayout(ReplicatedLayout):
 
     @classmethod
     def applies(cls, spec: LayoutSpec, ranks) -> bool:
-        return spec.ep > 1
+        return spec.ep > 1 and not spec.fsdp
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         group = mesh.group("dp_replicate")
-        ep_group, replica_group = _expert_groups(mesh, spec.ep, ranks.world)
+        ep_group, replica_group = expert_groups(mesh, spec.ep, ranks.world)
         names = {id(p): n for n, p in model.named_parameters()}
         expert_parallel(model, ep_group, fp8=spec.fp8)  # the bf16 and fp32 baselines send their own rows
         point_optimizer_at(optimizer, names, dict(model.named_parameters()))  # this rank's experts only
@@ -69,7 +69,7 @@ class ExpertParallelLayout(ReplicatedLayout):
             model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
         experts = expert_parameters(model)
         for p in experts:
-            p.register_hook(_Divide(spec.ep))
+            p.register_hook(DivideGrad(spec.ep))
         if spec.fp8:
             model = FP8DataParallel(model, group, scaling=spec.grad_sync_scaling, local_params=experts)
         else:
@@ -96,7 +96,7 @@ class ExpertParallelLayout(ReplicatedLayout):
         """Clip by the norm of the whole model's gradients: the replicated ones (equal on every
         rank) once, each expert's from the rank that holds it."""
         if self.replica_group is not None:
-            self._average_over_replicas()
+            average_over_replicas(self.experts, self.replica_group, self.fp8)
         grads = [p.grad for p in model.parameters() if p.grad is not None]  # model: the core
         held = {id(p.grad) for p in self.experts if p.grad is not None}
         device = grads[0].device
@@ -120,28 +120,27 @@ class ExpertParallelLayout(ReplicatedLayout):
                     g.mul_(coef.to(g.dtype))
         return float(total)
 
-    def _average_over_replicas(self) -> None:
-        """Each expert's gradient averaged over its replicas (one per group): in FP8 at O1/O2."""
-        with torch.no_grad():
-            for p in self.experts:
-                g = p.grad
-                if g is None:
-                    continue
-                values = g.dequantize() if isinstance(g, ScalingTensor) else g.detach().float()
-                if self.fp8:
-                    mean = fp8_all_reduce(values, self.replica_group, average=True)
-                else:
-                    mean = (
-                        comm.all_reduce(values.clone(), group=self.replica_group)
-                        / comm.check_group(self.replica_group)[1]
-                    )
-                g.copy_(mean)
+
+def average_over_replicas(experts: list[nn.Parameter], replica_group, fp8: bool) -> None:
+    """Each expert's gradient averaged over its replicas (one per group): in FP8 with ``fp8``."""
+    with torch.no_grad():
+        for p in experts:
+            g = p.grad
+            if g is None:
+                continue
+            values = g.dequantize() if isinstance(g, ScalingTensor) else g.detach().float()
+            if fp8:
+                mean = fp8_all_reduce(values, replica_group, average=True)
+            else:
+                mean = comm.all_reduce(values.clone(), group=replica_group) / comm.check_group(replica_group)[1]
+            g.copy_(mean)
 
 
-def _expert_groups(mesh, ep: int, world: int) -> tuple:
+def expert_groups(mesh, ep: int, world: int, data_parallel: str = "dp_replicate") -> tuple:
     """The expert-parallel group of this rank (``ep`` consecutive ranks) and the group of its
-    experts' replicas (the ranks at its place in the other groups; None when there is one group)."""
+    experts' replicas (the ranks at its place in the other groups; None when there is one group).
+    ``data_parallel``: the mesh dimension of all ranks (the whole group when ``ep`` is the world)."""
     if ep == world:
-        return mesh.group("dp_replicate"), None
+        return mesh.group(data_parallel), None
     experts = init_device_mesh(mesh.root.device_type, (world // ep, ep), mesh_dim_names=("ep_replicate", "ep"))
     return experts.get_group("ep"), experts.get_group("ep_replicate")
