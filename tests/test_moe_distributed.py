@@ -101,7 +101,8 @@ def test_ep2_on_4_ranks_keeps_a_replica_of_each_expert_per_group(tmp_path):
 def test_ep2_with_fsdp_on_4_ranks_trains_as_one_process_and_resumes_byte_for_byte(tmp_path):
     """--ep 2 --fsdp on 4 ranks: experts split over pairs of ranks, everything else FSDP2-sharded over
     all 4 (FP8 all-gather at O2); the validation loss of one process, FP8 tokens on the wire (against
-    the same layout at bf16), and a resume from its Distributed Checkpoint continues byte for byte."""
+    the same layout at bf16), and a resume from its Distributed Checkpoint continues byte for byte
+    (and in one process, resharded)."""
     moe = ["--moe-experts", "4", "--moe-top-k", "2"]
     steps = ["--steps", "32"]
     runs = {}
@@ -130,3 +131,15 @@ def test_ep2_with_fsdp_on_4_ranks_trains_as_one_process_and_resumes_byte_for_byt
     log = check(subprocess.run(four, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
     assert "resharded" not in log
     assert (resumed / "metrics.jsonl").read_bytes() == (whole / "metrics.jsonl").read_bytes()
+    # the same checkpoint resumes in one process (resharded: experts and FSDP2 shards read as whole tensors)
+    out = tmp_path / "resumed_one"
+    subprocess.run(["cp", "-r", str(whole), str(out)], check=True)
+    (out / "summary.json").unlink()
+    for p in (out / "checkpoints").glob("step_00000032*"):
+        subprocess.run(["rm", "-rf", str(p)], check=True)
+    args = ["-m", "fp8lm.cli", "train", "--out", str(out), "--resume", "--no-progress", "--ep", "1"]
+    log = check(subprocess.run([sys.executable, *args], env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    assert "resharded" in log
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layout"] == "one process"
+    assert abs(summary["val_loss"] / ep["O2"]["val_loss"] - 1) < 1e-2
