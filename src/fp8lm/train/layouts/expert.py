@@ -40,6 +40,21 @@ class DivideGrad:
         return grad / self.n
 
 
+def spread_experts(model: nn.Module, optimizer, spec: LayoutSpec, ep_group):
+    """Keep this rank's experts of ``ep_group`` (the optimizer pointed at them), convert the model
+    for an FP8 level, and divide the experts' gradients by the expert-parallel size; returns the
+    model, the optimizer and this rank's expert parameters."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    expert_parallel(model, ep_group, fp8=spec.fp8)  # the bf16 and fp32 baselines send their own rows
+    point_optimizer_at(optimizer, names, dict(model.named_parameters()))  # this rank's experts only
+    if spec.fp8:
+        model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
+    experts = expert_parameters(model)
+    for p in experts:
+        p.register_hook(DivideGrad(spec.ep))
+    return model, optimizer, experts
+
+
 class ExpertParallelLayout(ReplicatedLayout):
     name = "expert parallel"
     collective_forward = True
@@ -62,14 +77,7 @@ class ExpertParallelLayout(ReplicatedLayout):
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         group = mesh.group("dp_replicate")
         ep_group, replica_group = expert_groups(mesh, spec.ep, ranks.world)
-        names = {id(p): n for n, p in model.named_parameters()}
-        expert_parallel(model, ep_group, fp8=spec.fp8)  # the bf16 and fp32 baselines send their own rows
-        point_optimizer_at(optimizer, names, dict(model.named_parameters()))  # this rank's experts only
-        if spec.fp8:
-            model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
-        experts = expert_parameters(model)
-        for p in experts:
-            p.register_hook(DivideGrad(spec.ep))
+        model, optimizer, experts = spread_experts(model, optimizer, spec, ep_group)
         if spec.fp8:
             model = FP8DataParallel(model, group, scaling=spec.grad_sync_scaling, local_params=experts)
         else:

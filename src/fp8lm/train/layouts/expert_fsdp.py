@@ -18,12 +18,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...amp import initialize
 from ...distributed import comm, precompute_fp8_scales
-from ...distributed.expert_parallel import expert_parallel, expert_parameters
 from ...tensor import ScalingTensor
 from .base import Layout, LayoutSpec, ShardedCheckpoints, point_optimizer_at
-from .expert import DivideGrad, average_over_replicas, expert_groups
+from .expert import average_over_replicas, expert_groups, spread_experts
 from .fsdp import FSDPLayout, fsdp_options, shard_blocks_and_model
 
 __all__ = ["ExpertFSDPLayout"]
@@ -47,14 +45,7 @@ class ExpertFSDPLayout(FSDPLayout):
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         groups = expert_groups(mesh, spec.ep, ranks.world, "dp_shard")
-        names = {id(p): n for n, p in model.named_parameters()}
-        expert_parallel(model, groups[0], fp8=spec.fp8)
-        point_optimizer_at(optimizer, names, dict(model.named_parameters()))  # this rank's experts only
-        if spec.fp8:
-            model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
-        experts = expert_parameters(model)
-        for p in experts:
-            p.register_hook(DivideGrad(spec.ep))
+        model, optimizer, experts = spread_experts(model, optimizer, spec, groups[0])
         names = {id(p): n for n, p in model.named_parameters()}
         options = {**fsdp_options(spec), "mesh": mesh["dp_shard"], "ignored_params": set(experts)}
         shard_blocks_and_model(model, options)
