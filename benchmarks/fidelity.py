@@ -34,6 +34,7 @@ from pathlib import Path
 
 # One variant: (level, fp8lm.initialize options). Policy overrides are module-name patterns of
 # fp8lm.train.model.GPT: lm_head, wte and wpe (embeddings), blocks.*.attn.*, blocks.*.mlp.*.
+FINE_GRAINED_RECIPES = ("rowwise", "rowwise-wgrad-bf16", "blockwise", "mxfp8", "nvfp4")
 _HI = {"fp8_gemm": False, "weight": "FP32", "grad": "FP32", "exp_avg": "FP32", "exp_avg_sq": "FP32"}
 VARIANTS: dict[str, tuple[str, dict]] = {
     "fp32": ("fp32", {}),
@@ -86,6 +87,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O2-act-fp8": ("O2", {"activations": "fp8"}),
     "O2-act-bf16": ("O2", {"activations": "bf16"}),
     "O1-act-fp8": ("O1", {"activations": "fp8"}),
+    # the whole output head in FP8 (GEMMs and E4M3 weight gradient): preset("O2", output_head=False)
+    "O2-head-fp8": ("O2", {"output_head": False}),
+    # the fine-grained recipes (docs/recipes.md), the output head as the default policy keeps it
+    # (BF16 GEMMs and weight gradient), and with the whole head in FP8 under the recipe ("-head-fp8")
+    **{f"O2-{name}": ("O2", {"recipe": name}) for name in FINE_GRAINED_RECIPES},
+    **{f"O2-{name}-head-fp8": ("O2", {"recipe": name, "output_head": False}) for name in FINE_GRAINED_RECIPES},
 }
 
 
@@ -145,15 +152,21 @@ def _continuation(args) -> dict:
 
 
 def variant_options(variant: str) -> tuple[str, dict]:
-    """``(level, fp8lm.initialize options)`` of a `VARIANTS` entry: its recipe fields become the
-    default fp8lm.Recipe with those fields changed (formats by name)."""
+    """``(level, fp8lm.initialize options)`` of a `VARIANTS` entry: a recipe is a name, or fields
+    that change the default fp8lm.Recipe (formats by name); ``"output_head": False`` becomes the
+    policy ``fp8lm.policy.preset(level, output_head=False)``."""
     from fp8lm.formats import format_of
+    from fp8lm.policy import preset
     from fp8lm.recipe import Recipe
 
     level, options = VARIANTS[variant]
-    if "recipe" in options:
+    if isinstance(options.get("recipe"), dict):
         fields = {k: format_of(v) if k.endswith("_format") else v for k, v in options["recipe"].items()}
         options = {**options, "recipe": Recipe(**fields)}
+    if "output_head" in options:
+        options = {k: v for k, v in options.items() if k != "output_head"}
+        assert "policy" not in options  # a variant names one or the other
+        options["policy"] = preset(level, output_head=VARIANTS[variant][1]["output_head"])
     return level, options
 
 
