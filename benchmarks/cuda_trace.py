@@ -55,7 +55,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CATEGORIES = ("gemm", "cast", "amax_scale", "nonfinite", "transpose_copy", "bias", "attention", "other")
-# Ops that copy a value to the host and wait for it (``.item()``, ``bool(t)``, ``torch.equal``).
+# Ops that copy a value to the host and wait for it (``.item()``, ``bool(t)``, ``torch.equal``);
+# copies of CUDA tensors to the host count too (`to_host`).
 SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal"}
 # Python functions whose ops belong to a category, found on the stack (fp8lm's and torchao's names).
 STACK_CATEGORIES = {
@@ -88,7 +89,7 @@ STACK_CATEGORIES = {
     "to_fp8_saturated": "cast",
     "hp_tensor_and_scale_to_float8": "cast",
 }
-GEMM_OPS = {"mm", "addmm", "_scaled_mm", "bmm", "baddbmm"}
+GEMM_OPS = {"mm", "addmm", "_scaled_mm", "bmm", "baddbmm", "_grouped_mm", "_scaled_grouped_mm"}
 ATTENTION_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "lift_fresh"}
 TINY = 64  # elements: an op whose tensors are all this small is scale arithmetic on a few scalars
@@ -199,6 +200,17 @@ def nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+def to_host(name: str, args, kwargs) -> bool:
+    """Whether an op copies a CUDA tensor to the host (``.cpu()``, ``.to("cpu")``, ``copy_`` into a
+    CPU tensor): the host waits for the device, as for ``.item()``."""
+    if name == "_to_copy" and isinstance(args[0], torch.Tensor):
+        target = kwargs.get("device")
+        return args[0].device.type == "cuda" and target is not None and torch.device(target).type == "cpu"
+    if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        return args[0].device.type == "cpu" and args[1].device.type == "cuda"
+    return False
+
+
 def tensors_in(tree) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -255,7 +267,11 @@ class OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in SYNC_OPS:
+        if name in SYNC_OPS or to_host(name, args, kwargs):
+            if name not in SYNC_OPS:  # a copy to the host: the data is waited for
+                if self.recording:
+                    self.records.append(self.record(name, "sync", 0, 0, 0))
+                return func(*args, **kwargs)
             if self.recording:
                 self.records.append(self.record(name, "sync", 0, 0, 0))
             # A fake tensor has no value to give: answer as a finite, non-zero tensor would.
@@ -342,6 +358,10 @@ def gemm_flops(name: str, inputs: list[torch.Tensor]) -> tuple[float, bool]:
     if name == "addmm":
         (m, k), n = inputs[1].shape, inputs[2].shape[1]
         return 2.0 * m * k * n, False
+    if name in ("_grouped_mm", "_scaled_grouped_mm"):  # 2-D x 3-D: (T, K) x (E, K, N); 2-D x 2-D: (M, T) x (T, N)
+        a, b = inputs[0], inputs[1]
+        n = b.shape[-1]
+        return 2.0 * a.shape[0] * a.shape[1] * n, name == "_scaled_grouped_mm"
     if name in ("bmm", "baddbmm"):
         (b, m, k), n = inputs[-2].shape, inputs[-1].shape[2]
         return 2.0 * b * m * k * n, False

@@ -11,9 +11,10 @@ of a mixture) each level's gap to bf16 and the router's load balance; printed as
   their outputs are equal;
 - ``all_to_all_vs_bf16``: bytes of the expert-parallel rows (`pack_rows`: an E4M3 payload and one
   exponent byte per 128 features) over BF16 rows, per width;
-- ``cuda_trace`` (with ``--trace``): one training step of `FP8GroupedLinear` and of one `FP8Linear`
-  per expert on fake CUDA tensors (`benchmarks/cuda_trace.py`'s machinery: the H200 code path,
-  nothing computed): kernel launches, GEMMs and MB read and written outside them;
+- ``cuda_trace`` (with ``--trace``, or alone with ``--trace-only``): one training step of
+  `FP8GroupedLinear` and of one `FP8Linear` per expert, and of a whole `MoE` layer at O1 and bf16,
+  on fake CUDA tensors (`benchmarks/cuda_trace.py`'s machinery: the H200 code path, nothing
+  computed): kernel launches, GEMMs, MB read and written outside them, and host syncs;
 - ``compare`` (with ``--compare DIR``, the ``--out`` of ``fp8lm compare --seeds ...``): per level
   the mean gap to bf16 over the seeds and, per seed, the router's load balance
   (``summary.json``'s ``moe``: busiest expert over the mean, coefficient of variation).
@@ -34,7 +35,7 @@ from torch import nn
 
 import fp8lm
 from fp8lm.distributed.expert_parallel import pack_rows
-from fp8lm.nn import FP8GroupedLinear, FP8Linear, GroupedLinear
+from fp8lm.nn import FP8GroupedLinear, FP8Linear, GroupedLinear, MoE
 from fp8lm.train.model import GPT, preset
 
 
@@ -102,18 +103,19 @@ def grouped_vs_loop(experts: int, tokens: int, width: int, hidden: int, reps: in
 
 
 class _Grouped(nn.Module):
-    """The experts' layer over fixed token groups (the trace's model)."""
+    """The experts' layer over fixed token groups (the trace's model), the counts on the device."""
 
     def __init__(self, experts: int, width: int, hidden: int, counts: list[int]) -> None:
         super().__init__()
-        self.experts, self.counts = GroupedLinear(experts, width, hidden), counts
+        self.experts = GroupedLinear(experts, width, hidden)
+        self.register_buffer("counts", torch.tensor(counts))
 
     def forward(self, x):
         return self.experts(x, self.counts)
 
 
 class _Loop(nn.Module):
-    """One linear layer per expert over the same groups."""
+    """One linear layer per expert over the same groups (sizes known on the host)."""
 
     def __init__(self, experts: int, width: int, hidden: int, counts: list[int]) -> None:
         super().__init__()
@@ -124,10 +126,32 @@ class _Loop(nn.Module):
         return torch.cat([layer(rows) for layer, rows in zip(self.experts, x.split(self.counts))])
 
 
-def cuda_trace(experts: int, tokens: int, width: int, hidden: int) -> dict:
-    """One training step of the two models on fake CUDA tensors (benchmarks/cuda_trace.py's
-    machinery: an H200's code path, nothing computed): kernel launches and bytes outside the GEMMs,
-    forward and backward, O1 storage with current scaling (as the grouped layer scales its groups)."""
+class _Mixture(nn.Module):
+    """A whole mixture-of-experts layer (router, top-2, the experts' two layers, combine)."""
+
+    def __init__(self, experts: int, width: int, hidden: int, counts: list[int]) -> None:
+        super().__init__()
+        self.moe = MoE(width, hidden, experts, top_k=2)
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+TRACED = {
+    "grouped": (_Grouped, "O1"),
+    "loop_of_fp8linear": (_Loop, "O1"),
+    "moe_layer": (_Mixture, "O1"),
+    "moe_layer_bf16": (_Mixture, None),
+}
+
+
+def cuda_trace(experts: int, tokens: int, width: int, hidden: int, models: list[str] | None = None) -> dict:
+    """One training step of the models on fake CUDA tensors (benchmarks/cuda_trace.py's machinery:
+    an H200's code path, nothing computed): kernel launches, bytes outside the GEMMs and host
+    syncs, forward and backward. ``grouped`` and ``loop_of_fp8linear``: one experts' layer over
+    ``tokens`` rows routed top-2 at random, O1 storage with FP16 weights and current scaling (as the
+    grouped layer scales its groups); ``moe_layer``: a whole `MoE` layer (``tokens`` tokens, top-2)
+    the same way, and ``moe_layer_bf16`` at bf16."""
     import cuda_trace as ct
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -140,22 +164,26 @@ def cuda_trace(experts: int, tokens: int, width: int, hidden: int) -> dict:
     log = ct.OpLog()
     real_compile = torch.compile
     torch.compile = lambda fn=None, **_: log.fused_region(fn)
-    out = {"experts": experts, "rows": len(chosen), "width": width, "hidden": hidden}
+    out: dict = {"experts": experts, "tokens": tokens, "rows": len(chosen), "width": width, "hidden": hidden}
     try:
         with FakeTensorMode(), log:
-            for name, cls in (("grouped", _Grouped), ("loop_of_fp8linear", _Loop)):
+            for name in models or list(TRACED):
+                cls, level = TRACED[name]
                 with torch.device("cuda"):
                     model = cls(experts, width, hidden, counts)
                     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                    policy = preset("O1", output_head=False).with_linear(weight=fp8lm.FP16)
-                    model, optimizer = fp8lm.initialize(
-                        model, optimizer, "O1", policy=policy, recipe="tensorwise-current"
-                    )
-                x = torch.randn(len(chosen), width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    if level is not None:
+                        policy = preset(level, output_head=False).with_linear(weight=fp8lm.FP16)
+                        model, optimizer = fp8lm.initialize(
+                            model, optimizer, level, policy=policy, recipe="tensorwise-current"
+                        )
+                rows = tokens if cls is _Mixture else len(chosen)
+                x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 step, _ = ct.trace_step(model, optimizer, x, log)
                 summary = ct.summarize(step)
                 out[name] = {phase: summary[phase]["total"] for phase in ("forward", "backward")}
                 out[name]["total"] = summary["total"]
+                out[name]["gemm_ops"] = sorted({r["op"] for r in step if r["category"] == "gemm"})
     finally:
         torch.compile = real_compile
     return out
@@ -213,7 +241,15 @@ def main() -> None:
     parser.add_argument("--trace-shape", default="8x8192x2048x8192", help="EXPERTSxTOKENSxWIDTHxHIDDEN of the trace")
     parser.add_argument("--compare", type=Path, default=None, help="an fp8lm compare --seeds output folder")
     parser.add_argument("--results", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--trace-only", action="store_true", help="only the fake-CUDA trace (no CPU timing)")
     args = parser.parse_args()
+    if args.trace_only:
+        e, t, w, h = (int(v) for v in args.trace_shape.split("x"))
+        text = json.dumps({"machine": machine(), "cuda_trace": cuda_trace(e, t, w, h)}, indent=1)
+        print(text)
+        if args.results is not None:
+            args.results.write_text(text + "\n")
+        return
     out = {
         "machine": machine(),
         "bytes_per_param": bytes_per_param(args.preset, args.experts, args.top_k),

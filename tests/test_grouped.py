@@ -193,3 +193,49 @@ def test_telemetry_records_each_expert_and_no_gradient_loss_for_one_without_toke
     assert by_expert[1] == {"weight", "exp_avg", "exp_avg_sq"}  # no tokens: no input, no gradient to lose
     inputs = [r for r in records if r["kind"] == "input" and r["layer"].startswith("experts.")]
     assert len(inputs) == 3 and all(r["saturation"] == 0 for r in inputs)  # each group scaled from its own amax
+
+
+def test_grouped_kernel_path_equals_the_per_expert_loop(monkeypatch):
+    """The GPU path's grouped GEMMs (torch._grouped_mm over device offsets), run on CPU: the same
+    numbers as a GEMM per expert, an expert without rows included."""
+    import fp8lm.nn.grouped as grouped
+
+    layer = _layer()
+    torch.manual_seed(6)
+    x, g = torch.randn(sum(COUNTS), 32), torch.randn(sum(COUNTS), 48)
+    y_loop, dx_loop = _run(layer, x, g)
+    dw_loop = [w.grad for w in layer.weight]
+    layer.zero_grad(set_to_none=True)
+    calls = []
+
+    def kernel(a, b):
+        calls.append(1)
+        return True
+
+    monkeypatch.setattr(grouped, "uses_grouped_kernel", kernel)
+    y, dx = _run(layer, x, g)
+    assert len(calls) == 3  # forward, input gradient, weight gradient
+    assert torch.equal(y, y_loop) and torch.equal(dx, dx_loop)
+    for w, ref in zip(layer.weight, dw_loop):
+        assert torch.equal(w.grad.payload.float(), ref.payload.float()) and torch.equal(w.grad.scale, ref.scale)
+
+
+def test_bf16_grouped_function_is_a_bf16_gemm_per_expert():
+    """The plain experts' path under BF16 autocast on a GPU (three torch._grouped_mm), on CPU:
+    BF16 operands, FP32 accumulation, each result rounded to BF16 once."""
+    from fp8lm.nn.grouped import _BF16GroupedFunction, groups_of
+
+    torch.manual_seed(7)
+    weights = [torch.randn(48, 32, requires_grad=True) for _ in COUNTS]
+    x = torch.randn(sum(COUNTS), 32, requires_grad=True)
+    g = torch.randn(sum(COUNTS), 48).bfloat16()
+    y = _BF16GroupedFunction.apply(x, groups_of(COUNTS, len(COUNTS), x.shape[0]), *weights)
+    y.backward(g)
+    x16, g32 = x.detach().bfloat16().float(), g.float()
+    w16 = [w.detach().bfloat16().float() for w in weights]
+    xs, gs = x16.split(COUNTS), g32.split(COUNTS)
+    y_ref = torch.cat([(rows @ w.t()).bfloat16() for rows, w in zip(xs, w16)])
+    dx_ref = torch.cat([(rows @ w).bfloat16() for rows, w in zip(gs, w16)]).float()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)
+    for w, rows, grads in zip(weights, xs, gs):
+        assert torch.equal(w.grad, (grads.t() @ rows).bfloat16().float())

@@ -13,7 +13,9 @@ routes as the MoE does, then:
   weighted and summed per token in FP32, as in one process.
 
 Backward, each all-to-all's gradient travels the other way in E5M2 with the same per-row scales.
-How many rows go where is exchanged first (a small int64 all-to-all). Every call goes through
+How many rows go where is exchanged first (a small int64 all-to-all); the split sizes of the row
+all-to-alls are then read on the host, the layer's one host synchronization (a collective's split
+sizes are host integers; every other count stays on the device). Every call goes through
 `fp8lm.distributed.comm` and is counted under ``expert_all_to_all`` in `comm_stats`. With ``fp8=False``
 the rows travel as they are (BF16 under autocast): the baseline the FP8 bytes compare with.
 
@@ -160,11 +162,12 @@ class ExpertParallelMoE(MoE):
         send_counts = counts.reshape(size, local)  # row j: the rows for rank j's experts
         recv_counts = torch.empty_like(send_counts)
         comm.all_to_all(recv_counts, send_counts.contiguous(), self.group, kind=KIND)  # row i: from rank i
-        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        # the one host read of the layer: the all-to-all's split sizes (both ways at once)
+        send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         received = self._exchange(x, send_splits, recv_splits)
         # rows arrive by (source rank, expert): regroup them by expert for the grouped GEMMs
         expert_of_row = torch.arange(local, device=x.device).repeat(size)
-        expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1))
+        expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))
         order = expert_of_row.argsort(stable=True)
         counts_here = torch.zeros_like(counts)  # the experts held elsewhere get no rows
         counts_here[self.local_experts.start : self.local_experts.stop] = recv_counts.sum(0)

@@ -1,16 +1,25 @@
 """`GroupedLinear` and `FP8GroupedLinear`: the linear layers of ``E`` experts over tokens sorted by
 expert (a mixture of experts' grouped GEMMs).
 
-The tokens arrive as one ``(T, in)`` tensor, sorted by expert, with ``counts`` (how many rows each
-expert takes, in expert order, summing to ``T``); rows of expert ``e`` become ``x W_e^T``. Each
-expert's weight is a parameter of its own, ``weight[e]`` of shape ``(out, in)`` (held in an
-``nn.ParameterList``), so it is stored like every FP8 weight: `fp8lm.initialize` gives it one
-`ScalingTensor` with one scale per expert (O2: an FP16 payload, O3: E4M3 with an FP16 master), an
-E4M3 gradient with its own scale, and FP8AdamW moments of its own. An entry may be None: an
-expert this rank does not hold (expert parallelism, `fp8lm.distributed.ExpertParallelMoE`), which
-must get no rows; the others keep their names (``weight.<expert>``) as in the whole layer.
+The tokens arrive as one ``(T, in)`` tensor, sorted by expert, with how many rows each expert
+takes: a `Groups` (`groups_of`: the counts, their cumulative ends and each row's expert, all on the
+rows' device), or the counts themselves (a 1-D tensor or a sequence, in expert order, summing to
+``T``). Rows of expert ``e`` become ``x W_e^T``. Each expert's weight is a parameter of its own,
+``weight[e]`` of shape ``(out, in)`` (held in an ``nn.ParameterList``), so it is stored like every
+FP8 weight: `fp8lm.initialize` gives it one `ScalingTensor` with one scale per expert (O2: an FP16
+payload, O3: E4M3 with an FP16 master), an E4M3 gradient with its own scale, and FP8AdamW moments
+of its own. An entry may be None: an expert this rank does not hold (expert parallelism,
+`fp8lm.distributed.ExpertParallelMoE`), which must get no rows; the others keep their names
+(``weight.<expert>``) as in the whole layer.
 
-`FP8GroupedLinear` runs each expert's three GEMMs in FP8 with tensorwise scales per expert:
+No host synchronization: on a GPU the layers read the groups from device tensors (offsets for
+``torch._grouped_mm`` / ``torch._scaled_grouped_mm``, each row's expert for the per-expert scales).
+What needs the sizes on the host (`Groups.sizes`: free on CPU, one device-to-host copy per
+`Groups` on a GPU, shared by the mixture's two layers) is the per-expert loop: the CPU emulation,
+FP32 GEMMs on a GPU (torch's grouped GEMM is BF16/FP8 only) and the fine-grained recipes.
+
+`FP8GroupedLinear` runs each expert's three GEMMs in FP8. With a tensorwise recipe, the scales are
+per expert:
 
 - forward: expert ``e``'s rows in the recipe's input format (E4M3), scaled by the amax of that
   group of rows; the weight in E4M3, scaled just in time from its stored value;
@@ -21,9 +30,18 @@ must get no rows; the others keep their names (``weight.<expert>``) as in the wh
 
 The token groups are scaled just in time (current scaling) whatever the recipe's scaling: the rows
 an expert receives change from step to step, and a rarely routed expert would be cast with a
-history of other tokens. The recipe gives the formats, the margin and the GEMM backend. The result
-is exactly that of one `fp8lm.ops.gemm.fp8_mm` per expert (the emulation on CPU,
-``torch._scaled_mm`` on capable GPUs).
+history of other tokens. The recipe gives the formats, the margin and the GEMM backend. The
+numbers are exactly those of one `fp8lm.ops.gemm.fp8_mm` per expert. The GEMMs: on CUDA, one
+``torch._scaled_grouped_mm`` per pass for E4M3 x E4M3 with a BF16 output (each row scaled by its
+expert's scale, each weight column by its expert's: tensorwise per expert as row-wise scales), on
+compute capability 9.0+ with dims multiples of 16; otherwise the exact emulation (operands upcast
+with their scales, `grouped_mm`: one BF16 ``torch._grouped_mm`` on CUDA, a GEMM per expert on CPU
+and for FP32). E5M2 output gradients have no grouped FP8 kernel: their two GEMMs are emulated.
+
+With a fine-grained recipe (rowwise, blockwise, mxfp8) each expert's rows go through
+`fp8lm.nn.finegrained.fine_grained_linear` with that expert's weight: every block scale is the
+expert's own (no block straddles two experts), as with one `FP8Linear` per expert. nvfp4 is refused
+(`FP8GroupedLinear`).
 """
 
 from __future__ import annotations
@@ -36,19 +54,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import E4M3, FP16, FP32, Format, format_of
-from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm
-from ..ops.library import traceable_amax
+from ..ops.cast import _eager_cast
+from ..ops.gemm import choose_backend, emulation_dtype
 from ..recipe import Recipe, recipe_from
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor, quantize
-from .linear import _carry_nonfinite, _cast, _finite_hint, _scale_math, _stored_weight_grad, _weight_operand
+from .finegrained import fine_grained_linear
+from .linear import _carry_nonfinite, _scale_math, _WeightValue
 
-__all__ = ["GroupedLinear", "FP8GroupedLinear", "group_counts"]
+__all__ = [
+    "GroupedLinear",
+    "FP8GroupedLinear",
+    "Groups",
+    "groups_of",
+    "group_counts",
+    "grouped_mm",
+    "grouped_mm_t",
+    "uses_grouped_kernel",
+]
 
 
-def group_counts(counts: Sequence[int] | torch.Tensor, num_experts: int, rows: int) -> list[int]:
-    """``counts`` (tokens per expert, a sequence or a 1-D tensor) as a list of ints, checked
-    against the experts and the rows of the tokens."""
+def group_counts(counts: Sequence[int] | torch.Tensor | Groups, num_experts: int, rows: int) -> list[int]:
+    """``counts`` (tokens per expert: a sequence, a 1-D tensor or a `Groups`) as a list of ints,
+    checked against the experts and the rows of the tokens (a host read of a device tensor)."""
+    if isinstance(counts, Groups):
+        counts = counts.counts
     values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
     if len(values) != num_experts or any(c < 0 for c in values) or sum(values) != rows:
         raise ValueError(
@@ -58,106 +88,272 @@ def group_counts(counts: Sequence[int] | torch.Tensor, num_experts: int, rows: i
     return values
 
 
-def _group_scales(x: torch.Tensor, fmt: Format, margin: int) -> tuple[torch.Tensor, ...]:
-    """The amax of ``x``, the scale to cast it with and its inverse (carrying non-finite values)."""
-    x_amax = traceable_amax(x)
-    scale = compute_scale(x_amax, fmt, margin)
-    return x_amax, scale, _carry_nonfinite(scale.reciprocal(), x_amax)
+class Groups:
+    """Rows sorted by expert, on the rows' device: ``counts`` (E,) int64, ``ends`` (E,) int32 (the
+    cumulative counts: the offsets of ``torch._grouped_mm``) and ``expert`` (T,) int64, the
+    expert of each row. `sizes` reads the counts on the host once (see the module docstring)."""
+
+    __slots__ = ("counts", "ends", "expert", "_sizes")
+
+    def __init__(self, counts: torch.Tensor, rows: int) -> None:
+        self.counts = counts.to(torch.int64)
+        ends = torch.cumsum(self.counts, 0)
+        self.ends = ends.to(torch.int32)
+        rows_index = torch.arange(rows, device=counts.device, dtype=torch.int64)
+        self.expert = torch.searchsorted(ends, rows_index, right=True)  # the first group ending past the row
+        self._sizes: list[int] | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts.shape[0]
+
+    @property
+    def rows(self) -> int:
+        return self.expert.shape[0]
+
+    def sizes(self) -> list[int]:
+        """The counts as Python ints (on a GPU, a device-to-host copy: a sync; made once)."""
+        if self._sizes is None:
+            self._sizes = self.counts.tolist()
+        return self._sizes
+
+    def select(self, experts: list[int]) -> Groups:
+        """The groups of ``experts`` only (the others must have no rows): this rank's experts."""
+        if experts == list(range(self.num_experts)):
+            return self
+        index = torch.tensor(experts, dtype=torch.int64, device=self.counts.device)
+        return Groups(self.counts.index_select(0, index), self.rows)
 
 
-def _group_operand(x: torch.Tensor, fmt: Format, margin: int, emulated_as: torch.dtype | None) -> FP8Operand:
-    """One expert's rows as an FP8 operand, scaled from their own amax (current scaling); off the
-    CPU the amax and scale arithmetic is one compiled function, as FP8Linear's."""
-    x_amax, scale, scale_inv = _scale_math(_group_scales, x, x, fmt, margin)
-    data, deq = _cast(x, scale, scale_inv, fmt, emulated_as)
-    return FP8Operand(data, scale_inv, _finite_hint(x_amax), dequantized=deq)
+def groups_of(counts: Sequence[int] | torch.Tensor | Groups, num_experts: int, rows: int, device=None) -> Groups:
+    """``counts`` (see the module docstring) as a `Groups` on ``device``. Counts given on the host
+    (a sequence, a CPU tensor) are checked (`group_counts`); a device tensor only by its length,
+    since reading it would synchronize."""
+    if isinstance(counts, Groups):
+        if counts.num_experts != num_experts or counts.rows != rows:
+            raise ValueError(
+                f"groups of {counts.num_experts} experts over {counts.rows} rows given for {num_experts} experts "
+                f"and {rows} rows"
+            )
+        return counts
+    if isinstance(counts, torch.Tensor) and counts.device.type != "cpu":
+        if tuple(counts.shape) != (num_experts,):
+            raise ValueError(
+                f"counts must give {num_experts} token counts, one per expert; got shape {tuple(counts.shape)}"
+            )
+        values = counts
+    else:
+        values = torch.tensor(group_counts(counts, num_experts, rows), dtype=torch.int64)
+    return Groups(values.to(device if device is not None else values.device), rows)
 
 
-def _expert_weight_operand(weight: torch.Tensor, fmt: Format, emulated_as: torch.dtype | None) -> FP8Operand:
-    """One expert's weight as an FP8 operand, from its stored payload and scale (just in time; the
-    payload's amax taken from its writer where it noted one)."""
-    if isinstance(weight, ScalingTensor):
-        return _weight_operand(weight.payload, weight.scale, fmt, emulated_as, payload_amax=weight.known_payload_amax())
-    return _weight_operand(weight.detach(), None, fmt, emulated_as)
+# -- grouped GEMMs ---------------------------------------------------------------------------------
+def uses_grouped_kernel(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `grouped_mm` of ``a`` and ``b`` is one ``torch._grouped_mm``: BF16 operands on
+    CUDA, their dims multiples of 8 (its 16-byte strides); else a GEMM per expert."""
+    return (
+        a.device.type == "cuda"
+        and a.dtype == b.dtype == torch.bfloat16
+        and not (a.shape[-1] % 8 or b.shape[-1] % 8 or b.shape[-2] % 8)
+    )
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Rows of expert ``e`` of ``a`` (T, K) times ``b[e]`` (K, N), in ``a``'s dtype (FP32
+    accumulation), (T, N); ``b`` is (E, K, N)."""
+    if uses_grouped_kernel(a, b):
+        return torch._grouped_mm(a, b, offs=groups.ends)
+    parts = a.split(groups.sizes())
+    return torch.cat([torch.mm(rows, b[e]) for e, rows in enumerate(parts)])
+
+
+def grouped_mm_t(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Expert ``e``'s rows of ``a`` (T, M), transposed, times its rows of ``b`` (T, N): (E, M, N)
+    (the weight gradients; zeros for an expert without rows)."""
+    if uses_grouped_kernel(a.t(), b):
+        return torch._grouped_mm(a.t(), b, offs=groups.ends)
+    sizes = groups.sizes()
+    return torch.stack([torch.mm(x.t(), y) for x, y in zip(a.split(sizes), b.split(sizes))])
+
+
+def _rows_scales(x: torch.Tensor, expert: torch.Tensor, num_experts: int, fmt: Format, margin: int):
+    """Each expert's rows of ``x`` cast to ``fmt`` with the scale of their group's amax: the payload,
+    each group's inverse scale (NaN where the group holds inf or NaN) and each row's."""
+    row_amax = x.abs().amax(1).to(torch.float32)
+    group_amax = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
+    group_amax = group_amax.scatter_reduce(0, expert, row_amax, "amax")
+    scale = compute_scale(group_amax, fmt, margin)
+    scale_inv = _carry_nonfinite(scale.reciprocal(), group_amax)
+    payload = _eager_cast(x, scale[expert].unsqueeze(1), fmt.max, fmt.dtype)
+    return payload, scale_inv, scale_inv[expert]
+
+
+def _experts_scales(payloads: list[torch.Tensor], stored: list[torch.Tensor] | None, fmt: Format):
+    """The experts' weights in ``fmt`` (E, out, in), each scaled just in time from its stored
+    payload (and stored scale), and their inverse scales (E,) (as `fp8lm.nn.linear._weight_operand`)."""
+    stacked = torch.stack(payloads)
+    readable = stacked.to(torch.float16) if stacked.element_size() == 1 else stacked  # FP8 has no amax kernel
+    payload_amax = readable.abs().amax((1, 2)).to(torch.float32)
+    stored_scale = None if stored is None else torch.stack(stored).to(torch.float32)
+    value_amax = payload_amax if stored_scale is None else payload_amax / stored_scale
+    if stored_scale is not None and stacked.dtype == fmt.dtype:
+        return stacked, _carry_nonfinite(stored_scale.reciprocal(), value_amax)
+    scale = compute_scale(payload_amax, fmt)
+    combined = scale if stored_scale is None else scale * stored_scale
+    return _eager_cast(stacked, scale[:, None, None], fmt.max, fmt.dtype), _carry_nonfinite(
+        combined.reciprocal(), value_amax
+    )
+
+
+def _stored_grads(grad: torch.Tensor, fmt: Format, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The experts' weight gradients (E, out, in) as stored: each a ScalingTensor of ``fmt`` with a
+    scale of its own (as `fp8lm.nn.linear._stored_weight_grad`), or plain for FP32."""
+    if fmt == FP32:
+        return grad.to(dtype).unbind(0)
+    scale = compute_scale(grad.abs().amax((1, 2)).to(torch.float32), fmt)
+    payload = _eager_cast(grad, scale[:, None, None], fmt.max, fmt.dtype)
+    return tuple(ScalingTensor(p, s, dtype) for p, s in zip(payload.unbind(0), scale.unbind(0)))
+
+
+def _dequantize(payload: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``payload * scale_inv`` (broadcast) as ``dtype``: exact (FP8 values times powers of two)."""
+    return (payload.to(torch.float32) * scale_inv).to(dtype)
+
+
+def _takes_scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, backend: str) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` multiplies these payloads: E4M3 both, a BF16 result,
+    CUDA of compute capability 9.0+ with ``backend`` resolving to ``scaled_mm``, dims multiples of 16."""
+    return (
+        a.device.type == "cuda"
+        and backend == "scaled_mm"
+        and a.dtype == b.dtype == torch.float8_e4m3fn
+        and out_dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(a.device) >= (9, 0)
+        and not (a.shape[-1] % 16 or b.shape[-1] % 16 or b.shape[-2] % 16)
+    )
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last two dims column-major (a copy unless it is)."""
+    return t if t.transpose(-2, -1).is_contiguous() else t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 class _FP8GroupedFunction(torch.autograd.Function):
-    """Rows of expert ``e`` times ``weights[e]^T``, every GEMM in FP8 (module docstring)."""
+    """Rows of expert ``e`` times ``weights[e]^T``, every GEMM in FP8 with tensorwise scales per
+    expert (module docstring). ``weights``: the experts held, in order (``groups`` is theirs)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], recipe: Recipe, weight_grad_format: Format, *weights):
+    def forward(ctx, x: torch.Tensor, groups: Groups, recipe: Recipe, weight_grad_format: Format, *weights):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        emulated = choose_backend(x.device, recipe.backend) == "emulated"
-        emulated_as = emulation_dtype(out_dtype, x.device) if emulated else None
-        out_features = next(w for w in weights if w is not None).shape[0]
-        x_ops: list[FP8Operand | None] = []
-        w_ops: list[FP8Operand | None] = []
-        outputs = []
+        backend = choose_backend(x.device, recipe.backend)
+        compute = emulation_dtype(out_dtype, x.device)
+        num = len(weights)
         with torch.autocast(device_type, enabled=False):
-            for rows, weight in zip(x.contiguous().split(list(counts)), weights):
-                if rows.shape[0] == 0:  # no tokens (always so for an expert not held): nothing to scale or multiply
-                    x_ops.append(None)
-                    w_ops.append(None)
-                    outputs.append(rows.new_zeros((0, out_features), dtype=out_dtype))
-                    continue
-                x_op = _group_operand(rows, recipe.input_format, recipe.margin, emulated_as)
-                w_op = _expert_weight_operand(weight, recipe.weight_format, emulated_as)
-                outputs.append(fp8_mm(x_op, w_op.t(), out_dtype, backend=recipe.backend))
-                x_ops.append(x_op)
-                w_ops.append(w_op)
-        ctx.recipe, ctx.weight_grad_format, ctx.counts = recipe, weight_grad_format, counts
-        ctx.out_dtype, ctx.emulated_as, ctx.x_dtype = out_dtype, emulated_as, x.dtype
-        ctx.weight_meta = [None if w is None else (w.dtype, w.shape, w.device) for w in weights]
-        ctx.finite = []
-        saved: list[torch.Tensor | None] = []
-        for x_saved, w_saved in zip(x_ops, w_ops):
-            if x_saved is None or w_saved is None:
-                ctx.finite.append((None, None))
-                saved += [None, None, None, None]
+            x8, x_inv, x_row_inv = _scale_math(
+                _rows_scales, x, x.detach(), groups.expert, num, recipe.input_format, recipe.margin
+            )
+            payloads, stored = _weight_payloads(weights)
+            w8, w_inv = _scale_math(_experts_scales, x, payloads, stored, recipe.weight_format)
+            out_features = w8.shape[1]
+            if _takes_scaled_grouped_mm(x8, w8, out_dtype, backend):
+                scale_b = w_inv[:, None].expand(num, out_features).contiguous()
+                y = torch._scaled_grouped_mm(
+                    x8, _col_major(w8.transpose(1, 2)), x_row_inv, scale_b, offs=groups.ends, out_dtype=out_dtype
+                )
             else:
-                ctx.finite.append((x_saved.finite, w_saved.finite))
-                saved += [x_saved.data, x_saved.scale_inv, w_saved.data, w_saved.scale_inv]
-        ctx.save_for_backward(*saved)
-        return torch.cat(outputs)
+                w_hp = _dequantize(w8, w_inv[:, None, None], compute)
+                y = grouped_mm(_dequantize(x8, x_row_inv[:, None], compute), w_hp.transpose(1, 2), groups)
+        ctx.recipe, ctx.weight_grad_format, ctx.groups = recipe, weight_grad_format, groups
+        ctx.out_dtype, ctx.compute, ctx.backend, ctx.x_dtype = out_dtype, compute, backend, x.dtype
+        ctx.weight_dtypes = [w.dtype for w in weights]
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        saved = ctx.saved_tensors
-        recipe, counts = ctx.recipe, ctx.counts
-        need_x = ctx.needs_input_grad[0]
-        grad_x_parts: list[torch.Tensor] = []
-        grad_ws: list[torch.Tensor | None] = []
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        recipe, groups, compute, backend = ctx.recipe, ctx.groups, ctx.compute, ctx.backend
+        num, (out_features, in_features) = w8.shape[0], w8.shape[1:]
+        grad_x: torch.Tensor | None = None
+        grad_ws: list[torch.Tensor | None] = [None] * num
         with torch.autocast(grad_out.device.type, enabled=False):
-            for e, rows in enumerate(grad_out.contiguous().split(list(counts))):
-                x8, x_inv, w8, w_inv = saved[4 * e : 4 * e + 4]
-                if ctx.weight_meta[e] is None:  # an expert held elsewhere: no rows, no gradient
-                    grad_ws.append(None)
-                    continue
-                dtype, shape, device = ctx.weight_meta[e]
-                if x8 is None:
-                    grad_x_parts.append(rows.new_zeros((0, shape[1]), dtype=ctx.out_dtype))
-                    wanted = ctx.needs_input_grad[4 + e]
-                    grad_ws.append(_empty_weight_grad(shape, dtype, device, ctx.weight_grad_format) if wanted else None)
-                    continue
-                x_finite, w_finite = ctx.finite[e]
-                g_op = _group_operand(rows, recipe.grad_output_format, recipe.margin, ctx.emulated_as)
-                if need_x:
-                    w_op = FP8Operand(w8, w_inv, w_finite)
-                    grad_x_parts.append(fp8_mm(g_op, w_op, ctx.out_dtype, backend=recipe.backend))
-                if ctx.needs_input_grad[4 + e]:
-                    grad_w = fp8_mm(g_op.t(), FP8Operand(x8, x_inv, x_finite), ctx.out_dtype, backend=recipe.backend)
-                    grad_ws.append(_stored_weight_grad(grad_w, ctx.weight_grad_format, dtype))
+            g = grad_out.contiguous()
+            g8, g_inv, g_row_inv = _scale_math(
+                _rows_scales, g, g, groups.expert, num, recipe.grad_output_format, recipe.margin
+            )
+            g_hp = None
+            if ctx.needs_input_grad[0]:
+                if _takes_scaled_grouped_mm(g8, w8, ctx.out_dtype, backend):
+                    scale_b = w_inv[:, None].expand(num, in_features).contiguous()
+                    grad_x = torch._scaled_grouped_mm(
+                        g8, _col_major(w8), g_row_inv, scale_b, offs=groups.ends, out_dtype=ctx.out_dtype
+                    )
                 else:
-                    grad_ws.append(None)
-        grad_x = torch.cat(grad_x_parts).to(ctx.x_dtype) if need_x else None
+                    g_hp = _dequantize(g8, g_row_inv[:, None], compute)
+                    grad_x = grouped_mm(g_hp, _dequantize(w8, w_inv[:, None, None], compute), groups)
+                grad_x = grad_x.to(ctx.out_dtype).to(ctx.x_dtype)
+            if any(ctx.needs_input_grad[4:]):
+                if _takes_scaled_grouped_mm(g8, x8, ctx.out_dtype, backend):
+                    scale_a = g_inv.repeat_interleave(out_features)
+                    scale_b = x_inv.repeat_interleave(in_features)
+                    grad_w = torch._scaled_grouped_mm(
+                        g8.t().contiguous(), _col_major(x8), scale_a, scale_b, offs=groups.ends, out_dtype=ctx.out_dtype
+                    )
+                else:
+                    g_hp = _dequantize(g8, g_row_inv[:, None], compute) if g_hp is None else g_hp
+                    x_hp = _dequantize(x8, x_inv[groups.expert][:, None], compute)
+                    grad_w = grouped_mm_t(g_hp, x_hp, groups)
+                stored = _stored_grads(grad_w.to(ctx.out_dtype), ctx.weight_grad_format, ctx.weight_dtypes[0])
+                grad_ws = [s if ctx.needs_input_grad[4 + e] else None for e, s in enumerate(stored)]
         return (grad_x, None, None, None, *grad_ws)
 
 
-def _empty_weight_grad(shape: torch.Size, dtype: torch.dtype, device: torch.device, fmt: Format) -> torch.Tensor:
-    """The weight gradient of an expert that got no tokens: zeros, stored like the others."""
-    zeros = torch.zeros(shape, dtype=torch.float32, device=device)
-    return _stored_weight_grad(zeros, fmt, dtype)
+def _weight_payloads(weights) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The experts' stored payloads and scales (None for plain weights)."""
+    if all(isinstance(w, ScalingTensor) for w in weights):
+        return [w.payload for w in weights], [w.scale for w in weights]
+    return [w.detach() if not isinstance(w, ScalingTensor) else w.dequantize() for w in weights], None
+
+
+class _BF16GroupedFunction(torch.autograd.Function):
+    """The plain experts' GEMMs under BF16 autocast on CUDA as three ``torch._grouped_mm`` (BF16
+    operands, FP32 accumulation, BF16 results), as ``F.linear`` per expert computes them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, groups: Groups, *weights):
+        with torch.autocast(x.device.type, enabled=False):
+            x16 = x.detach().to(torch.bfloat16)
+            w16 = torch.stack([_plain(w) for w in weights]).to(torch.bfloat16)
+            y = torch._grouped_mm(x16, w16.transpose(1, 2), offs=groups.ends)
+        ctx.groups, ctx.dtypes = groups, (x.dtype, [w.dtype for w in weights])
+        ctx.save_for_backward(x16, w16)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x16, w16 = ctx.saved_tensors
+        x_dtype, w_dtypes = ctx.dtypes
+        g16 = grad_out.contiguous().to(torch.bfloat16)
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grad_x = torch._grouped_mm(g16, w16, offs=ctx.groups.ends).to(x_dtype) if ctx.needs_input_grad[0] else None
+            grad_w = torch._grouped_mm(g16.t(), x16, offs=ctx.groups.ends)
+        grad_ws = [
+            gw.to(dt) if ctx.needs_input_grad[2 + e] else None
+            for e, (gw, dt) in enumerate(zip(grad_w.unbind(0), w_dtypes))
+        ]
+        return (grad_x, None, *grad_ws)
+
+
+def _plain(w: torch.Tensor) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, ScalingTensor) else w.detach()
+
+
+def _autocast_bf16(x: torch.Tensor) -> bool:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device) == torch.bfloat16
+    return x.dtype == torch.bfloat16
 
 
 class GroupedLinear(nn.Module):
@@ -185,18 +381,24 @@ class GroupedLinear(nn.Module):
     def _stored_weight(self, value: torch.Tensor) -> nn.Parameter:
         return nn.Parameter(value)
 
-    def checked_counts(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> list[int]:
-        """`group_counts` of ``counts`` for input ``x``, refusing rows for an expert not held here."""
-        values = group_counts(counts, self.num_experts, x.shape[0])
-        absent = [e for e, (n, w) in enumerate(zip(values, self.weight)) if n and w is None]
-        if absent:
-            raise ValueError(f"rows routed to experts {absent}, which this layer does not hold (another rank does)")
-        return values
+    def groups(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor | Groups) -> Groups:
+        """`groups_of` ``counts`` for input ``x``, over the experts this layer holds; counts on the
+        host are checked to give no rows to an expert not held here."""
+        groups = groups_of(counts, self.num_experts, x.shape[0], x.device)
+        held = [e for e, w in enumerate(self.weight) if w is not None]
+        if len(held) < self.num_experts and groups.counts.device.type == "cpu":
+            absent = [e for e, n in enumerate(groups.sizes()) if n and self.weight[e] is None]
+            if absent:
+                raise ValueError(f"rows routed to experts {absent}, which this layer does not hold (another rank does)")
+        return groups.select(held)
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        counts = self.checked_counts(x, counts)
-        parts = x.split(counts)
-        return torch.cat([F.linear(rows, w) for rows, w in zip(parts, self.weight) if w is not None])
+    def forward(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor | Groups) -> torch.Tensor:
+        groups = self.groups(x, counts)
+        weights = [w for w in self.weight if w is not None]
+        if x.device.type == "cuda" and _autocast_bf16(x) and not (self.in_features % 8 or self.out_features % 8):
+            return _BF16GroupedFunction.apply(x, groups, *weights)  # no host read of the counts
+        parts = x.split(groups.sizes())
+        return torch.cat([F.linear(rows, w) for rows, w in zip(parts, weights)])
 
     def held_weights(self) -> list[tuple[int, nn.Parameter]]:
         """``(expert, weight)`` of the experts this layer holds (not None)."""
@@ -232,10 +434,10 @@ class FP8GroupedLinear(GroupedLinear):
         self.weight_format = format_of(weight_format)
         self.weight_grad_format = format_of(weight_grad_format)
         self.recipe = recipe_from(recipe, "FP8GroupedLinear")
-        if self.recipe.fine_grained:
+        if self.recipe.granularity == "nvfp4":
             raise ValueError(
-                f"FP8GroupedLinear scales each expert's token group as one tensor; the {self.recipe.granularity} "
-                "recipe is for FP8Linear: use a tensorwise recipe for the experts"
+                "FP8GroupedLinear does not take the nvfp4 recipe (FP4 experts: not built or checked here); "
+                "use a tensorwise, rowwise, blockwise or mxfp8 recipe for the experts"
             )
         self.fp8_enabled = True
         self.high_precision = False
@@ -261,11 +463,29 @@ class FP8GroupedLinear(GroupedLinear):
                 w.requires_grad_(old.requires_grad)
         return new
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Sequence[int] | torch.Tensor | Groups) -> torch.Tensor:
         if not self.fp8_enabled or self.high_precision or x.numel() == 0:
             return super().forward(x, counts)
-        counts = self.checked_counts(x, counts)
-        return _FP8GroupedFunction.apply(x, tuple(counts), self.recipe, self.weight_grad_format, *self.weight)
+        groups = self.groups(x, counts)
+        weights = [w for w in self.weight if w is not None]
+        if self.recipe.fine_grained:
+            return self._fine_grained(x, groups, weights)
+        return _FP8GroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, *weights)
+
+    def _fine_grained(self, x: torch.Tensor, groups: Groups, weights: list) -> torch.Tensor:
+        """Each expert's rows through `fine_grained_linear` with its weight (module docstring); an
+        expert without rows gets a zero gradient, as on the tensorwise path."""
+        outputs = []
+        for rows, w in zip(x.split(groups.sizes()), weights):
+            if isinstance(w, ScalingTensor):
+                value = _WeightValue.apply(w, w.payload, w.scale, self.weight_grad_format)
+            else:
+                value = _WeightValue.apply(w, w.detach(), None, self.weight_grad_format)
+            if rows.shape[0]:
+                outputs.append(fine_grained_linear(rows, value, None, self.recipe))
+            else:
+                outputs.append(F.linear(rows, value))  # (0, out); its weight gradient is zeros
+        return torch.cat(outputs)
 
     def extra_repr(self) -> str:
         return (

@@ -35,10 +35,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import is_recomputing
-from .grouped import GroupedLinear
+from .grouped import GroupedLinear, groups_of
 from .saved import SwiGLU
 
-__all__ = ["MoE", "Router", "ROUTERS", "EXPERT_ACTIVATIONS", "route", "load_balance_loss", "load_balance"]
+__all__ = [
+    "MoE",
+    "Router",
+    "ROUTERS",
+    "EXPERT_ACTIVATIONS",
+    "route",
+    "load_balance_loss",
+    "load_balance",
+    "expert_counts",
+]
 
 ROUTERS = ("softmax", "sigmoid")
 EXPERT_ACTIVATIONS = ("gelu", "swiglu")
@@ -63,8 +72,16 @@ def load_balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tenso
     the chosen experts ``experts`` (T, k): 1 for a uniform load, up to E when one expert takes all;
     its gradient reaches the router through ``P_e``."""
     num_experts = probs.shape[-1]
-    share = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / max(experts.numel(), 1)
+    share = expert_counts(experts, num_experts).to(probs.dtype) / max(experts.numel(), 1)
     return num_experts * (share * probs.mean(0)).sum()
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the slots ``experts`` (indices, any shape) chose each expert: (E,) int64. On the
+    slots' device without a host read (``torch.bincount`` reads the largest index on a GPU)."""
+    flat = experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def load_balance(counts: torch.Tensor) -> dict[str, float]:
@@ -141,7 +158,7 @@ class MoE(nn.Module):
         weights, experts, probs = route(self.router(x2), self.top_k, self.router_kind)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # token slots sorted by expert, each expert's in token order
-        routed = counts = torch.bincount(flat, minlength=self.num_experts)
+        routed = counts = expert_counts(flat, self.num_experts)
         if self.capacity_factor is not None:
             order, counts = self._within_capacity(flat, order, counts)
         token = order // self.top_k
@@ -171,9 +188,10 @@ class MoE(nn.Module):
 
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for tokens ``x`` sorted by expert, ``counts`` (E,) of them each
-        (`fp8lm.distributed.ExpertParallelMoE` runs them on the ranks that hold them)."""
-        grouped = counts.tolist()
-        return self.c_proj(self.act(self.c_fc(x, grouped)), grouped)
+        (`fp8lm.distributed.ExpertParallelMoE` runs them on the ranks that hold them). The groups
+        stay on the device: no host read of the counts (`fp8lm.nn.grouped.Groups`)."""
+        groups = groups_of(counts, self.num_experts, x.shape[0], x.device)
+        return self.c_proj(self.act(self.c_fc(x, groups)), groups)
 
     def take_aux_loss(self) -> torch.Tensor | None:
         """The load-balancing loss of the last training forward (None: none since the last call);
