@@ -196,13 +196,15 @@ def test_train_config_takes_every_recipe_name():
         TrainConfig(opt_level="bf16", recipe="blockwise").validate()
 
 
-def test_grouped_expert_gemms_refuse_a_fine_grained_recipe():
+def test_grouped_expert_gemms_take_the_fine_grained_recipes_but_nvfp4():
     from fp8lm.nn import FP8GroupedLinear
 
-    with pytest.raises(ValueError, match="use a tensorwise recipe for the experts"):
-        FP8GroupedLinear(4, 32, 16, recipe="blockwise")
-    with pytest.raises(RunError, match="not implemented for the experts' grouped GEMMs"):
-        TrainConfig(opt_level="O2", recipe="mxfp8", moe_experts=4).validate()
+    assert FP8GroupedLinear(4, 32, 16, recipe="blockwise").recipe.granularity == "blockwise"
+    TrainConfig(opt_level="O2", recipe="mxfp8", moe_experts=4).validate()
+    with pytest.raises(ValueError, match="does not take the nvfp4 recipe"):
+        FP8GroupedLinear(4, 32, 16, recipe="nvfp4")
+    with pytest.raises(RunError, match="--recipe nvfp4 is not built for the experts' grouped GEMMs"):
+        TrainConfig(opt_level="O2", recipe="nvfp4", moe_experts=4).validate()
 
 
 @pytest.mark.parametrize("name", ["rowwise", "rowwise-wgrad-bf16"])

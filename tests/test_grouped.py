@@ -239,3 +239,45 @@ def test_bf16_grouped_function_is_a_bf16_gemm_per_expert():
     assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)
     for w, rows, grads in zip(weights, xs, gs):
         assert torch.equal(w.grad, (grads.t() @ rows).bfloat16().float())
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])
+def test_fine_grained_recipe_is_fake_quantize_per_expert(recipe):
+    """Each expert's three GEMMs with the recipe's blocks of its own rows and weight: against
+    fake_quantize of each expert's operands along each GEMM's reduction dimension."""
+    from fp8lm.ops.finegrained import fake_quantize
+
+    torch.manual_seed(8)
+    plain = GroupedLinear(len(COUNTS), 160, 48)
+    with torch.no_grad():
+        for e, w in enumerate(plain.weight):
+            w.mul_(4.0**e)
+    layer = FP8GroupedLinear.from_grouped(plain, recipe=recipe, weight_grad_format=FP32)
+    x, g = torch.randn(sum(COUNTS), 160), torch.randn(sum(COUNTS), 48)
+    x[:10] *= 1e-3
+    y, dx = _run(layer, x, g)
+
+    def fq(t, role):  # quantized along the last dim: the reduction dim of the GEMM reading it
+        return fake_quantize(t.contiguous(), recipe, role)
+
+    ys, dxs = [], []
+    for rows, grads, w in zip(x.split(COUNTS), g.split(COUNTS), layer.weight):
+        value = w.dequantize()
+        if rows.shape[0] == 0:
+            ys.append(torch.zeros(0, 48))
+            dxs.append(torch.zeros(0, 160))
+            assert torch.equal(w.grad, torch.zeros(48, 160))  # no tokens: a zero gradient
+            continue
+        ys.append(fq(rows, "input") @ fq(value, "weight").t())
+        dxs.append(fq(grads, "grad_output") @ fq(value.t(), "weight").t())
+        dw = fq(grads.t(), "grad_output") @ fq(rows.t(), "input").t()  # both along the tokens
+        torch.testing.assert_close(w.grad, dw)
+    torch.testing.assert_close(y, torch.cat(ys))
+    torch.testing.assert_close(dx, torch.cat(dxs))
+    assert not torch.equal(y, torch.cat([r @ w.dequantize().t() for r, w in zip(x.split(COUNTS), layer.weight)]))
+
+
+def test_nvfp4_experts_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="does not take the nvfp4 recipe") as e:
+        FP8GroupedLinear(2, 32, 32, recipe="nvfp4")
+    assert "\n" not in str(e.value)

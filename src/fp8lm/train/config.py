@@ -664,10 +664,10 @@ class TrainConfig:
             raise RunError(f"--recipe sets the FP8 layers of {'/'.join(FP8_LEVELS)} (this run is {self.opt_level})")
         if "recipe" in self.amp_options:
             raise RunError(f"--recipe {self.recipe} and the fp8lm.initialize option recipe: pass one of them")
-        if self.moe_experts and not self.recipe.startswith("tensorwise"):
+        if self.moe_experts and self.recipe == "nvfp4":
             raise RunError(
-                f"--recipe {self.recipe} is not implemented for the experts' grouped GEMMs of --moe-experts: "
-                "use a tensorwise recipe"
+                "--recipe nvfp4 is not built for the experts' grouped GEMMs of --moe-experts (FP4 experts): use "
+                "tensorwise, rowwise, blockwise or mxfp8"
             )
 
     def _check_activations(self) -> None:
