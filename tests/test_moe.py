@@ -224,10 +224,6 @@ def test_moe_model_at_o2_is_near_6_bytes_per_param():
     "kw, match",
     [
         (dict(tp=2), "--moe-experts does not combine with --tp yet"),
-        (
-            dict(fsdp=True, opt_level="O2"),
-            "--moe-experts with --fsdp shards the experts. neighbours, not the experts: add --ep N",
-        ),
         (dict(moe_top_k=5), "moe_top_k must be in \\[1, moe_experts=4\\]"),
         (dict(opt_level="O2", recipe="nvfp4"), "--recipe nvfp4 is not built for the experts' grouped GEMMs"),
         (dict(ep=2, moe_experts=0), "--ep 2 spreads the experts of --moe-experts"),

@@ -36,6 +36,27 @@ def test_two_rank_moe_trains_at_o2_and_o3(tmp_path):
         assert s["comm_bytes_per_step"] > 0
 
 
+def test_fsdp_without_ep_shards_the_experts_and_gathers_them_in_fp8(tmp_path):
+    """--fsdp alone: the experts are sharded like every other parameter over the 2 ranks; at O2 each
+    expert's weight is all-gathered in E4M3 (with FP16 payloads it would be 0.96x bf16's bytes),
+    and the run ends within 1 % of one process."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2"]
+    runs = {}
+    for name, launch, extra in (
+        ("one", [sys.executable], ["--levels", "O2"]),
+        ("fsdp", torchrun(), ["--levels", "bf16,O2", "--fsdp"]),
+    ):
+        out = tmp_path / name
+        args = ["-m", "fp8lm.cli", "compare", *moe, *extra, *run_options(out, tmp_path / "cache")]
+        check(subprocess.run([*launch, *args], env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        runs[name] = {lv: json.loads((out / lv / "summary.json").read_text()) for lv in extra[1].split(",")}
+    one, fsdp = runs["one"]["O2"], runs["fsdp"]
+    assert fsdp["O2"]["layout"] == "FSDP2" and fsdp["O2"]["world_size"] == 2
+    assert abs(fsdp["O2"]["val_loss"] / one["val_loss"] - 1) < 1e-2
+    fp8, bf16 = (fsdp[lv]["comm_bytes_by_kind_per_step"]["all_gather"] for lv in ("O2", "bf16"))
+    assert fp8 / bf16 <= 0.6  # measured 0.56; 0.96 with the experts gathered as their FP16 payloads
+
+
 def test_ep2_trains_as_data_parallel_does_and_sends_fp8_tokens(tmp_path):
     """--ep 2: each rank holds half the experts; the same batches as data parallelism on 2 ranks give
     the same training (bf16: up to float summation order; O2: up to the FP8 all-to-alls' rounding),

@@ -3,7 +3,8 @@ reduce-scatter, through FSDP2's own extension points.
 
 - **All-gather**: `ScalingTensor` shards implement FSDP2's ``fsdp_pre_all_gather`` /
   ``fsdp_post_all_gather`` (in `fp8lm.tensor`): the weight of an FP8 GEMM travels as E4M3 bytes
-  with one scale agreed over the mesh, and the gathered ScalingTensor is FP8Linear's operand as is.
+  with one scale agreed over the mesh, and the gathered ScalingTensor is FP8Linear's operand as is
+  (and each expert's of an `FP8GroupedLinear`, whose experts are parameters of their own).
   `precompute_fp8_scales` agrees the scales of all weights with one MAX all-reduce per step.
 - **Reduce-scatter**: `FP8ReduceScatter` (installed with ``FSDPModule.set_custom_reduce_scatter``)
   sends every chunk of FSDP's flat gradient buffer as E4M3 with its own scale, sums in FP32 on the
@@ -23,6 +24,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..formats import E4M3, Format, format_of
+from ..nn.grouped import FP8GroupedLinear
 from ..nn.linear import FP8Linear
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_shard_amax
@@ -87,11 +89,23 @@ def _sharded_scaling_tensors(module: nn.Module) -> list[tuple[nn.Module, DTensor
     return found
 
 
+def _fp8_gemm_weights(module: nn.Module) -> set[int]:
+    """The ids of the weights of every FP8 GEMM in ``module``: FP8Linear's, and each expert's of an
+    FP8GroupedLinear."""
+    ids = set()
+    for m in module.modules():
+        if isinstance(m, FP8Linear) and m.fp8_enabled:
+            ids.add(id(m.weight))
+        elif isinstance(m, FP8GroupedLinear) and m.fp8_enabled:
+            ids.update(id(w) for _, w in m.held_weights())
+    return ids
+
+
 def _choose_gather_formats(module: nn.Module) -> None:
     """E4M3 for the weight of every FP8 GEMM (a format is fixed at the shard's first all-gather)."""
-    for owner, param, shard in _sharded_scaling_tensors(module):
-        is_fp8_weight = isinstance(owner, FP8Linear) and owner.fp8_enabled and param is owner.weight
-        fsdp_gather_format(param, shard, E4M3 if is_fp8_weight else None)
+    fp8_weights = _fp8_gemm_weights(module)
+    for _, param, shard in _sharded_scaling_tensors(module):
+        fsdp_gather_format(param, shard, E4M3 if id(param) in fp8_weights else None)
 
 
 def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs):

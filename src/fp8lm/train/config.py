@@ -565,8 +565,7 @@ class TrainConfig:
                 raise RunError(message)
 
     def _check_moe(self) -> None:
-        """What --moe-experts combines with (not yet: --tp, --pp, --fsdp without --ep, a --model
-        folder), and --ep."""
+        """What --moe-experts combines with (not yet: --tp, --pp, a --model folder), and --ep."""
         self._check_ep()
         if not self.moe_experts:
             return
@@ -575,11 +574,6 @@ class TrainConfig:
             raise RunError(
                 f"--moe-experts does not combine with {', '.join(given)} yet: train the mixture of experts in one "
                 "process or with data parallelism under torchrun"
-            )
-        if self.fsdp and self.ep == 1:
-            raise RunError(
-                "--moe-experts with --fsdp shards the experts' neighbours, not the experts: add --ep N "
-                "(expert parallelism) or drop --fsdp"
             )
         if self.model_folder() is not None:
             raise RunError(
