@@ -210,13 +210,23 @@ def _stored_grads(grad: torch.Tensor, fmt: Format, dtype: torch.dtype) -> tuple[
     scale of its own (as `fp8lm.nn.linear._stored_weight_grad`), or plain for FP32."""
     if fmt == FP32:
         return grad.to(dtype).unbind(0)
-    scale = compute_scale(grad.abs().amax((1, 2)).to(torch.float32), fmt)
-    payload = _eager_cast(grad, scale[:, None, None], fmt.max, fmt.dtype)
+    payload, scale = _scale_math(_grads_cast, grad, grad, fmt)
     return tuple(ScalingTensor(p, s, dtype) for p, s in zip(payload.unbind(0), scale.unbind(0)))
 
 
+def _grads_cast(grad: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """The payloads (E, out, in) and scales (E,) of `_stored_grads`."""
+    scale = compute_scale(grad.abs().amax((1, 2)).to(torch.float32), fmt)
+    return _eager_cast(grad, scale[:, None, None], fmt.max, fmt.dtype), scale
+
+
 def _dequantize(payload: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``payload * scale_inv`` (broadcast) as ``dtype``: exact (FP8 values times powers of two)."""
+    """``payload * scale_inv`` (broadcast) as ``dtype``: exact (FP8 values times powers of two);
+    one compiled pass off the CPU."""
+    return _scale_math(_upcast, payload, payload, scale_inv, dtype)
+
+
+def _upcast(payload: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (payload.to(torch.float32) * scale_inv).to(dtype)
 
 
