@@ -190,6 +190,8 @@ REAL_SDPA = F.scaled_dot_product_attention
 
 
 def flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    if kwargs.get("scale", 0) is None:
+        del kwargs["scale"]  # the default scale, passed explicitly
     if q.is_cuda and attn_mask is None and dropout_p == 0.0 and is_causal and not kwargs:
         return FlashAttention.apply(q, k, v)
     return REAL_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)

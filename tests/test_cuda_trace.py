@@ -138,3 +138,29 @@ def test_fine_grained_recipes_trace_on_the_cuda_path(quick):
     assert nvfp4["gemms"] == 5 and nvfp4["fp8_gemms"] == 0
     assert rowwise["syncs"] == nvfp4["syncs"] == 0
     assert quick["variants"]["fp8lm_rowwise"]["block"]["total"]["fp8_gemms"] == 12
+
+
+def test_fp8_saved_attention_runs_the_flash_kernels_on_the_cuda_path():
+    """`FP8SavedAttention` on fake CUDA tensors: the flash kernel forward, and in the backward its
+    forward again (at the dequantized q, k, v) and its backward; no host sync; CUDA gradients."""
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import cuda_trace as ct\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from fp8lm.nn.saved import FP8SavedAttention\n"
+        "ct.load_fake_cuda_guard(); log = ct.OpLog()\n"
+        "with FakeTensorMode(), log:\n"
+        "    q, k, v = (torch.randn(2, 4, 128, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True)"
+        " for _ in range(3))\n"
+        "    log.recording = True\n"
+        "    out = FP8SavedAttention()(q, k, v, is_causal=True)\n"
+        "    ct.run_backward(out, torch.ones_like(out), log, {})\n"
+        "    grads = [t.grad for t in (q, k, v)]\n"
+        "ops = [r['op'] for r in log.records if 'attention' in r['op']]\n"
+        "print(sum(r['category'] == 'sync' for r in log.records), ','.join(ops),"
+        " all(g.is_cuda and g.dtype == torch.bfloat16 for g in grads))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    syncs, ops, cuda_grads = proc.stdout.split()
+    forward, backward = "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"
+    assert syncs == "0" and ops.split(",") == [forward, forward, backward] and cuda_grads == "True"

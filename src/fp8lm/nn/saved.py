@@ -17,17 +17,24 @@ module                 saves for backward            instead of
 `FP8SavedRMSNorm`      input in E4M3 + scales        the input and the normalized input
 `FP8SavedGELU`         input in E4M3 + scales        the input
 `FP8SavedSwiGLU`       gate and up in E4M3 + scales  gate, up and silu(gate)
+`FP8SavedAttention`    q, k and v in E4M3 + scales   q, k, v, the output and the
+                                                     log-sum-exp (BF16/FP32)
 =====================  ============================  ===================================
 
 ``fp8lm.initialize(..., activations="fp8")`` swaps them in (`saving_counterpart`) for
 ``nn.LayerNorm`` over the last dimension, `RMSNorm` (and Hugging Face's ``*RMSNorm`` modules
-with a ``variance_epsilon``, which compute the same), ``nn.GELU`` and `SwiGLU`; each keeps the
-module's parameters (the same objects) and state-dict keys. Without gradients (evaluation) they
-run the plain module. What stays in high precision: the attention's internals as the
-``scaled_dot_product_attention`` kernel keeps them (q, k, v, its output, the log-sum-exp), the
-loss's softmax, activations computed by functional calls in a ``forward`` (``F.gelu``), which no
-module swap can reach, and the block inputs that activation checkpointing keeps (its
-recomputation must start from the exact values).
+with a ``variance_epsilon``, which compute the same), ``nn.GELU``, `SwiGLU` and
+`ScaledDotProductAttention`; each keeps the module's parameters (the same objects) and state-dict
+keys. Without gradients (evaluation) they run the plain module.
+
+The attention saves only its inputs: its backward runs the attention kernel's forward again on
+the dequantized q, k and v and differentiates that (the kernel's own backward), so it is the exact
+gradient of attention at the dequantized inputs, like the norms'; the price is one more attention
+forward per backward. With dropout (``dropout_p > 0``) it runs the plain kernel: a recomputation
+would draw another mask. What stays in high precision: the loss's softmax, activations and
+attention computed by functional calls in a ``forward`` (``F.gelu``,
+``F.scaled_dot_product_attention``), which no module swap can reach, and the block inputs that
+activation checkpointing keeps (its recomputation must start from the exact values).
 
 Why autograd Functions and not ``torch.autograd.graph.saved_tensors_hooks``: a hook sees every
 tensor saved in its scope (the linear layers' FP8 inputs, the attention's tensors, views of
@@ -63,6 +70,9 @@ __all__ = [
     "FP8SavedRMSNorm",
     "FP8SavedGELU",
     "FP8SavedSwiGLU",
+    "ScaledDotProductAttention",
+    "FP8SavedAttention",
+    "attention_backward",
     "SAVING_MODULES",
     "saving_counterpart",
     "activation_targets",
@@ -252,6 +262,54 @@ def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
     return torch.cat((d_gate, grad * F.silu(gate)), dim=-1)
 
 
+def _attention_forward(q, k, v, is_causal: bool, scale: float | None):
+    """The attention kernel's forward (output, and what its backward needs), as
+    ``F.scaled_dot_product_attention`` runs it: the CPU flash kernel, or CUDA's flash kernel."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+
+
+def attention_backward(grad, q, k, v, is_causal: bool, scale: float | None):
+    """Gradients (q, k, v) of causal or full attention at ``q, k, v`` for the output gradient
+    ``grad``: the kernel's forward run again for its output and log-sum-exp, then its backward
+    (aten ops, so ``torch.compile`` traces it where ``torch.autograd.grad`` would break the graph)."""
+    if q.device.type == "cpu":
+        out, lse = _attention_forward(q, k, v, is_causal, scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, is_causal, scale=scale
+        )
+    out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = _attention_forward(q, k, v, is_causal, scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal, rng, unused, scale=scale
+    )
+
+
+def attention_saves_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `FP8SavedAttention` recomputes for these inputs: the CPU's flash kernel (any float
+    dtype), CUDA's flash kernel (BF16/FP16, as under autocast); else it runs the plain kernel."""
+    if q.device.type == "cpu":
+        return True
+    return q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal: bool, scale: float | None, fmt: Format, group_size: int):
+        out = _attention_forward(q, k, v, is_causal, scale)[0]
+        saved = [t for z in (q, k, v) for t in quantize_groups(z, fmt, group_size)]
+        ctx.save_for_backward(*saved)
+        ctx.dtypes, ctx.is_causal, ctx.scale = (q.dtype, k.dtype, v.dtype), is_causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.saved_tensors
+        q, k, v = (dequantize_groups(p[2 * i], p[2 * i + 1], dtype) for i, dtype in enumerate(ctx.dtypes))
+        gq, gk, gv = attention_backward(grad.contiguous(), q, k, v, ctx.is_causal, ctx.scale)
+        return gq, gk, gv, None, None, None, None
+
+
 # -- modules ------------------------------------------------------------------------------------
 
 
@@ -274,6 +332,22 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class ScaledDotProductAttention(nn.Module):
+    """``F.scaled_dot_product_attention`` as a module (no parameters), so that
+    ``fp8lm.initialize(activations="fp8")`` can swap it for `FP8SavedAttention`."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = False,
+        dropout_p: float = 0.0,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
 
 
 class _SavesFP8:
@@ -431,7 +505,42 @@ class FP8SavedSwiGLU(_SavesFP8, SwiGLU):
         return self._saving_repr()
 
 
-SAVING_MODULES = (FP8SavedLayerNorm, FP8SavedRMSNorm, FP8SavedGELU, FP8SavedSwiGLU)
+class FP8SavedAttention(_SavesFP8, ScaledDotProductAttention):
+    """`ScaledDotProductAttention` that saves q, k and v in FP8 and recomputes the rest in its
+    backward (module docstring). Inputs (..., sequence, head_dim), as the kernel takes them; one
+    scale per token and head (a group of ``head_dim`` columns, or of ``group_size`` where that
+    divides it)."""
+
+    def __init__(self, *, saved_format: Format | str = E4M3, group_size: int = GROUP_SIZE) -> None:
+        super().__init__()
+        self._init_saving(saved_format, group_size)
+
+    @classmethod
+    def from_module(
+        cls, module: ScaledDotProductAttention, saved_format: Format | str = E4M3, group_size: int = GROUP_SIZE
+    ):
+        return cls(saved_format=saved_format, group_size=group_size)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = False,
+        dropout_p: float = 0.0,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        wants_grad = any(t.requires_grad for t in (q, k, v))
+        plain = dropout_p > 0 or not (torch.is_grad_enabled() and wants_grad and q.numel() > 0)
+        if plain or any(isinstance(t, DTensor) for t in (q, k, v)) or not attention_saves_fp8(q, k, v):
+            return super().forward(q, k, v, is_causal, dropout_p, scale)
+        return _Attention.apply(q, k, v, is_causal, scale, self.saved_format, self.group_size)
+
+    def extra_repr(self) -> str:
+        return self._saving_repr()
+
+
+SAVING_MODULES = (FP8SavedLayerNorm, FP8SavedRMSNorm, FP8SavedGELU, FP8SavedSwiGLU, FP8SavedAttention)
 
 
 def _is_hf_rms_norm(module: nn.Module) -> bool:
@@ -453,7 +562,7 @@ def _counterpart(module: nn.Module) -> type | None:
         return FP8SavedLayerNorm
     if kind is RMSNorm or (_is_hf_rms_norm(module) and not isinstance(module, SAVING_MODULES)):
         return FP8SavedRMSNorm
-    return {nn.GELU: FP8SavedGELU, SwiGLU: FP8SavedSwiGLU}.get(kind)
+    return {nn.GELU: FP8SavedGELU, SwiGLU: FP8SavedSwiGLU, ScaledDotProductAttention: FP8SavedAttention}.get(kind)
 
 
 def saving_counterpart(

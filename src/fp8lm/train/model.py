@@ -30,7 +30,7 @@ from torch import nn
 from ..nn.checkpoint import checkpoint
 from ..nn.grouped import GroupedLinear
 from ..nn.moe import ROUTERS, MoE, Router
-from ..nn.saved import RMSNorm, SwiGLU, rms_norm
+from ..nn.saved import RMSNorm, ScaledDotProductAttention, SwiGLU, rms_norm
 
 __all__ = [
     "GPTConfig",
@@ -195,6 +195,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.sdpa = ScaledDotProductAttention()  # a module: activations="fp8" swaps it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
@@ -202,7 +203,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         heads = q.shape[-1] // self.head_dim
         q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.sdpa(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
@@ -218,6 +219,7 @@ class GroupedQueryAttention(nn.Module):
         self.c_kv = nn.Linear(cfg.n_embd, 2 * cfg.n_kv_head * cfg.head_dim, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.sdpa = ScaledDotProductAttention()  # a module: activations="fp8" swaps it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
@@ -228,7 +230,7 @@ class GroupedQueryAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.sdpa(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, q.shape[1] * self.head_dim))
 
 
