@@ -269,11 +269,14 @@ def test_telemetry_records_block_stats_of_fine_grained_layers():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--fsdp"], ["--tp", "2"]])
-def test_two_ranks_train_with_a_fine_grained_recipe(tmp_path, email_corpus, layout):
-    """FSDP2 (its FP8 all-gather gives the layer an E4M3 weight, quantized again in blocks) and
-    tensor parallelism run a fine-grained recipe; their numerics against one process are not
-    compared here."""
+@pytest.mark.parametrize(
+    "layout, recipe", [(["--fsdp"], "blockwise"), (["--fsdp"], "rowwise"), (["--tp", "2"], "blockwise")]
+)
+def test_two_ranks_train_with_a_fine_grained_recipe(tmp_path, email_corpus, layout, recipe):
+    """FSDP2 (the tiny model's shards split its 128 x 128 blocks: gathered in FP16; rowwise: its
+    rows' E4M3 operand and scales, tests/test_fsdp_recipes.py) and tensor parallelism run a
+    fine-grained recipe in the training app; their numerics against one process are compared in
+    tests/test_fsdp_recipes.py, not here."""
     import json
     import os
     import subprocess
@@ -283,7 +286,7 @@ def test_two_ranks_train_with_a_fine_grained_recipe(tmp_path, email_corpus, layo
     args = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "4", "--eval-batches", "2"]
     args += ["--data", email_corpus, "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--no-progress"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += ["-m", "fp8lm.cli", "train", "--opt-level", "O2", "--recipe", "blockwise", *layout, *args]
+    command += ["-m", "fp8lm.cli", "train", "--opt-level", "O2", "--recipe", recipe, *layout, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

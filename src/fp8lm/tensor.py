@@ -31,9 +31,11 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from . import block_tensor
 from .formats import E4M3, Format, format_of
 from .ops.cast import FP8_DTYPES, saturating_cast, upcast
 from .ops.cast import amax as _amax
+from .recipe import Recipe
 from .scaling import compute_scale
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "OP_KINDS",
     "allow_dequantize_fallback",
     "fsdp_gather_format",
+    "fsdp_gather_recipe",
     "fsdp_shard_amax",
 ]
 
@@ -335,6 +338,9 @@ class ScalingTensor(torch.Tensor):
         whole model) or else a MAX all-reduce of this parameter's amax over ``mesh``."""
         # The choices live on the sharded parameter: FSDP2 replaces a padded shard's local tensor.
         holder = next((p for p in module.parameters() if getattr(p, "_local_tensor", None) is self), self)
+        recipe = fsdp_gather_recipe(holder, module, outer_size, mesh.size())
+        if recipe is not None:  # the recipe's operand with the scales of this rank's blocks
+            return block_tensor.gather_inputs(self.dequantize(torch.float32), recipe, mesh.get_group())
         fmt = fsdp_gather_format(holder, self, _fp8_gemm_weight_format(module, holder))
         scale = getattr(holder, "fsdp_gather_scale", None)
         if scale is None:
@@ -350,7 +356,11 @@ class ScalingTensor(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered parameter: the ranks' payloads as one ScalingTensor with the agreed scale,
-        used by `FP8Linear` as its FP8 operand directly."""
+        used by `FP8Linear` as its FP8 operand directly; under a fine-grained recipe the
+        `fp8lm.block_tensor.BlockScaledTensor` of the ranks' blocks."""
+        if metadata[0] == block_tensor.GATHER_TAG:
+            # Later all-gathers refill its payload and scales in place.
+            return None if out is not None else block_tensor.gathered(all_gather_outputs, metadata, param_dtype)
         (wire,) = all_gather_outputs
         payload_dtype, scale = metadata
         payload = wire.view(payload_dtype)
@@ -579,14 +589,45 @@ def fsdp_shard_amax(shard: ScalingTensor) -> torch.Tensor:
     return _amax(shard.payload).float() / shard.scale
 
 
+def _fp8_layer_of(module: torch.nn.Module, holder: torch.Tensor) -> torch.nn.Module | None:
+    """The layer under ``module`` whose weight is ``holder`` and whose GEMMs run in FP8 (it says
+    ``fp8_enabled``), or None."""
+    return next(
+        (m for m in module.modules() if getattr(m, "weight", None) is holder and getattr(m, "fp8_enabled", False)),
+        None,
+    )
+
+
 def _fp8_gemm_weight_format(module: torch.nn.Module, holder: torch.Tensor) -> Format | None:
-    """E4M3 when ``holder`` is the weight of a layer under ``module`` whose GEMMs run in FP8 (it
-    says ``fp8_enabled``), so that torch's own ``fully_shard`` gathers it in FP8 too; looked up
-    only until the format is fixed (`fsdp_gather_format`)."""
+    """E4M3 when ``holder`` is the weight of a layer under ``module`` whose GEMMs run in FP8 with
+    one scale per tensor, so that torch's own ``fully_shard`` gathers it in FP8 too (a
+    fine-grained recipe's weight that is not gathered in its blocks keeps its own format, so that
+    the layer quantizes the exact values); looked up only until the format is fixed
+    (`fsdp_gather_format`)."""
     if getattr(holder, "fsdp_gather_fmt", None) is not None:
         return None
-    fp8_layer = any(getattr(m, "weight", None) is holder and getattr(m, "fp8_enabled", False) for m in module.modules())
-    return E4M3 if fp8_layer else None
+    layer = _fp8_layer_of(module, holder)
+    recipe = getattr(layer, "recipe", None)
+    return E4M3 if layer is not None and not getattr(recipe, "fine_grained", False) else None
+
+
+def fsdp_gather_recipe(
+    holder: torch.Tensor, module: torch.nn.Module, shape: tuple[int, ...] | torch.Size, ranks: int
+) -> Recipe | None:
+    """The fine-grained recipe whose forward weight operand FSDP2 all-gathers for ``holder`` (its
+    sharded parameter), or None: that of the FP8 layer under ``module`` whose weight it is, when
+    the shards of a 1-D FSDP mesh hold whole blocks (`fp8lm.block_tensor.shards_whole_blocks`).
+    Kept on ``holder``, fixed at the first all-gather (FSDP2 keeps the gathered buffers)."""
+    chosen = getattr(holder, "fsdp_gather_recipe", None)
+    if chosen is None:
+        layer = _fp8_layer_of(module, holder)
+        recipe = getattr(layer, "recipe", None)
+        one_dim = getattr(getattr(holder, "device_mesh", None), "ndim", 1) == 1
+        chosen = False
+        if isinstance(recipe, Recipe) and recipe.fine_grained and not getattr(layer, "high_precision", False):
+            chosen = recipe if one_dim and block_tensor.shards_whole_blocks(recipe, shape, ranks) else False
+        holder.fsdp_gather_recipe = chosen  # type: ignore[attr-defined]
+    return chosen if isinstance(chosen, Recipe) else None
 
 
 def fsdp_gather_format(holder: torch.Tensor, shard: ScalingTensor, prefer: Format | None = None) -> Format:

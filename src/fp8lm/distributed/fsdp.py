@@ -6,6 +6,8 @@ reduce-scatter, through FSDP2's own extension points.
   with one scale agreed over the mesh, and the gathered ScalingTensor is FP8Linear's operand as is
   (and each expert's of an `FP8GroupedLinear`, whose experts are parameters of their own).
   `precompute_fp8_scales` agrees the scales of all weights with one MAX all-reduce per step.
+  Under a fine-grained recipe each rank sends its rows as the recipe's E4M3 operand with the
+  scales of its rows or blocks (`fp8lm.block_tensor`), where its shard holds whole blocks.
 - **Reduce-scatter**: `FP8ReduceScatter` (installed with ``FSDPModule.set_custom_reduce_scatter``)
   sends every chunk of FSDP's flat gradient buffer as E4M3 with its own scale, sums in FP32 on the
   owning rank and divides by the world size after the sum (`fp8_reduce_scatter`), so nothing
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from ..formats import E4M3, Format, format_of
 from ..nn.grouped import FP8GroupedLinear
 from ..nn.linear import FP8Linear
+from ..recipe import Recipe
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_shard_amax
 from . import comm
@@ -90,19 +93,23 @@ def _sharded_scaling_tensors(module: nn.Module) -> list[tuple[nn.Module, DTensor
 
 
 def _fp8_gemm_weights(module: nn.Module) -> set[int]:
-    """The ids of the weights of every FP8 GEMM in ``module``: FP8Linear's, and each expert's of an
-    FP8GroupedLinear."""
+    """The ids of the weights of every FP8 GEMM with one scale per tensor in ``module``: FP8Linear's
+    (under a tensorwise recipe), and each expert's of an FP8GroupedLinear."""
     ids = set()
     for m in module.modules():
         if isinstance(m, FP8Linear) and m.fp8_enabled:
-            ids.add(id(m.weight))
+            recipe = getattr(m, "recipe", None)
+            if isinstance(recipe, Recipe) and not recipe.fine_grained:
+                ids.add(id(m.weight))
         elif isinstance(m, FP8GroupedLinear) and m.fp8_enabled:
             ids.update(id(w) for _, w in m.held_weights())
     return ids
 
 
 def _choose_gather_formats(module: nn.Module) -> None:
-    """E4M3 for the weight of every FP8 GEMM (a format is fixed at the shard's first all-gather)."""
+    """E4M3 for the weight of every FP8 GEMM with one scale per tensor (a format is fixed at the
+    shard's first all-gather). A fine-grained recipe's weight is gathered in its blocks where its
+    shards hold whole blocks, else in its own format (`fp8lm.tensor.fsdp_gather_recipe`)."""
     fp8_weights = _fp8_gemm_weights(module)
     for _, param, shard in _sharded_scaling_tensors(module):
         fsdp_gather_format(param, shard, E4M3 if id(param) in fp8_weights else None)

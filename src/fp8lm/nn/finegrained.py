@@ -76,14 +76,21 @@ class _FineGrainedLinear(torch.autograd.Function):
     weight's values (float32)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe):
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        recipe: Recipe,
+        weight_operand: BlockOperand | None,
+    ):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         backend = choose_backend(x.device, recipe.backend)
         with torch.autocast(device_type, enabled=False):
             x2 = x.detach().reshape(-1, x.shape[-1])
-            w_op = quantize_operand(weight.detach(), recipe, "weight", dim=1)
+            w_op = weight_operand or quantize_operand(weight.detach(), recipe, "weight", dim=1)
             b = None if bias is None else bias.detach()
             y = block_mm(quantize_operand(x2, recipe, "input", dim=1), w_op.t(), out_dtype, b, backend)
             w_dgrad = None
@@ -115,14 +122,22 @@ class _FineGrainedLinear(torch.autograd.Function):
                 grad_w = _weight_grad(g2, x_op, recipe, out_dtype, backend).to(ctx.w_dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_b = g2.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def fine_grained_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: Recipe,
+    weight_operand: BlockOperand | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the GEMMs of the fine-grained ``recipe`` (module doc).
-    Output in the autocast dtype under ``torch.autocast``, else ``x``'s dtype."""
+    Output in the autocast dtype under ``torch.autocast``, else ``x``'s dtype. ``weight_operand``:
+    the forward GEMM's weight operand where it is already quantized (`quantize_operand` of the
+    weight along in_features, as FSDP2 gathers it; ``weight`` then holds its values): the
+    input-gradient GEMM's operand is quantized from those values where its blocks are not the
+    forward's (rowwise, mxfp8)."""
     if not recipe.fine_grained:
         raise ValueError(f"fine_grained_linear takes a fine-grained recipe, got granularity {recipe.granularity!r}")
-    return _FineGrainedLinear.apply(x, weight, bias, recipe)
+    return _FineGrainedLinear.apply(x, weight, bias, recipe, weight_operand)

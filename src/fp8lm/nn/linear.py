@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..block_tensor import BlockScaledTensor
 from ..formats import E4M3, FP16, FP32, Format, format_of
 from ..ops.cast import saturating_cast_dequantized, saturating_cast_transposed, saturating_cast_with_amax
 from ..ops.fastpath import COMPILED_CASTS, FastPath
@@ -496,6 +497,10 @@ class FP8Linear(nn.Module):
         else:
             payload, stored_scale = weight.detach(), None
         if self.recipe.fine_grained:  # current scaling per block: no scaling state, no cached operand
+            if isinstance(weight, BlockScaledTensor):  # FSDP2 gathered the recipe's operand
+                operand = weight.operand
+                value = _WeightValue.apply(weight, operand.dequantize(), None, self.weight_grad_format)
+                return fine_grained_linear(x, value, self.bias, self.recipe, weight_operand=operand)
             value = _WeightValue.apply(weight, payload, stored_scale, self.weight_grad_format)
             return fine_grained_linear(x, value, self.bias, self.recipe)
         for meta in (self.input_meta, self.grad_output_meta):

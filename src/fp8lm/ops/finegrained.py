@@ -120,33 +120,45 @@ def _scale_rule(recipe: Recipe):
 
 
 def quantize_operand(
-    x: torch.Tensor, recipe: Recipe, role: str, dim: int = 1, generator: torch.Generator | None = None
+    x: torch.Tensor,
+    recipe: Recipe,
+    role: str,
+    dim: int = 1,
+    generator: torch.Generator | None = None,
+    tensor_amax: torch.Tensor | None = None,
 ) -> BlockOperand:
     """``x`` (2-D) quantized as the recipe's ``role`` operand along ``dim`` (see the module doc).
-    Off the CPU it runs as one compiled function (`FUSED_QUANTIZE`), unless a ``generator`` is
-    given or torch.compile is already tracing."""
+    ``tensor_amax``: nvfp4's per-tensor amax when ``x`` is part of a larger tensor (an FSDP2
+    shard), else ``x``'s own. Off the CPU it runs as one compiled function (`FUSED_QUANTIZE`),
+    unless a ``generator`` is given or torch.compile is already tracing."""
     block = operand_block(recipe, role, x.shape, dim)
     x = x.detach()
     if x.device.type == "cpu" or generator is not None or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-        payload, d = _quantize(x, recipe, role, block, generator)
+        payload, d = _quantize(x, recipe, role, block, generator, tensor_amax)
         return BlockOperand(payload, d, block)
 
     def fused() -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            return _compiled_fn(_quantize, recipe, role, block)(x, recipe, role, block, None)
+            return _compiled_fn(_quantize, recipe, role, block)(x, recipe, role, block, None, tensor_amax)
 
-    payload, d = FUSED_QUANTIZE.run(fused, lambda: _quantize(x, recipe, role, block, None))
+    payload, d = FUSED_QUANTIZE.run(fused, lambda: _quantize(x, recipe, role, block, None, tensor_amax))
     return BlockOperand(payload, d, block)
 
 
 def _quantize(
-    x: torch.Tensor, recipe: Recipe, role: str, block: Block, generator: torch.Generator | None
+    x: torch.Tensor,
+    recipe: Recipe,
+    role: str,
+    block: Block,
+    generator: torch.Generator | None,
+    tensor_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The payload and the scales of `quantize_operand`."""
     xb = to_blocks(x, block)
     amax = block_amax(xb)
     if recipe.granularity == "nvfp4":
-        return _nvfp4_operand(x, xb, amax, block, role == "grad_output", generator)
+        whole = amax.amax() if tensor_amax is None else tensor_amax.to(torch.float32)
+        return _nvfp4_operand(x, xb, amax, whole, block, role == "grad_output", generator)
     fmt = _role_format(recipe, role)
     d = _scale_rule(recipe)(amax, fmt.max)
     q = (xb.to(torch.float32) / per_block(d)).clamp(-fmt.max, fmt.max).to(fmt.dtype)
@@ -157,11 +169,12 @@ def _nvfp4_operand(
     x: torch.Tensor,
     xb: torch.Tensor,
     amax: torch.Tensor,
+    tensor_amax: torch.Tensor,
     block: Block,
     stochastic: bool,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    s_enc, s_dec = nvfp4.tensor_scales(amax.amax())
+    s_enc, s_dec = nvfp4.tensor_scales(tensor_amax)
     d = nvfp4.block_scales(amax, s_enc, s_dec)
     v = xb.to(torch.float32) / per_block(d)
     v = torch.where(per_block(d) == 0, torch.zeros_like(v), v)

@@ -1,0 +1,139 @@
+"""`BlockScaledTensor`: a weight held as a fine-grained recipe's forward GEMM operand, and how
+FSDP2 all-gathers a weight in that form.
+
+Under a fine-grained recipe (`fp8lm.Recipe.fine_grained`) an FSDP2-sharded `FP8Linear` weight is
+all-gathered as its forward operand: each rank quantizes its own rows as
+`fp8lm.ops.finegrained.quantize_operand` quantizes the whole weight along in_features (one scale
+per row, 1 x 32 or 128 x 128 or 16 x 16 blocks) and sends the E4M3 bytes with the scales of its
+rows or blocks (`gather_inputs`); the gathered payload and scales are the operand of the whole
+weight, bit for bit, as a `BlockScaledTensor` (`gathered`) that `FP8Linear` multiplies directly.
+nvfp4's per-tensor scale comes from the amax of the whole weight (a MAX all-reduce).
+
+That needs every shard to hold whole blocks (`shards_whole_blocks`): FSDP2 shards dim 0 evenly,
+``rows / ranks`` rows per rank, a multiple of the block's rows (1 for rowwise and mxfp8, 128 for
+blockwise, 16 for nvfp4). Otherwise the weight is gathered in its stored format (FP16, exact)
+and the layer quantizes it after the gather, as in one process.
+
+A BlockScaledTensor presents its values' dtype (float32) and shape. Views that keep the whole
+tensor (``detach``, ``alias``, whole ``view``/``as_strided``: what FSDP2 and ``nn.Parameter`` do
+to a gathered weight) keep the payload and scales; any other op that reads it (a layer left in
+high precision) computes with the dequantized values; in-place ops are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from .ops.blocks import Block
+from .ops.finegrained import BlockOperand, operand_block, quantize_operand
+from .recipe import Recipe
+
+__all__ = ["BlockScaledTensor", "shards_whole_blocks", "gather_inputs", "gathered", "GATHER_TAG"]
+
+aten = torch.ops.aten
+GATHER_TAG = "blocks"  # marks the all-gather metadata of a block-scaled gather
+_KEEP_OPS = {aten.detach.default, aten.alias.default}
+_WHOLE_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.as_strided.default}
+
+
+class BlockScaledTensor(torch.Tensor):
+    """A 2-D tensor stored as ``payload`` (float8) with one float32 ``d`` per ``block``:
+    ``value = payload * d`` blockwise (`fp8lm.ops.finegrained.BlockOperand`)."""
+
+    _data: torch.Tensor
+    _d: torch.Tensor
+    _block: Block
+
+    @staticmethod
+    def __new__(cls, payload: torch.Tensor, d: torch.Tensor, block: Block, dtype: torch.dtype = torch.float32):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, payload.shape, strides=payload.stride(), dtype=dtype, device=payload.device, requires_grad=False
+        )
+
+    def __init__(self, payload: torch.Tensor, d: torch.Tensor, block: Block, dtype: torch.dtype = torch.float32):
+        if payload.dim() != 2:
+            raise ValueError(f"a BlockScaledTensor is 2-D, got payload shape {tuple(payload.shape)}")
+        self._data, self._d, self._block = payload, d, (int(block[0]), int(block[1]))
+
+    @property
+    def operand(self) -> BlockOperand:
+        """The payload, scales and block as a GEMM operand."""
+        return BlockOperand(self._data, self._d, self._block)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values as a plain tensor of ``dtype``."""
+        return self.operand.dequantize().to(dtype)
+
+    def __repr__(self) -> str:  # type: ignore[override]  # must not dispatch
+        return (
+            f"BlockScaledTensor(payload={self._data.dtype}, shape={tuple(self.shape)}, block={self._block}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+    def __tensor_flatten__(self):
+        return ["_data", "_d"], (self._block, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        block, dtype = meta
+        return BlockScaledTensor(inner_tensors["_data"], inner_tensors["_d"], block, dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        src = args[0] if args else None
+        if isinstance(src, BlockScaledTensor):
+            whole = func in _WHOLE_VIEW_OPS and list(args[1]) == list(src.shape) and not kwargs.get("storage_offset")
+            if func in _KEEP_OPS or whole:
+                return BlockScaledTensor(src._data.detach(), src._d, src._block, src.dtype)
+        if func._schema.is_mutable:
+            raise NotImplementedError(
+                f"fp8lm: a BlockScaledTensor (a weight gathered by FSDP2 in a fine-grained recipe's blocks) "
+                f"is read-only, {func} writes it; write the sharded parameter instead"
+            )
+        args, kwargs = tree_map(
+            lambda t: t.dequantize(t.dtype) if isinstance(t, BlockScaledTensor) else t, (args, kwargs)
+        )
+        return func(*args, **kwargs)
+
+
+def shards_whole_blocks(recipe: Recipe, shape: tuple[int, ...] | torch.Size, ranks: int) -> bool:
+    """Whether FSDP2's shards of a weight of ``shape`` over ``ranks`` hold whole blocks of the
+    recipe's forward weight operand: dim 0 divisible by ``ranks``, each shard's rows a multiple
+    of the block's."""
+    rows = shape[0]
+    if len(shape) != 2 or rows % ranks:
+        return False
+    block_rows = operand_block(recipe, "weight", (rows, shape[1]), 1)[0]
+    return (rows // ranks) % block_rows == 0 or ranks == 1
+
+
+def gather_inputs(
+    values: torch.Tensor, recipe: Recipe, group: dist.ProcessGroup | None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple]:
+    """What this rank sends for a weight whose shard (a whole number of blocks) has ``values``
+    (float32): its rows as the recipe's forward weight operand, the payload as bytes (no
+    backend carries float8) and the float32 scales of its blocks; and the metadata that
+    `gathered` reads. nvfp4: the per-tensor amax is agreed over ``group`` first."""
+    tensor_amax = None
+    if recipe.granularity == "nvfp4":
+        tensor_amax = values.abs().amax().to(torch.float32).reshape(1)
+        dist.all_reduce(tensor_amax, dist.ReduceOp.MAX, group=group)
+        tensor_amax = tensor_amax.reshape(())
+    op = quantize_operand(values, recipe, "weight", dim=1, tensor_amax=tensor_amax)
+    return (op.payload.view(torch.uint8), op.d.contiguous()), (GATHER_TAG, op.payload.dtype, op.block)
+
+
+def gathered(
+    outputs: tuple[torch.Tensor, ...], metadata: tuple, dtype: torch.dtype
+) -> tuple[BlockScaledTensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The gathered weight (a `BlockScaledTensor` presenting ``dtype``) from FSDP2's all-gather
+    outputs of `gather_inputs`, and its inner tensors (which later all-gathers refill)."""
+    wire, d = outputs
+    _, payload_dtype, block = metadata
+    payload = wire.view(payload_dtype)
+    return BlockScaledTensor(payload, d, block, dtype), (payload, d)

@@ -1,0 +1,98 @@
+"""Worker for tests/test_fsdp_recipes.py: FSDP2 with the fine-grained recipes (gloo ranks). For
+each recipe a two-layer FP8 model is sharded with `fp8lm.distributed.fully_shard` next to an
+unsharded copy: what the first all-gather brings (and the bytes it takes), the first step's
+outputs, and the losses of a few training steps against one process that runs the ranks'
+batches as micro-batches of one step."""
+
+import copy
+import sys
+
+import torch
+from torch import nn
+
+from dist_launch import worker_main
+
+RECIPES = ("rowwise", "rowwise-wgrad-bf16", "blockwise", "mxfp8", "nvfp4")
+# 256 rows: 128 per rank on 2 ranks (whole 128 x 128 blocks); 96 rows: 48 per rank (not for blockwise).
+IN, HIDDEN, OUT = 64, 256, 96
+BATCH, STEPS, LR = 8, 4, 1e-2
+
+
+def small_model(recipe: str) -> nn.Module:
+    from fp8lm.nn import FP8Linear
+
+    torch.manual_seed(0)
+    return nn.Sequential(FP8Linear(IN, HIDDEN, recipe=recipe), nn.ReLU(), FP8Linear(HIDDEN, OUT, recipe=recipe))
+
+
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's inputs and targets, the same every step (so that the loss falls)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def gathered(layer) -> dict:
+    """What FSDP2's all-gather brings for ``layer``'s weight, and the bytes this rank handed."""
+    from fp8lm.distributed import comm_stats, reset_comm_stats
+
+    reset_comm_stats()
+    layer.unshard()
+    weight = layer.weight
+    out = {"type": type(weight).__name__, "handed": comm_stats()["all_gather_handed_bytes"]}
+    if hasattr(weight, "operand"):
+        op = weight.operand
+        out.update(payload=op.payload.view(torch.uint8).clone(), d=op.d.clone(), block=op.block)
+        out["values"] = weight.dequantize()
+    else:
+        out["payload_dtype"] = weight.payload.dtype
+    layer.reshard()
+    return out
+
+
+def recipe_checks(recipe: str, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from fp8lm.distributed import fully_shard, precompute_fp8_scales
+    from fp8lm.optim import FP8AdamW
+
+    model = small_model(recipe)
+    reference = copy.deepcopy(model)
+    res = {"weights": [reference[i].weight.dequantize() for i in (0, 2)]}
+    for i in (0, 2):
+        fully_shard(model[i])
+    fully_shard(model)
+    precompute_fp8_scales(model)
+    res["gathered"] = [gathered(model[i]) for i in (0, 2)]
+    opt = FP8AdamW(model.parameters(), lr=LR)
+    ref_opt = FP8AdamW(reference.parameters(), lr=LR)
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        precompute_fp8_scales(model)
+        x, y = batch(rank)
+        out = model(x)
+        if step == 0:
+            res["out"], res["ref_out"] = out.detach().clone(), reference(x).detach()
+        loss = (out - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+        # One process over the ranks' batches as micro-batches (nvfp4 scales each one's input per tensor).
+        ref_loss = sum((reference(xr) - yr).square().mean() for xr, yr in map(batch, range(world))) / world
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(float(ref_loss))
+    res["losses"], res["ref_losses"] = losses, ref_losses
+    return res
+
+
+def checks(rank, world):
+    return {recipe: recipe_checks(recipe, rank, world) for recipe in RECIPES}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    worker_main(checks)

@@ -1,0 +1,88 @@
+"""FSDP2 with the fine-grained recipes (2 gloo ranks, tests/dist_fsdp_recipes.py): each rank
+sends its rows of the weight as the recipe's E4M3 operand with the scales of its rows or blocks;
+the gathered operand is `fake_quantize(weight, recipe, "weight")` bit for bit, the bytes are the
+payload and the scales, the first step's outputs are one process's, and a few training steps
+stay within 1 % of one process (the ranks' batches as its micro-batches). A weight whose shards would split its blocks
+is gathered in its stored FP16 (exact)."""
+
+import pytest
+import torch
+
+import fp8lm
+from dist_fsdp_recipes import HIDDEN, IN, OUT, RECIPES
+from dist_launch import run_workers
+from fp8lm.block_tensor import shards_whole_blocks
+from fp8lm.ops.finegrained import quantize_operand
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_workers("dist_fsdp_recipes.py", WORLD, timeout=900.0)
+
+
+def _blocked(recipe: str, rows: int, cols: int) -> bool:
+    return shards_whole_blocks(fp8lm.Recipe.from_name(recipe), (rows, cols), WORLD)
+
+
+def test_which_shards_hold_whole_blocks():
+    recipe = fp8lm.Recipe.from_name
+    assert shards_whole_blocks(recipe("blockwise"), (256, 64), 2)
+    assert not shards_whole_blocks(recipe("blockwise"), (96, 64), 2)  # 48 rows a shard
+    assert not shards_whole_blocks(recipe("blockwise"), (384, 64), 2)  # 192 rows
+    assert shards_whole_blocks(recipe("blockwise"), (200, 64), 1)
+    assert shards_whole_blocks(recipe("rowwise"), (96, 64), 2)
+    assert shards_whole_blocks(recipe("mxfp8"), (6, 64), 3)
+    assert not shards_whole_blocks(recipe("mxfp8"), (7, 64), 2)  # uneven: FSDP2 pads a shard
+    assert shards_whole_blocks(recipe("nvfp4"), (96, 64), 2)
+    assert not shards_whole_blocks(recipe("nvfp4"), (40, 64), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gathered_weight_is_the_recipes_operand_bit_for_bit(ranks, recipe):
+    for r in ranks:
+        for i, (rows, cols) in enumerate([(HIDDEN, IN), (OUT, HIDDEN)]):
+            got, weight = r[recipe]["gathered"][i], r[recipe]["weights"][i]
+            if not _blocked(recipe, rows, cols):
+                assert got["type"] == "ScalingTensor" and got["payload_dtype"] == torch.float16
+                continue
+            assert got["type"] == "BlockScaledTensor"
+            op = quantize_operand(weight, fp8lm.Recipe.from_name(recipe), "weight", dim=1)
+            assert got["block"] == op.block
+            assert torch.equal(got["payload"], op.payload.view(torch.uint8))
+            assert torch.equal(got["d"], op.d)
+            assert torch.equal(got["values"], fp8lm.fake_quantize(weight, recipe, "weight"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_all_gather_sends_the_e4m3_payload_and_the_scales(ranks, recipe):
+    for r in ranks:
+        for i, (rows, cols) in enumerate([(HIDDEN, IN), (OUT, HIDDEN)]):
+            got = r[recipe]["gathered"][i]
+            shard_rows = rows // WORLD
+            bias = 4 * shard_rows  # the FP32 bias shard travels in the same all-gather
+            if _blocked(recipe, rows, cols):
+                scales = 4 * got["d"].numel() // WORLD
+                assert got["handed"] == shard_rows * cols + scales + bias
+            else:
+                assert got["handed"] == 2 * shard_rows * cols + bias
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_first_step_outputs_equal_one_process(ranks, recipe):
+    for r in ranks:
+        assert torch.equal(r[recipe]["out"], r[recipe]["ref_out"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_losses_within_one_percent_of_one_process(ranks, recipe):
+    for r in ranks:
+        losses, ref = torch.tensor(r[recipe]["losses"]), torch.tensor(r[recipe]["ref_losses"])
+        assert torch.allclose(losses[0], ref[0], rtol=1e-6, atol=0)  # the same forward, summed in another order
+        assert bool(((losses - ref).abs() <= 0.01 * ref).all()), (losses, ref)
+        assert ref[-1] < ref[0]  # it trains
