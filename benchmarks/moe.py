@@ -159,6 +159,7 @@ def cuda_trace(experts: int, tokens: int, width: int, hidden: int, models: list[
 
     ct.load_fake_cuda_guard()
     ct.pretend_hopper()
+    torch.manual_seed(0)  # the same random routing every run
     chosen = torch.randn(tokens, experts).topk(2).indices.reshape(-1)
     counts = torch.bincount(chosen, minlength=experts).tolist()
     log = ct.OpLog()

@@ -191,6 +191,65 @@ def test_a_llama_run_exports_as_llama_in_fp8(tmp_path, email_corpus, token_cache
         torch.testing.assert_close(load(out)(text_ids).logits, reference.eval()(text_ids)[0], rtol=1e-4, atol=1e-4)
 
 
+def test_mixtral_config_is_the_moe_gpt_exactly():
+    cfg = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64, arch="llama", n_kv_head=2, moe_experts=4)
+    torch.manual_seed(0)
+    gpt = GPT(cfg).eval()
+    for p in gpt.parameters():  # norms away from 1, so a misplaced gain shows
+        p.data.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(0, 256, (2, 64))
+    hf = hf_model(gpt.state_dict(), cfg)
+    assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.num_local_experts == 4
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, gpt(ids)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(arch="gpt"), "--arch gpt"),
+        (dict(moe_router="sigmoid"), "--moe-router sigmoid"),
+        (dict(moe_top_k=1), "--moe-top-k 1"),
+        (dict(moe_shared_expert=True), "--moe-shared-expert"),
+        (dict(moe_capacity_factor=1.0), "--moe-capacity-factor"),
+    ],
+)
+def test_a_mixture_mixtral_does_not_compute_is_refused_in_one_line(kw, named):
+    cfg = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, **{"arch": "llama", "moe_experts": 4, **kw})
+    with pytest.raises(ExportError, match="MixtralForCausalLM") as e:
+        hf_model(GPT(cfg).state_dict(), cfg)
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_moe_run_exports_as_mixtral(tmp_path, email_corpus, token_cache, tiny_cli_args, text_ids, capsys):
+    run = tmp_path / "moe"
+    args = ["train", *tiny_cli_args, "--steps", "3", "--opt-level", "O2", "--arch", "llama", "--moe-experts", "4"]
+    assert run_main([*args, "--data", email_corpus, "--cache-dir", token_cache, "--out", str(run)], capsys)[0] == 0
+    state = read_run_checkpoint(run)
+    hidden = state["model_config"].mlp_hidden
+    for fmt in ("hf", "hf-fp8"):
+        out = tmp_path / fmt
+        rc, _, err = run_main(["export", str(run), "--out", str(out), "--format", fmt], capsys)
+        assert rc == 0, err
+        assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+        from safetensors.torch import load_file
+
+        stored = load_file(out / "model.safetensors")
+        assert stored["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 2 * hidden, 32)
+        assert stored["model.layers.1.mlp.experts.down_proj"].dtype == torch.bfloat16  # 3-D: not nn.Linear
+        k_proj = stored["model.layers.0.self_attn.k_proj.weight"].dtype
+        assert k_proj == (torch.float8_e4m3fn if fmt == "hf-fp8" else torch.bfloat16)
+        with torch.no_grad():
+            assert load(out)(text_ids).logits.isfinite().all()
+    assert "MixtralForCausalLM" in (tmp_path / "hf" / "README.md").read_text()
+    reference = GPT(state["model_config"])
+    reference.load_state_dict({k: v.bfloat16().float() for k, v in full_weights(state).items()})
+    with torch.no_grad():
+        torch.testing.assert_close(
+            load(tmp_path / "hf")(text_ids).logits, reference.eval()(text_ids)[0], rtol=1e-4, atol=1e-4
+        )
+
+
 def test_export_refuses_a_non_empty_out_then_overwrites(run, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()

@@ -223,11 +223,87 @@ def hf_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
         model.load_state_dict(weights, strict=True)
         return model.hf.eval()
     if cfg.moe_experts:
-        raise ExportError(
-            f"fp8lm export writes dense GPT-2 and Llama models; this run is a mixture of {cfg.moe_experts} experts, "
-            "which it cannot write yet (fp8lm generate runs its checkpoint)"
-        )
+        return mixtral_model(weights, cfg)
     return llama_model(weights, cfg) if cfg.arch == "llama" else gpt2_model(weights, cfg)
+
+
+def check_mixtral(cfg: GPTConfig) -> None:
+    """Refuse, in one line, a mixture that ``MixtralForCausalLM`` does not compute: Mixtral is the
+    llama architecture with softmax top-k routing (weights renormalized), SwiGLU experts, no shared
+    expert and no token dropping."""
+    differences = [
+        (cfg.arch != "llama", f"--arch {cfg.arch} (Mixtral is the llama architecture)"),
+        (cfg.moe_router != "softmax", f"--moe-router {cfg.moe_router} (Mixtral routes by softmax)"),
+        (cfg.moe_top_k < 2, "--moe-top-k 1 (Mixtral renormalizes the chosen weights: 1 for one expert)"),
+        (cfg.moe_shared_expert, "--moe-shared-expert (Mixtral has none)"),
+        (cfg.moe_capacity_factor is not None, "--moe-capacity-factor (Mixtral drops no token)"),
+    ]
+    given = [text for differs, text in differences if differs]
+    if given:
+        raise ExportError(
+            f"fp8lm export writes a mixture of experts as transformers' MixtralForCausalLM, which does not have "
+            f"this run's {', '.join(given)}; fp8lm generate runs its checkpoint"
+        )
+
+
+def mixtral_config(cfg: GPTConfig):
+    """The ``transformers.MixtralConfig`` that computes what ``GPT(cfg)`` (arch llama with
+    ``moe_experts``) computes: `llama_config`'s attention and norms, ``moe_experts`` SwiGLU experts
+    of ``mlp_hidden``, ``moe_top_k`` of them per token."""
+    check_mixtral(cfg)
+    from transformers import MixtralConfig
+
+    llama = llama_config(cfg).to_dict()
+    keep = [
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+        "hidden_act", "attention_dropout", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+    ]  # fmt: skip
+    return MixtralConfig(
+        **{k: llama[k] for k in keep},
+        num_local_experts=cfg.moe_experts,
+        num_experts_per_tok=cfg.moe_top_k,
+        router_aux_loss_coef=cfg.moe_aux_loss_coef,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+    )
+
+
+def mixtral_state_dict(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """``GPT`` (arch llama, ``moe_experts``) weights under ``MixtralForCausalLM``'s names: the
+    attention and norms as `llama_state_dict` names them, the router as ``mlp.gate``, each block's
+    experts stacked: ``experts.gate_up_proj`` (E, 2 hidden, dim; gate first, as the GPT's SwiGLU
+    chunks) and ``experts.down_proj`` (E, dim, hidden)."""
+    out = {
+        "model.embed_tokens.weight": weights["wte.weight"],
+        "model.norm.weight": weights["ln_f.weight"],
+        "lm_head.weight": weights["lm_head.weight"],
+    }
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        k, v = weights[ours + "attn.c_kv.weight"].chunk(2, dim=0)
+        experts = range(cfg.moe_experts)
+        out |= {
+            theirs + "input_layernorm.weight": weights[ours + "ln_1.weight"],
+            theirs + "post_attention_layernorm.weight": weights[ours + "ln_2.weight"],
+            theirs + "self_attn.q_proj.weight": weights[ours + "attn.c_q.weight"],
+            theirs + "self_attn.k_proj.weight": k.contiguous(),
+            theirs + "self_attn.v_proj.weight": v.contiguous(),
+            theirs + "self_attn.o_proj.weight": weights[ours + "attn.c_proj.weight"],
+            theirs + "mlp.gate.weight": weights[ours + "mlp.router.weight"],
+            theirs + "mlp.experts.gate_up_proj": torch.stack([weights[f"{ours}mlp.c_fc.weight.{e}"] for e in experts]),
+            theirs + "mlp.experts.down_proj": torch.stack([weights[f"{ours}mlp.c_proj.weight.{e}"] for e in experts]),
+        }
+    return out
+
+
+def mixtral_model(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> nn.Module:
+    """A ``transformers.MixtralForCausalLM`` (float32, eval mode) holding ``GPT(cfg)``'s ``weights``."""
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM(mixtral_config(cfg))
+    model.load_state_dict(mixtral_state_dict(weights, cfg), strict=True)
+    return model.eval()
 
 
 def run_tokenizer(state: dict) -> RunTokenizer:
@@ -268,6 +344,7 @@ def _readme(state: dict, format: str) -> str:
         architecture = ", ".join(cfg.hf_config.get("architectures") or [cfg.model_type])
     else:
         architecture = "LlamaForCausalLM" if cfg.arch == "llama" else "GPT2LMHeadModel"
+        architecture = "MixtralForCausalLM" if cfg.moe_experts else architecture
     return "\n".join(
         [
             f"# {run.name} (step {state['step']})",
