@@ -94,14 +94,14 @@ def _sharded_scaling_tensors(module: nn.Module) -> list[tuple[nn.Module, DTensor
 
 def _fp8_gemm_weights(module: nn.Module) -> set[int]:
     """The ids of the weights of every FP8 GEMM with one scale per tensor in ``module``: FP8Linear's
-    (under a tensorwise recipe), and each expert's of an FP8GroupedLinear."""
+    (under a tensorwise recipe), and each expert's of an FP8GroupedLinear (the same)."""
     ids = set()
     for m in module.modules():
         if isinstance(m, FP8Linear) and m.fp8_enabled:
             recipe = getattr(m, "recipe", None)
             if isinstance(recipe, Recipe) and not recipe.fine_grained:
                 ids.add(id(m.weight))
-        elif isinstance(m, FP8GroupedLinear) and m.fp8_enabled:
+        elif isinstance(m, FP8GroupedLinear) and m.fp8_enabled and not m.recipe.fine_grained:
             ids.update(id(w) for _, w in m.held_weights())
     return ids
 
