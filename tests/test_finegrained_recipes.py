@@ -242,6 +242,31 @@ def test_scaled_mm_takes_only_row_wise_e4m3_operands_with_a_bf16_result():
     assert not takes_rowwise_scaled_mm(a, b, torch.float32)
 
 
+def test_block_scaled_mm_takes_the_three_gemms_of_blockwise_and_nothing_else():
+    """cuBLAS's block-scaled GEMM (DeepSeek-V3's layouts): 1 x 128 activations against 128 x 128
+    weights (forward, input gradient) or against 1 x 128 activations (weight gradient, along the
+    tokens); never on CPU, where torch has no kernel for it (the emulation runs)."""
+    from fp8lm.ops.finegrained import block_scales_fit, takes_block_scaled_mm
+
+    blockwise = fp8lm.Recipe.from_name("blockwise")
+    x, w, g = torch.randn(256, 512), torch.randn(128, 512), torch.randn(256, 128)
+    x_op, w_op = quantize_operand(x, blockwise, "input"), quantize_operand(w, blockwise, "weight")
+    forward = (x_op, w_op.t())
+    dgrad = (quantize_operand(g, blockwise, "grad_output"), w_op)  # K = 128: not a multiple of 512
+    wgrad = (quantize_operand(g, blockwise, "grad_output", dim=0).t(), quantize_operand(x, blockwise, "input", dim=0))
+    assert block_scales_fit(*forward, torch.bfloat16) and block_scales_fit(*wgrad, torch.float32)
+    assert not block_scales_fit(*dgrad, torch.bfloat16)
+    assert not block_scales_fit(*forward, torch.float16)
+    assert not takes_block_scaled_mm(*forward, torch.bfloat16)  # a CPU tensor
+    for name in ("rowwise", "mxfp8", "nvfp4"):
+        recipe = fp8lm.Recipe.from_name(name)
+        a, b = quantize_operand(x, recipe, "input"), quantize_operand(w, recipe, "weight").t()
+        assert not block_scales_fit(a, b, torch.bfloat16), name
+    # On CPU backend="scaled_mm" multiplies blockwise operands exactly (emulated), bit for bit.
+    exact = fp8lm.ops.finegrained.block_mm(*forward, torch.bfloat16, backend="emulated")
+    assert torch.equal(fp8lm.ops.finegrained.block_mm(*forward, torch.bfloat16, backend="scaled_mm"), exact)
+
+
 def test_block_stats_count_what_the_blocks_lose():
     from fp8lm.telemetry import block_stats
 

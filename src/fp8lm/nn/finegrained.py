@@ -15,7 +15,9 @@ copies are saved where the weight-gradient GEMM is BF16. The GEMMs (`block_mm`) 
 ``torch._scaled_mm`` with row-wise scales for the rowwise recipes where the recipe's backend
 resolves to it (CUDA of compute capability 9.0+, dims multiples of 16; ``backend="scaled_mm"``
 on CPU), else the exact emulation (FP32 GEMMs of the dequantized operands, one rounding to the
-output dtype): blockwise, mxfp8 and nvfp4 have no fast kernel here yet. Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
+output dtype); blockwise takes ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block scales on
+CUDA of compute capability 9.0 (`fp8lm.ops.finegrained.takes_block_scaled_mm`); mxfp8 and nvfp4
+have no fast kernel here yet. Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
 states are not used. The weight gradient is returned in the weight's dtype; `FP8Linear` stores
 it (`_WeightValue`).
 """

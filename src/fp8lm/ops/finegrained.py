@@ -20,8 +20,9 @@ stochastically rounded for ``grad_output`` (uniform noise from ``generator``, el
 generator: ``torch.manual_seed`` makes it reproducible). A `BlockOperand` holds the payload and
 one float32 ``d`` per block; its values are ``payload * d``. `block_mm` multiplies two of them
 as an FP8 GEMM with FP32 accumulation does: ``torch._scaled_mm`` with row-wise scales where it
-takes them (the rowwise recipes on CUDA), else exactly, the dequantized operands in FP32 (the
-other granularities have no kernel here yet).
+takes them (the rowwise recipes on CUDA) or with 1 x 128 / 128 x 128 block scales (blockwise, on
+CUDA of compute capability 9.0: cuBLAS's block-scaled GEMM), else exactly, the dequantized
+operands in FP32 (mxfp8 and nvfp4 have no kernel here yet).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ __all__ = [
     "block_mm",
     "takes_rowwise_scaled_mm",
     "rowwise_scaled_mm",
+    "takes_block_scaled_mm",
+    "block_scaled_mm",
     "fake_quantize",
 ]
 
@@ -194,12 +197,15 @@ def block_mm(
 ) -> torch.Tensor:
     """``values(a) @ values(b) (+ bias)`` as ``out_dtype``, ``a`` (M, K) and ``b`` (K, N), with
     FP32 accumulation. ``backend="scaled_mm"`` (as `fp8lm.ops.gemm.choose_backend` resolves it)
-    runs ``torch._scaled_mm`` with row-wise scales where it takes the operands (`rowwise_scaled_mm`);
+    runs ``torch._scaled_mm`` with row-wise scales where it takes the operands (`rowwise_scaled_mm`)
+    or with DeepSeek-V3's block scales (`block_scaled_mm`, CUDA of compute capability 9.0);
     otherwise, and with ``"emulated"``, an FP32 GEMM of the exact float32 values, rounded once."""
     if a.payload.shape[1] != b.payload.shape[0]:
         raise ValueError(f"block_mm: shapes {tuple(a.payload.shape)} and {tuple(b.payload.shape)} cannot be multiplied")
     if backend == "scaled_mm" and takes_rowwise_scaled_mm(a, b, out_dtype):
         return rowwise_scaled_mm(a, b, out_dtype, bias)
+    if backend == "scaled_mm" and takes_block_scaled_mm(a, b, out_dtype):
+        return block_scaled_mm(a, b, out_dtype, bias)
     a32, b32 = a.dequantize(), b.dequantize()
     out = torch.mm(a32, b32) if bias is None else torch.addmm(bias.to(torch.float32), a32, b32)
     return out.to(out_dtype)
@@ -232,6 +238,48 @@ def rowwise_scaled_mm(
     # Unit strides: a transposed operand's (M, 1) scales may be a view with stride (1, M).
     scale_a, scale_b = a.d.flatten().unsqueeze(1), b.d.flatten().unsqueeze(0)
     return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, bias=epilogue, out_dtype=out_dtype)
+
+
+def takes_block_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies ``a`` and ``b`` with DeepSeek-V3's block scales
+    (cuBLAS; CUDA only, compute capability 9.0): `block_scales_fit` and a CUDA device of
+    capability 9.0 (torch has no CPU kernel for them)."""
+    if a.payload.device.type != "cuda" or not block_scales_fit(a, b, out_dtype):
+        return False
+    return torch.cuda.get_device_capability(a.payload.device) == (9, 0)
+
+
+def block_scales_fit(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
+    """Whether ``a`` (M, K) and ``b`` (K, N) have the layout cuBLAS's block-scaled FP8 GEMM takes:
+    E4M3 payloads, ``a`` in 1 x 128 blocks along K, ``b`` in 128 x 128 blocks or 128 x 1 (1 x 128
+    along K), K a multiple of 128 (of 512 with 128 x 128 blocks, whose scales cuBLAS reads in
+    groups of 4), M and N multiples of 16, a BF16 or FP32 result."""
+    (m, k), n = a.payload.shape, b.payload.shape[1]
+    if not (a.payload.dtype == b.payload.dtype == torch.float8_e4m3fn and out_dtype in (torch.bfloat16, torch.float32)):
+        return False
+    if a.block != (1, 128) or b.block not in ((128, 128), (128, 1)) or min(m, k, n) == 0:
+        return False
+    k_multiple = 512 if b.block == (128, 128) else 128
+    return not (k % k_multiple or m % 16 or n % 16)
+
+
+def block_scaled_mm(
+    a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`block_mm` of block-scaled operands (`takes_block_scaled_mm`) by ``torch._scaled_mm``:
+    ``a`` row-major with its (M, K / 128) scales outer-dim-major (stride (1, M)); ``b``
+    column-major with its 128 x 128 block scales (K / 128, N / 128) as the transpose of a row-major
+    tensor, or its 1 x 128 scales (K / 128, N) row-major (the layouts torch's tests give cuBLAS).
+    A bias is added to the FP32 result before the one rounding to ``out_dtype``, as the emulation
+    adds it."""
+    a_data = a.payload.contiguous()
+    b_data = b.payload if b.payload.t().is_contiguous() else b.payload.t().contiguous().t()
+    scale_a = a.d.t().contiguous().t()
+    scale_b = b.d.t().contiguous().t() if b.block == (128, 128) else b.d.contiguous()
+    if bias is None:
+        return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    return (out + bias.to(torch.float32)).to(out_dtype)
 
 
 def fake_quantize(
