@@ -139,6 +139,7 @@ class _Mixture(nn.Module):
 
 TRACED = {
     "grouped": (_Grouped, "O1"),
+    "grouped_rowwise": (_Grouped, "O1-rowwise"),
     "loop_of_fp8linear": (_Loop, "O1"),
     "moe_layer": (_Mixture, "O1"),
     "moe_layer_bf16": (_Mixture, None),
@@ -150,7 +151,8 @@ def cuda_trace(experts: int, tokens: int, width: int, hidden: int, models: list[
     an H200's code path, nothing computed): kernel launches, bytes outside the GEMMs and host
     syncs, forward and backward. ``grouped`` and ``loop_of_fp8linear``: one experts' layer over
     ``tokens`` rows routed top-2 at random, O1 storage with FP16 weights and current scaling (as the
-    grouped layer scales its groups); ``moe_layer``: a whole `MoE` layer (``tokens`` tokens, top-2)
+    grouped layer scales its groups), ``grouped_rowwise`` the same layer under the rowwise recipe;
+    ``moe_layer``: a whole `MoE` layer (``tokens`` tokens, top-2)
     the same way, and ``moe_layer_bf16`` at bf16."""
     import cuda_trace as ct
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -169,14 +171,15 @@ def cuda_trace(experts: int, tokens: int, width: int, hidden: int, models: list[
     try:
         with FakeTensorMode(), log:
             for name in models or list(TRACED):
-                cls, level = TRACED[name]
+                cls, variant = TRACED[name]
                 with torch.device("cuda"):
                     model = cls(experts, width, hidden, counts)
                     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                    if level is not None:
+                    if variant is not None:
+                        level, _, recipe = variant.partition("-")
                         policy = preset(level, output_head=False).with_linear(weight=fp8lm.FP16)
                         model, optimizer = fp8lm.initialize(
-                            model, optimizer, level, policy=policy, recipe="tensorwise-current"
+                            model, optimizer, level, policy=policy, recipe=recipe or "tensorwise-current"
                         )
                 rows = tokens if cls is _Mixture else len(chosen)
                 x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)

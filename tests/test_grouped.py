@@ -241,7 +241,7 @@ def test_bf16_grouped_function_is_a_bf16_gemm_per_expert():
         assert torch.equal(w.grad, (grads.t() @ rows).bfloat16().float())
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise-wgrad-bf16", "blockwise", "mxfp8"])
 def test_fine_grained_recipe_is_fake_quantize_per_expert(recipe):
     """Each expert's three GEMMs with the recipe's blocks of its own rows and weight: against
     fake_quantize of each expert's operands along each GEMM's reduction dimension."""
@@ -270,7 +270,10 @@ def test_fine_grained_recipe_is_fake_quantize_per_expert(recipe):
             continue
         ys.append(fq(rows, "input") @ fq(value, "weight").t())
         dxs.append(fq(grads, "grad_output") @ fq(value.t(), "weight").t())
-        dw = fq(grads.t(), "grad_output") @ fq(rows.t(), "input").t()  # both along the tokens
+        if recipe.endswith("wgrad-bf16"):  # BF16 operands, FP32 accumulation
+            dw = grads.bfloat16().float().t() @ rows.bfloat16().float()
+        else:
+            dw = fq(grads.t(), "grad_output") @ fq(rows.t(), "input").t()  # both along the tokens
         torch.testing.assert_close(w.grad, dw)
     torch.testing.assert_close(y, torch.cat(ys))
     torch.testing.assert_close(dx, torch.cat(dxs))

@@ -21,7 +21,7 @@ def trace() -> dict:
     return json.loads(proc.stdout)["cuda_trace"]
 
 
-@pytest.mark.parametrize("model", ["grouped", "moe_layer", "moe_layer_bf16"])
+@pytest.mark.parametrize("model", ["grouped", "grouped_rowwise", "moe_layer", "moe_layer_bf16"])
 def test_a_training_step_reads_nothing_back_to_the_host(trace, model):
     # .item(), .tolist(), .cpu() and torch.bincount's size on a GPU each wait for the device
     assert trace[model]["total"]["syncs"] == 0
@@ -34,5 +34,7 @@ def test_the_experts_gemms_are_grouped_kernels(trace):
     assert grouped["forward"]["fp8_gemms"] == 1 and grouped["total"]["gemms"] == 3  # one per pass
     assert loop["total"]["gemms"] == loop["total"]["fp8_gemms"] == 3 * 4  # one per expert and pass
     assert grouped["total"]["launches"] < loop["total"]["launches"] / 2
+    rowwise = trace["grouped_rowwise"]  # E4M3 output gradients: all three GEMMs grouped FP8
+    assert rowwise["gemm_ops"] == ["_scaled_grouped_mm"] and rowwise["total"]["fp8_gemms"] == 3
     # the mixture: router GEMM (mm) and the experts' two grouped layers
     assert trace["moe_layer"]["forward"]["gemms"] == 3 and trace["moe_layer_bf16"]["total"]["fp8_gemms"] == 0

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import E4M3, FP16, FP32, Format, format_of
+from ..ops.block_scales import pow2_ceil
 from ..ops.cast import _eager_cast
 from ..ops.gemm import choose_backend, emulation_dtype
 from ..recipe import Recipe, recipe_from
@@ -326,6 +327,115 @@ def _weight_payloads(weights) -> tuple[list[torch.Tensor], list[torch.Tensor] | 
     return [w.detach() if not isinstance(w, ScalingTensor) else w.dequantize() for w in weights], None
 
 
+def _rowwise(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (R, C) quantized row by row along C (the rowwise recipe: `pow2_ceil` of each row's
+    amax, as `fp8lm.ops.finegrained.quantize_operand` does): the payload and each row's ``d`` (R,)."""
+    d = pow2_ceil(x.abs().amax(1).to(torch.float32), fmt.max)
+    return (x.to(torch.float32) / d[:, None]).clamp(-fmt.max, fmt.max).to(fmt.dtype), d
+
+
+def _rowwise_over_tokens(x: torch.Tensor, expert: torch.Tensor, num_experts: int, fmt: Format):
+    """``x`` (T, C) quantized along the tokens of each expert's group (the weight-gradient GEMM's
+    reduction dimension): one ``d`` per expert and column (E, C), from that group's column amax."""
+    amax = torch.zeros(num_experts, x.shape[1], dtype=torch.float32, device=x.device)
+    index = expert[:, None].expand(x.shape)
+    d = pow2_ceil(amax.scatter_reduce(0, index, x.abs().to(torch.float32), "amax"), fmt.max)
+    return (x.to(torch.float32) / d[expert]).clamp(-fmt.max, fmt.max).to(fmt.dtype), d
+
+
+def _rowwise_weights(payloads: list[torch.Tensor], stored: list[torch.Tensor] | None, fmt: Format):
+    """The experts' weights (from their stored payloads and scales) quantized row by row for the
+    forward GEMM, ``(E, out, in)`` with ``d`` (E, out), and column by column for the input
+    gradient's, ``(E, in, out)`` with ``d`` (E, in)."""
+    values = torch.stack(payloads).to(torch.float32)
+    if stored is not None:
+        values = values / torch.stack(stored).to(torch.float32)[:, None, None]
+    num, out_features, in_features = values.shape
+    w8, w_d = _rowwise(values.reshape(num * out_features, in_features), fmt)
+    wt8, wt_d = _rowwise(values.transpose(1, 2).reshape(num * in_features, out_features), fmt)
+    return (
+        w8.reshape(num, out_features, in_features),
+        w_d.reshape(num, out_features),
+        wt8.reshape(num, in_features, out_features),
+        wt_d.reshape(num, in_features),
+    )
+
+
+class _RowwiseGroupedFunction(torch.autograd.Function):
+    """The experts' three GEMMs under a rowwise recipe, all experts at once (module docstring):
+    per-row scales of the input and the output gradient, per-expert row (forward) and column
+    (input gradient) scales of the weights, per-expert column scales along each group's tokens for
+    the weight gradient: ``torch._scaled_grouped_mm`` where it runs, else the exact emulation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, groups: Groups, recipe: Recipe, weight_grad_format: Format, *weights):
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        backend, num = choose_backend(x.device, recipe.backend), len(weights)
+        with torch.autocast(device_type, enabled=False):
+            x2 = x.detach()
+            payloads, stored = _weight_payloads(weights)
+            w8, w_d, wt8, wt_d = _scale_math(_rowwise_weights, x2, payloads, stored, recipe.weight_format)
+            x8, x_d = _scale_math(_rowwise, x2, x2, recipe.input_format)
+            y = _rowwise_gemm(x8, x_d, w8.transpose(1, 2), w_d, groups, out_dtype, backend)
+            if recipe.weight_grad_gemm == "bf16":
+                xt8, xt_d = x2.to(torch.bfloat16), None
+            else:
+                xt8, xt_d = _scale_math(_rowwise_over_tokens, x2, x2, groups.expert, num, recipe.input_format)
+        ctx.recipe, ctx.weight_grad_format, ctx.groups, ctx.backend = recipe, weight_grad_format, groups, backend
+        ctx.out_dtype, ctx.x_dtype, ctx.w_dtype = out_dtype, x.dtype, weights[0].dtype
+        ctx.save_for_backward(wt8, wt_d, xt8, xt_d)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        wt8, wt_d, xt8, xt_d = ctx.saved_tensors
+        recipe, groups, out_dtype, backend = ctx.recipe, ctx.groups, ctx.out_dtype, ctx.backend
+        num = wt8.shape[0]
+        grad_x: torch.Tensor | None = None
+        grad_ws: list[torch.Tensor | None] = [None] * num
+        with torch.autocast(grad_out.device.type, enabled=False):
+            g = grad_out.contiguous()
+            if ctx.needs_input_grad[0]:
+                g8, g_d = _scale_math(_rowwise, g, g, recipe.grad_output_format)
+                grad_x = _rowwise_gemm(g8, g_d, wt8.transpose(1, 2), wt_d, groups, out_dtype, backend).to(ctx.x_dtype)
+            if any(ctx.needs_input_grad[4:]):
+                if xt_d is None:  # weight_grad_gemm="bf16": BF16 operands, FP32 accumulation
+                    compute = emulation_dtype(out_dtype, g.device)
+                    grad_w = grouped_mm_t(g.to(torch.bfloat16).to(compute), xt8.to(compute), groups)
+                else:
+                    gt8, gt_d = _scale_math(_rowwise_over_tokens, g, g, groups.expert, num, recipe.grad_output_format)
+                    grad_w = _rowwise_wgrad(gt8, gt_d, xt8, xt_d, groups, out_dtype, backend)
+                stored = _stored_grads(grad_w.to(out_dtype), ctx.weight_grad_format, ctx.w_dtype)
+                grad_ws = [s if ctx.needs_input_grad[4 + e] else None for e, s in enumerate(stored)]
+        return (grad_x, None, None, None, *grad_ws)
+
+
+def _rowwise_gemm(a8, a_d, b8, b_d, groups: Groups, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """Rows of expert ``e`` of ``a8`` (T, K; one ``d`` per row) times ``b8[e]`` (K, N; one ``d``
+    per column and expert, ``b_d`` (E, N)), as ``out_dtype``."""
+    if _takes_scaled_grouped_mm(a8, b8, out_dtype, backend):
+        return torch._scaled_grouped_mm(
+            a8.contiguous(), _col_major(b8), a_d, b_d.contiguous(), offs=groups.ends, out_dtype=out_dtype
+        )
+    compute = emulation_dtype(out_dtype, a8.device)
+    a = _dequantize(a8, a_d[:, None], compute)
+    return grouped_mm(a, _dequantize(b8, b_d[:, None, :], compute), groups).to(out_dtype)
+
+
+def _rowwise_wgrad(g8, g_d, x8, x_d, groups: Groups, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """Each expert's ``g^T x`` (E, out, in) from operands quantized along its tokens (``g_d``
+    (E, out), ``x_d`` (E, in))."""
+    if _takes_scaled_grouped_mm(g8, x8, out_dtype, backend):
+        return torch._scaled_grouped_mm(
+            g8.t().contiguous(), _col_major(x8), g_d.flatten(), x_d.flatten(), offs=groups.ends, out_dtype=out_dtype
+        )
+    compute = emulation_dtype(out_dtype, g8.device)
+    return grouped_mm_t(
+        _dequantize(g8, g_d[groups.expert], compute), _dequantize(x8, x_d[groups.expert], compute), groups
+    )
+
+
 class _BF16GroupedFunction(torch.autograd.Function):
     """The plain experts' GEMMs under BF16 autocast on CUDA as three ``torch._grouped_mm`` (BF16
     operands, FP32 accumulation, BF16 results), as ``F.linear`` per expert computes them."""
@@ -478,6 +588,8 @@ class FP8GroupedLinear(GroupedLinear):
             return super().forward(x, counts)
         groups = self.groups(x, counts)
         weights = [w for w in self.weight if w is not None]
+        if self.recipe.granularity == "rowwise":
+            return _RowwiseGroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, *weights)
         if self.recipe.fine_grained:
             return self._fine_grained(x, groups, weights)
         return _FP8GroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, *weights)
