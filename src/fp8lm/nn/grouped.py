@@ -16,7 +16,7 @@ No host synchronization: on a GPU the layers read the groups from device tensors
 ``torch._grouped_mm`` / ``torch._scaled_grouped_mm``, each row's expert for the per-expert scales).
 What needs the sizes on the host (`Groups.sizes`: free on CPU, one device-to-host copy per
 `Groups` on a GPU, shared by the mixture's two layers) is the per-expert loop: the CPU emulation,
-FP32 GEMMs on a GPU (torch's grouped GEMM is BF16/FP8 only) and the fine-grained recipes.
+FP32 GEMMs on a GPU (torch's grouped GEMM is BF16/FP8 only) and the blockwise and mxfp8 recipes.
 
 `FP8GroupedLinear` runs each expert's three GEMMs in FP8. With a tensorwise recipe, the scales are
 per expert:
@@ -38,10 +38,15 @@ compute capability 9.0+ with dims multiples of 16; otherwise the exact emulation
 with their scales, `grouped_mm`: one BF16 ``torch._grouped_mm`` on CUDA, a GEMM per expert on CPU
 and for FP32). E5M2 output gradients have no grouped FP8 kernel: their two GEMMs are emulated.
 
-With a fine-grained recipe (rowwise, blockwise, mxfp8) each expert's rows go through
-`fp8lm.nn.finegrained.fine_grained_linear` with that expert's weight: every block scale is the
-expert's own (no block straddles two experts), as with one `FP8Linear` per expert. nvfp4 is refused
-(`FP8GroupedLinear`).
+With a fine-grained recipe every block scale is the expert's own (no block straddles two experts),
+as with one `FP8Linear` per expert (`fp8lm.nn.finegrained`). The rowwise recipes run all experts at
+once (`_RowwiseGroupedFunction`): the input and output-gradient rows each with their own scale,
+each expert's weight rows (forward) and columns (input gradient), and, for the weight gradient,
+each expert's columns of both operands along its own tokens (one scale per expert and column,
+from a ``scatter_reduce`` of the column amaxes): E4M3 throughout, so on CUDA all three GEMMs are
+``torch._scaled_grouped_mm`` (row-wise scales are its native form). Blockwise and mxfp8 send each
+expert's rows through `fp8lm.nn.finegrained.fine_grained_linear` with that expert's weight. nvfp4
+is refused (`FP8GroupedLinear`).
 """
 
 from __future__ import annotations
