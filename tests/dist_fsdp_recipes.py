@@ -86,6 +86,9 @@ def recipe_checks(recipe: str, rank: int, world: int) -> dict:
         ref_opt.zero_grad(set_to_none=True)
         ref_losses.append(float(ref_loss))
     res["losses"], res["ref_losses"] = losses, ref_losses
+    # After the optimizer changed the weights: the gathers since refilled the payload and scales.
+    res["final_shards"] = [model[i].weight.to_local().dequantize() for i in (0, 2)]
+    res["final_gathered"] = [gathered(model[i]) for i in (0, 2)]
     return res
 
 

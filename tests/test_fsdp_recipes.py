@@ -58,6 +58,28 @@ def test_gathered_weight_is_the_recipes_operand_bit_for_bit(ranks, recipe):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_later_gathers_bring_the_trained_weights_operand(ranks, recipe):
+    """Four optimizer steps later FSDP2 has refilled the gathered payload and scale bytes in place;
+    the weight it gives is the operand of the trained weight (the concatenated shards)."""
+    for i, (rows, cols) in enumerate([(HIDDEN, IN), (OUT, HIDDEN)]):
+        if not _blocked(recipe, rows, cols):
+            continue
+        weight = torch.cat([r[recipe]["final_shards"][i] for r in ranks])
+        op = quantize_operand(weight, fp8lm.Recipe.from_name(recipe), "weight", dim=1)
+        for r in ranks:
+            got = r[recipe]["final_gathered"][i]
+            assert torch.equal(got["payload"], op.payload.view(torch.uint8))
+            assert torch.equal(got["d"], op.d)
+
+
+@pytest.mark.slow
+def test_mxfp8_scales_moved_in_training_so_stale_ones_would_show(ranks):
+    first, final = ranks[0]["mxfp8"]["gathered"][0]["d"], ranks[0]["mxfp8"]["final_gathered"][0]["d"]
+    assert not torch.equal(first, final)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_all_gather_sends_the_e4m3_payload_and_the_scales(ranks, recipe):
     for r in ranks:
         for i, (rows, cols) in enumerate([(HIDDEN, IN), (OUT, HIDDEN)]):
@@ -65,7 +87,8 @@ def test_all_gather_sends_the_e4m3_payload_and_the_scales(ranks, recipe):
             shard_rows = rows // WORLD
             bias = 4 * shard_rows  # the FP32 bias shard travels in the same all-gather
             if _blocked(recipe, rows, cols):
-                scales = 4 * got["d"].numel() // WORLD
+                pow2 = recipe in ("rowwise", "rowwise-wgrad-bf16", "mxfp8")  # E8M0 bytes, else FP32
+                scales = (1 if pow2 else 4) * got["d"].numel() // WORLD
                 assert got["handed"] == shard_rows * cols + scales + bias
             else:
                 assert got["handed"] == 2 * shard_rows * cols + bias

@@ -5,7 +5,7 @@ Under a fine-grained recipe (`fp8lm.Recipe.fine_grained`) an FSDP2-sharded `FP8L
 all-gathered as its forward operand: each rank quantizes its own rows as
 `fp8lm.ops.finegrained.quantize_operand` quantizes the whole weight along in_features (one scale
 per row, 1 x 32 or 128 x 128 or 16 x 16 blocks) and sends the E4M3 bytes with the scales of its
-rows or blocks (`gather_inputs`); the gathered payload and scales are the operand of the whole
+rows or blocks (`gather_inputs`: E8M0 bytes where they are powers of two, else float32); the gathered payload and scales are the operand of the whole
 weight, bit for bit, as a `BlockScaledTensor` (`gathered`) that `FP8Linear` multiplies directly.
 nvfp4's per-tensor scale comes from the amax of the whole weight (a MAX all-reduce).
 
@@ -30,7 +30,15 @@ from .ops.blocks import Block
 from .ops.finegrained import BlockOperand, operand_block, quantize_operand
 from .recipe import Recipe
 
-__all__ = ["BlockScaledTensor", "shards_whole_blocks", "gather_inputs", "gathered", "GATHER_TAG"]
+__all__ = [
+    "BlockScaledTensor",
+    "shards_whole_blocks",
+    "gather_inputs",
+    "gathered",
+    "refresh",
+    "pow2_scales",
+    "GATHER_TAG",
+]
 
 aten = torch.ops.aten
 GATHER_TAG = "blocks"  # marks the all-gather metadata of a block-scaled gather
@@ -125,15 +133,37 @@ def gather_inputs(
         dist.all_reduce(tensor_amax, dist.ReduceOp.MAX, group=group)
         tensor_amax = tensor_amax.reshape(())
     op = quantize_operand(values, recipe, "weight", dim=1, tensor_amax=tensor_amax)
-    return (op.payload.view(torch.uint8), op.d.contiguous()), (GATHER_TAG, op.payload.dtype, op.block)
+    scale_dtype = torch.float8_e8m0fnu if pow2_scales(recipe) else torch.float32
+    scales = op.d.to(scale_dtype).view(torch.uint8) if scale_dtype != torch.float32 else op.d.contiguous()
+    return (op.payload.view(torch.uint8), scales), (GATHER_TAG, op.payload.dtype, op.block, scale_dtype)
+
+
+def pow2_scales(recipe: Recipe) -> bool:
+    """Whether the recipe's weight scales are powers of two (rowwise, mxfp8, blockwise with
+    ``pow2_scales``): they travel as E8M0 bytes (exact: exponents in [-127, 127], NaN as 255)."""
+    return recipe.granularity in ("rowwise", "mxfp8") or (recipe.granularity == "blockwise" and recipe.pow2_scales)
+
+
+def _scales(wire: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """The float32 scales of gathered scale bytes (`gather_inputs`)."""
+    return wire if scale_dtype == torch.float32 else wire.view(scale_dtype).to(torch.float32)
 
 
 def gathered(
     outputs: tuple[torch.Tensor, ...], metadata: tuple, dtype: torch.dtype
 ) -> tuple[BlockScaledTensor, tuple[torch.Tensor, torch.Tensor]]:
     """The gathered weight (a `BlockScaledTensor` presenting ``dtype``) from FSDP2's all-gather
-    outputs of `gather_inputs`, and its inner tensors (which later all-gathers refill)."""
-    wire, d = outputs
-    _, payload_dtype, block = metadata
+    outputs of `gather_inputs`, and its inner tensors (which later all-gathers refill: then
+    `refresh` it)."""
+    wire, scales = outputs
+    _, payload_dtype, block, scale_dtype = metadata
     payload = wire.view(payload_dtype)
-    return BlockScaledTensor(payload, d, block, dtype), (payload, d)
+    return BlockScaledTensor(payload, _scales(scales, scale_dtype), block, dtype), (payload, scales)
+
+
+def refresh(out: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: tuple) -> None:
+    """After a later all-gather refilled the inner tensors of ``out`` (a `gathered` weight): its
+    float32 scales decoded again from E8M0 bytes (float32 scales are the gathered buffer itself)."""
+    scale_dtype = metadata[3]
+    if scale_dtype != torch.float32 and isinstance(out, BlockScaledTensor):
+        out._d.copy_(_scales(outputs[1], scale_dtype))

@@ -359,8 +359,11 @@ class ScalingTensor(torch.Tensor):
         used by `FP8Linear` as its FP8 operand directly; under a fine-grained recipe the
         `fp8lm.block_tensor.BlockScaledTensor` of the ranks' blocks."""
         if metadata[0] == block_tensor.GATHER_TAG:
-            # Later all-gathers refill its payload and scales in place.
-            return None if out is not None else block_tensor.gathered(all_gather_outputs, metadata, param_dtype)
+            if out is None:
+                return block_tensor.gathered(all_gather_outputs, metadata, param_dtype)
+            # A later all-gather refilled its payload and scale bytes in place.
+            block_tensor.refresh(getattr(out, "_local_tensor", out), all_gather_outputs, metadata)
+            return None
         (wire,) = all_gather_outputs
         payload_dtype, scale = metadata
         payload = wire.view(payload_dtype)
