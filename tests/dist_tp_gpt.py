@@ -58,15 +58,17 @@ def reference(res: dict, ref, exact, x, y) -> dict:
 
 
 def tp_checks(rank, world) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     from fp8lm import clip_grad_norm_
-    from fp8lm.distributed import comm_stats, reset_comm_stats
-    from fp8lm.train.gpt_parallel import finish_tensor_parallel_grads, tensor_parallel_plan
+    from fp8lm.distributed import ParallelDims, comm_stats, reset_comm_stats
+    from fp8lm.distributed.grad_sync import GradientSync, SyncPlan
+    from fp8lm.train.gpt_parallel import tensor_parallel_plan
 
     cfg, model, ref, exact = models()
-    mesh = init_device_mesh("cpu", (world,))
+    dims = ParallelDims(tp=world)
+    run_mesh = dims.build_mesh("cpu")
+    mesh = run_mesh["tp"]
     parallelize_module(model, mesh, tensor_parallel_plan(cfg))
     x, y = batch(cfg)
     reset_comm_stats()
@@ -74,7 +76,7 @@ def tp_checks(rank, world) -> dict:
         outs = [model(a, b) for a, b in zip(x.chunk(MICRO), y.chunk(MICRO))]
         loss = sum(out[1] for out in outs) / MICRO
         loss.backward()
-    finish_tensor_parallel_grads(model, mesh.get_group())
+    GradientSync(SyncPlan.for_run(dims), run_mesh, fp8=True).finish(model)  # the norms' partial sums over tp
     # every rank of the group holds this stage: plain (replicated) gradients count once over it
     norm = clip_grad_norm_(model.parameters(), float("inf"), group=mesh.get_group(), stage_size=world)
     res = {"loss": float(loss.detach()), "norm": float(norm), "stats": comm_stats()}

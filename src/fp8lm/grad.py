@@ -62,6 +62,8 @@ def clip_grad_norm_(
     *,
     group=None,
     stage_size: int = 1,
+    ep_params=(),
+    ep: int = 1,
 ) -> torch.Tensor:
     """Scale the gradients so their total ``norm_type``-norm is at most ``max_norm``, like
     ``torch.nn.utils.clip_grad_norm_``; returns the total norm before clipping (float32).
@@ -79,7 +81,9 @@ def clip_grad_norm_(
     Each rank adds its local gradients' ``|g|^p``, a plain gradient's divided by ``stage_size``
     (every such rank holds it whole) and a DTensor's by ``stage_size`` over its number of shards,
     and the sums are added over ``group``: the norm of the whole gradients, the same on every rank.
-    DTensor gradients without a ``group`` are reduced over their own mesh.
+    DTensor gradients without a ``group`` are reduced over their own mesh. ``ep_params`` are split
+    ``ep`` ways among the ranks of a stage (expert parallelism: each rank of an expert-parallel group
+    holds 1/``ep`` of the experts, whole): their gradients' sums are divided by ``ep`` times less.
     """
     own_clip = getattr(parameters, "clip_grad_norm_", None) if isinstance(parameters, torch.optim.Optimizer) else None
     if own_clip is not None:
@@ -94,7 +98,8 @@ def clip_grad_norm_(
     if group is None and any(isinstance(g, DTensor) for g in grads):
         groups, stage_size = _own_mesh(grads)
     if groups:
-        total = _spread_norm(grads, norm_type, groups, stage_size)
+        split = {id(p.grad) for p in _params(ep_params) if p.grad is not None}
+        total = _spread_norm(grads, norm_type, groups, stage_size, split, ep)
     elif not grads:
         return torch.zeros((), dtype=torch.float32)
     else:
@@ -131,9 +136,16 @@ def clip_grad_norm_(
     return total
 
 
-def _spread_norm(grads: list[torch.Tensor], norm_type: float, groups: list, stage_size: int) -> torch.Tensor:
+def _spread_norm(
+    grads: list[torch.Tensor],
+    norm_type: float,
+    groups: list,
+    stage_size: int,
+    split: frozenset[int] | set[int] = frozenset(),
+    ep: int = 1,
+) -> torch.Tensor:
     """The norm of gradients spread over the ranks of ``groups`` (reduced over each in turn; see
-    `clip_grad_norm_`), on the gradients' device."""
+    `clip_grad_norm_`), on the gradients' device; those in ``split`` (by id) are split ``ep`` ways."""
     from .distributed import comm  # the one place that hands tensors to torch.distributed (a layer up)
 
     device = grads[0].device if grads else comm.group_device(groups[0])
@@ -143,7 +155,8 @@ def _spread_norm(grads: list[torch.Tensor], norm_type: float, groups: list, stag
         if norm_type == float("inf"):
             total = torch.maximum(total, values.abs().amax().reshape(1) if values.numel() else total)
         else:
-            total = total + values.abs().pow(norm_type).sum() / (stage_size // _shards(g))
+            pieces = _shards(g) * (ep if id(g) in split else 1)
+            total = total + values.abs().pow(norm_type).sum() / (stage_size // pieces)
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
     for group in groups:
         comm.all_reduce(total, op=op, group=group)

@@ -112,6 +112,17 @@ class ParallelMesh:
         """The process group of `mesh` ``name``."""
         return self.mesh(name).get_group()
 
+    def expert_groups(self, ep: int, over: str = "dp_replicate") -> tuple:
+        """Expert parallelism over dimension ``over`` (every rank of the run: tp = pp = 1): the group
+        of this rank's ``ep`` consecutive ranks, which exchange tokens, and the group of its experts'
+        replicas (the ranks at its place in the other groups; None when there is one group)."""
+        if ep == self.dims.world:
+            return self.group(over), None
+        experts = init_device_mesh(
+            self.root.device_type, (self.dims.world // ep, ep), mesh_dim_names=("ep_replicate", "ep")
+        )
+        return experts.get_group("ep"), experts.get_group("ep_replicate")
+
     def clip_options(self) -> dict:
         """`fp8lm.clip_grad_norm_`'s ``group`` and ``stage_size`` for gradients laid out on this mesh."""
         return {"group": self.model.get_group(), "stage_size": self.dims.dp_shard * self.dims.tp}

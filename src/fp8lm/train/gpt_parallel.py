@@ -26,8 +26,8 @@ module                 style
 =====================  =============================================================================
 
 The embeddings stay replicated (every rank embeds the whole sequence). After backward,
-`finish_tensor_parallel_grads` sums the norms' partial gradients over the TP group and averages
-every gradient over the data-parallel group in FP8.
+`fp8lm.distributed.grad_sync.GradientSync` sums the norms' partial gradients over the TP group and
+averages every gradient over the data-parallel group in FP8.
 
 **Pipeline stages** (`PipelineStageModule`): stage ``s`` of ``n`` holds a contiguous run of
 blocks; the first also the embeddings, the last also ``ln_f`` and ``lm_head`` (and returns the
@@ -39,9 +39,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
@@ -49,8 +48,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ..distributed import comm
-from ..distributed.collectives import fp8_all_reduce
 from ..distributed.pipeline import FP8StageInput, FP8StageOutput, carrier_numel
 from ..distributed.tensor_parallel import (
     CastPrepareModuleInput,
@@ -64,7 +61,6 @@ from .model import GPT, GPTConfig, embed
 __all__ = [
     "tensor_parallel_plan",
     "torch_tensor_parallel_plan",
-    "finish_tensor_parallel_grads",
     "PipelineStageModule",
     "stage_blocks",
 ]
@@ -132,35 +128,6 @@ def torch_tensor_parallel_plan(
         "ln_f": SequenceParallel(),
         "lm_head": ChunkedColwiseParallel(input_layouts=Shard(1), use_local_output=False, input_dtype=activation_dtype),
     }
-
-
-def finish_tensor_parallel_grads(model: nn.Module, tp_group=None, dp_group=None, fp8: bool = True) -> None:
-    """After backward: partial gradients (the sequence-parallel norms') summed over ``tp_group``
-    (a plain FP32 all-reduce: they are small), then, with a ``dp_group``, every gradient's local
-    tensor averaged over it: with the FP8 all-reduce, or with ``fp8=False`` a plain all-reduce in
-    the gradient's dtype (what DDP sends)."""
-    for p in model.parameters():
-        grad = p.grad
-        if grad is None:
-            continue
-        if isinstance(grad, DTensor) and any(isinstance(pl, Partial) for pl in grad.placements):
-            local = comm.all_reduce(grad.to_local().contiguous(), group=tp_group)
-            grad = DTensor.from_local(local, grad.device_mesh, (Replicate(),), run_check=False)
-        if dp_group is not None:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            averaged = _average(local, dp_group, fp8)
-            grad = (
-                DTensor.from_local(averaged, grad.device_mesh, grad.placements, run_check=False)
-                if isinstance(grad, DTensor)
-                else averaged
-            )
-        p.grad = grad
-
-
-def _average(local: torch.Tensor, group, fp8: bool) -> torch.Tensor:
-    if fp8:
-        return fp8_all_reduce(local, group, average=True).to(local.dtype)
-    return comm.all_reduce(local.contiguous(), group=group) / dist.get_world_size(group)
 
 
 def stage_blocks(n_layer: int, stage: int, n_stages: int) -> range:

@@ -21,13 +21,14 @@ from torch import nn
 from ...amp import initialize
 from ...distributed import comm_stats, load_checkpoint, save_checkpoint
 from ...distributed.accounting import KINDS
+from ...distributed.grad_sync import GradientSync, SyncPlan
 from ...distributed.mesh import ParallelMesh
 from ...grad import clip_grad_norm_
 from ...optim import SkipsNonFiniteSteps
 from ..checkpoint import CheckpointError, shards_name
 from ..ranks import Ranks
 
-__all__ = ["Layout", "LayoutSpec", "PipelineShape", "ShardedCheckpoints", "point_optimizer_at"]
+__all__ = ["Layout", "LayoutSpec", "PipelineShape", "ShardedCheckpoints", "point_optimizer_at", "gradient_sync"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,13 @@ class LayoutSpec:
     ep: int = 1  # expert parallelism over this many ranks (`expert.ExpertParallelLayout`)
 
 
+def gradient_sync(spec: LayoutSpec, ranks: Ranks, mesh: ParallelMesh, **options) -> GradientSync:
+    """The run's `GradientSync` on ``mesh`` for ``spec``'s level, sharding and experts (``options``:
+    `GradientSync`'s ``experts`` and ``ep_groups``)."""
+    plan = SyncPlan.for_run(ranks.dims, fsdp=spec.fsdp, zero=spec.opt_level == "O3", ep=spec.ep)
+    return GradientSync(plan, mesh, fp8=spec.fp8, scaling=spec.grad_sync_scaling, **options)
+
+
 class Layout:
     """One process: the whole model and optimizer state on this rank, nothing to sync."""
 
@@ -63,8 +71,10 @@ class Layout:
     # Whether a forward pass needs every rank (then all ranks evaluate, not rank 0 alone).
     collective_forward = False
 
-    def __init__(self, ranks: Ranks, mesh: ParallelMesh | None = None) -> None:
+    def __init__(self, ranks: Ranks, mesh: ParallelMesh | None = None, sync: GradientSync | None = None) -> None:
         self.ranks, self.mesh = ranks, mesh
+        # every gradient sync of the layout, dimension by dimension of the mesh
+        self.sync = sync if sync is not None else GradientSync.none()
 
     @classmethod
     def applies(cls, spec: LayoutSpec, ranks: Ranks) -> bool:
@@ -90,20 +100,18 @@ class Layout:
 
     def forward_backward(self, model: nn.Module, batches: list, loss: Callable) -> torch.Tensor:
         """Forward and backward of a step's micro-batches, ``loss(model, batch)`` each (gradients
-        sync on the last one); returns the sum of their losses, on the device (no host sync)."""
+        sync on the last one, `GradientSync`); returns the sum of their losses, on the device (no
+        host sync)."""
         loss_sum: torch.Tensor | None = None
         for micro, batch in enumerate(batches):
             value = loss(model, batch)
-            with self.gradient_sync(model, micro == len(batches) - 1):
+            with self.sync.micro_batch(model, micro == len(batches) - 1):
                 (value / len(batches)).backward()
             value = value.detach().float()
             loss_sum = value if loss_sum is None else loss_sum + value
+        self.sync.finish(model)
         assert loss_sum is not None
         return loss_sum
-
-    def gradient_sync(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
-        """Context of one micro-batch's backward: gradients sync only on the last of a step."""
-        return contextlib.nullcontext()
 
     def eval_loss(self, model: nn.Module, batch, loss: Callable) -> torch.Tensor:
         """The loss of the whole model on ``batch`` (every rank that takes part calls it)."""
@@ -114,12 +122,10 @@ class Layout:
         return optimizer
 
     def clip(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        """Clip the gradients to ``max_norm`` (`fp8lm.clip_grad_norm_`, over the mesh when there
-        is one); returns their norm before clipping."""
+        """Clip the gradients to ``max_norm`` (`fp8lm.clip_grad_norm_`, over the ranks that hold
+        parts of them: `GradientSync.clip_options`); returns their norm before clipping."""
         # model.parameters(), not the optimizer's group order: the norm's float sum stays as it was
-        spread = self.mesh is not None and self.mesh.model.size() > 1  # else every rank holds it all
-        options = self.mesh.clip_options() if spread else {}
-        return float(clip_grad_norm_(model.parameters(), max_norm, **options))
+        return float(clip_grad_norm_(model.parameters(), max_norm, **self.sync.clip_options()))
 
     def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[float, bool]:
         """Clip the gradients to ``max_norm`` and step; returns the norm before clipping and whether
@@ -139,8 +145,9 @@ class Layout:
     # -- communication ----------------------------------------------------------------------------
 
     def comm_bytes(self, model: nn.Module, num_params: int) -> float:
-        """Bytes this rank sent for the step just taken: fp8lm's collectives count themselves."""
-        return comm_stats()["total_bytes"]
+        """Bytes this rank sent for the step just taken: fp8lm's collectives count themselves;
+        torch's DDP is computed (`GradientSync.uncounted_bytes`)."""
+        return comm_stats()["total_bytes"] + self.sync.uncounted_bytes(model, num_params, self.ranks.world)
 
     def counted_comm(self, model: nn.Module) -> dict | None:
         """The step's counted bytes beyond their total: ``comm_handed_bytes`` (what this rank

@@ -1,9 +1,10 @@
 """Pipeline parallelism on the mesh's ``pp`` dimension (``--pp N``): this rank holds one stage of
 the GPT (`PipelineStageModule`: FP8 carriers at the FP8 levels, plain boundaries in BF16 at bf16,
 FP32 at fp32) and its optimizer state; a step is one ``ScheduleGPipe`` step over the shape's
-micro-batches (sends and receives counted by `FP8PipelineStage`), then every gradient averaged
-over the data-parallel replicas (FP8 or FP32), or, with ``--fsdp``, the stage sharded with FSDP2
-over the data-parallel ranks. The loss, the last stage's, is broadcast to the other stages;
+micro-batches (sends and receives counted by `FP8PipelineStage`), then `GradientSync` sums the
+norms' partial gradients over ``tp`` (3-D) and averages every gradient over the data-parallel
+replicas (FP8 or FP32), or, with ``--fsdp``, the stage sharded with FSDP2 over the data-parallel
+ranks reduce-scatters them during the schedule's backward. The loss, the last stage's, is broadcast to the other stages;
 validation runs the stages one after another, micro-batch by micro-batch.
 """
 
@@ -22,9 +23,9 @@ from ...amp import initialize
 from ...distributed import comm, precompute_fp8_scales
 from ...distributed.comm import counted_functional_collectives
 from ...distributed.pipeline import FP8PipelineStage
-from ..gpt_parallel import PipelineStageModule, finish_tensor_parallel_grads
-from .base import Layout, LayoutSpec, ShardedCheckpoints, point_optimizer_at
-from .fsdp import fsdp_options, shard_blocks_and_model
+from ..gpt_parallel import PipelineStageModule
+from .base import Layout, LayoutSpec, PipelineShape, ShardedCheckpoints, gradient_sync, point_optimizer_at
+from .fsdp import shard_blocks_and_model
 from .tensor import apply_tensor_parallel, replicated_value
 
 __all__ = ["PipelineLayout", "token_loss"]
@@ -55,20 +56,19 @@ class PipelineLayout(ShardedCheckpoints, Layout):
         wire = None if spec.fp8 else (torch.bfloat16 if spec.opt_level == "bf16" else torch.float32)
         micro = spec.pipeline.local_batch // spec.pipeline.micro_batches
         stage = PipelineStageModule(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire, seq_shards=ranks.tp)
+        sync = gradient_sync(spec, ranks, mesh)
         if spec.fsdp:
-            shard_blocks_and_model(stage, {**fsdp_options(spec), "mesh": mesh["dp_shard"]})
+            shard_blocks_and_model(stage, sync.fsdp_options(spec.opt_level))
         params = dict(stage.named_parameters())
         point_optimizer_at(optimizer, names, params)
         if spec.fsdp:
             precompute_fp8_scales(stage)
-        return stage, optimizer, cls(ranks, mesh, spec, stage)
+        return stage, optimizer, cls(ranks, mesh, sync, spec.pipeline, stage)
 
-    def __init__(self, ranks, mesh, spec: LayoutSpec, stage: PipelineStageModule) -> None:
-        super().__init__(ranks, mesh)
-        assert spec.pipeline is not None
-        self.stage, self.shape, self.fp8, self.fsdp = stage, spec.pipeline, spec.fp8, spec.fsdp
-        self.pp_group, self.tp_group = mesh.group("pp"), mesh.group("tp") if ranks.tp > 1 else None
-        self.dp_group = mesh.group("dp_replicate") if ranks.dims.dp_replicate > 1 else None
+    def __init__(self, ranks, mesh, sync, shape: PipelineShape, stage: PipelineStageModule) -> None:
+        super().__init__(ranks, mesh, sync)
+        self.stage, self.shape = stage, shape
+        self.pp_group, self.tensor_parallel_loss = mesh.group("pp"), ranks.tp > 1
         self.index, self.n_stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
         self.device = next(stage.parameters()).device
         example = stage.boundary_example(self.device)
@@ -101,8 +101,7 @@ class PipelineLayout(ShardedCheckpoints, Layout):
                 self.schedule.step(target=y.to(self.device), losses=losses)
             else:
                 self.schedule.step()
-            if self.tp_group is not None or self.dp_group is not None:
-                finish_tensor_parallel_grads(model, self.tp_group, self.dp_group, fp8=self.fp8)
+            self.sync.finish(model)
         if losses:
             mean = torch.stack([replicated_value(v).detach().float() for v in losses]).mean().reshape(1)
         else:
@@ -129,7 +128,7 @@ class PipelineLayout(ShardedCheckpoints, Layout):
     def tensor_parallel(self) -> contextlib.AbstractContextManager:
         """Under 3-D: torch's ``loss_parallel`` (the last stage's logits are vocabulary-sharded)
         with torch's functional collectives counted."""
-        if self.tp_group is None:
+        if not self.tensor_parallel_loss:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(loss_parallel())
@@ -137,5 +136,5 @@ class PipelineLayout(ShardedCheckpoints, Layout):
         return stack
 
     def after_step(self, model: nn.Module) -> None:
-        if self.fsdp:
+        if self.sync.plan.dp_shard == "fsdp":
             precompute_fp8_scales(model)

@@ -5,7 +5,6 @@ the ``tp`` ranks first, as in `fp8lm.train.layouts.tensor_zero`."""
 
 from __future__ import annotations
 
-from ...distributed import FP8ZeroOptimizer
 from .base import LayoutSpec
 from .pipeline import PipelineLayout
 from .zero import ZeroState
@@ -23,6 +22,4 @@ class PipelineZeroLayout(ZeroState, PipelineLayout):
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         stage, optimizer, layout = super().parallelize(model, optimizer, spec, ranks, mesh)
-        group, model_group = mesh.group("dp_shard"), mesh.group("model")
-        optimizer = FP8ZeroOptimizer(stage, optimizer, group, norm_group=model_group, norm_stage_size=ranks.tp)
-        return stage, optimizer, layout
+        return stage, layout.sync.shard_optimizer(stage, optimizer), layout

@@ -4,9 +4,9 @@ FSDP2 over the data-parallel ranks (``--tp N --fsdp``: 2-D).
 The GPT's plan (`fp8lm.train.gpt_parallel`): FP8 styles at O1/O2, torch's own styles with BF16
 activations at bf16, FP32 at fp32. Forward and backward run under torch's ``loss_parallel``
 (vocabulary-sharded logits) with torch's functional collectives counted while `comm_stats` is on
-(`CountedFunctionalCollectives`, while `accounting.counting()`); after backward the norms' partial gradients are summed over
-``tp`` and, without FSDP2, every gradient averaged over the data-parallel replicas (FP8 or FP32,
-as the level's data parallelism).
+(`CountedFunctionalCollectives`, while `accounting.counting()`); after backward `GradientSync`
+sums the norms' partial gradients over ``tp`` and, without FSDP2, averages every gradient over the
+data-parallel replicas (FP8 or FP32, as the level's data parallelism).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from ...amp import initialize
 from ...distributed import precompute_fp8_scales
 from ...distributed.comm import counted_functional_collectives
-from ..gpt_parallel import finish_tensor_parallel_grads, tensor_parallel_plan, torch_tensor_parallel_plan
-from .base import Layout, LayoutSpec, ShardedCheckpoints, point_optimizer_at
-from .fsdp import fsdp_options, shard_blocks_and_model
+from ..gpt_parallel import tensor_parallel_plan, torch_tensor_parallel_plan
+from .base import Layout, LayoutSpec, ShardedCheckpoints, gradient_sync, point_optimizer_at
+from .fsdp import shard_blocks_and_model
 
 __all__ = ["TensorParallelLayout", "apply_tensor_parallel", "replicated_value"]
 
@@ -55,30 +55,22 @@ class TensorParallelLayout(ShardedCheckpoints, Layout):
             model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
         names = {id(p): name for name, p in model.named_parameters()}
         apply_tensor_parallel(model, spec, mesh)
+        sync = gradient_sync(spec, ranks, mesh)
         if spec.fsdp:
-            shard_blocks_and_model(model, {**fsdp_options(spec), "mesh": mesh["dp_shard"]})
+            shard_blocks_and_model(model, sync.fsdp_options(spec.opt_level))
         point_optimizer_at(optimizer, names, dict(model.named_parameters()))
         if spec.fsdp:
             precompute_fp8_scales(model)
-        return model, optimizer, cls(ranks, mesh, spec)
-
-    def __init__(self, ranks, mesh, spec: LayoutSpec) -> None:
-        super().__init__(ranks, mesh)
-        self.fp8, self.fsdp = spec.fp8, spec.fsdp
-        self.tp_group = mesh.group("tp")
-        # without FSDP2 the replicas' gradients are averaged here; FSDP2 reduce-scatters them itself
-        self.dp_group = mesh.group("dp_replicate") if ranks.dims.dp_replicate > 1 else None
+        return model, optimizer, cls(ranks, mesh, sync)
 
     def forward_backward(self, model: nn.Module, batches: list, loss: Callable) -> torch.Tensor:
         with loss_parallel(), counted_functional_collectives():
-            loss_sum = super().forward_backward(model, batches, loss)
-            finish_tensor_parallel_grads(model, self.tp_group, self.dp_group, fp8=self.fp8)
-        return replicated_value(loss_sum)
+            return replicated_value(super().forward_backward(model, batches, loss))
 
     def eval_loss(self, model: nn.Module, batch, loss: Callable) -> torch.Tensor:
         with loss_parallel(), counted_functional_collectives():
             return replicated_value(loss(model, batch))
 
     def after_step(self, model: nn.Module) -> None:
-        if self.fsdp:
+        if self.sync.plan.dp_shard == "fsdp":
             precompute_fp8_scales(model)

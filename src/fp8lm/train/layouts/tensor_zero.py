@@ -7,7 +7,6 @@ gradient norm adds up over ``dp x tp``."""
 
 from __future__ import annotations
 
-from ...distributed import FP8ZeroOptimizer
 from .base import LayoutSpec
 from .tensor import TensorParallelLayout
 from .zero import ZeroState
@@ -25,7 +24,4 @@ class TensorParallelZeroLayout(ZeroState, TensorParallelLayout):
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         model, optimizer, layout = super().parallelize(model, optimizer, spec, ranks, mesh)
-        optimizer = FP8ZeroOptimizer(
-            model, optimizer, mesh.group("dp_shard"), norm_group=mesh.group("model"), norm_stage_size=ranks.tp
-        )
-        return model, optimizer, layout
+        return model, layout.sync.shard_optimizer(model, optimizer), layout

@@ -1,7 +1,8 @@
 """FP8 ZeRO (opt_level O3 under torchrun): each data-parallel rank owns whole tensors' master
-weights and moments (`FP8ZeroOptimizer`: FP8 gradient reduce-scatter, FP8 weight all-gather), clips
-by the global norm of the reduced gradients and skips a non-finite step itself; checkpoints keep
-the shards in a ``step_<step>.dcp/`` folder next to the checkpoint file, in the format of every layout."""
+weights and moments (`FP8ZeroOptimizer`: FP8 gradient reduce-scatter at the optimizer step,
+`GradientSync`'s ``"zero"``; FP8 weight all-gather), clips by the global norm of the reduced
+gradients and skips a non-finite step itself; checkpoints keep the shards in a ``step_<step>.dcp/``
+folder next to the checkpoint file, in the format of every layout."""
 
 from __future__ import annotations
 
@@ -10,21 +11,22 @@ from torch import nn
 
 from ...amp import initialize
 from ...distributed import FP8ZeroOptimizer
-from .base import Layout, LayoutSpec, ShardedCheckpoints
+from ...grad import clip_grad_norm_
+from .base import Layout, LayoutSpec, ShardedCheckpoints, gradient_sync
 
 __all__ = ["ZeroLayout", "ZeroState"]
 
 
 class ZeroState(ShardedCheckpoints):
     """What FP8 ZeRO changes in a layout: the optimizer state this rank holds is its shard; the
-    optimizer reduces, clips (by the global norm) and skips a non-finite step itself; checkpoints
-    keep its shards (and the model) in a ``step_<step>.dcp/`` folder."""
+    optimizer reduces, clips (by the global norm, `fp8lm.clip_grad_norm_`) and skips a non-finite
+    step itself; checkpoints keep its shards (and the model) in a ``step_<step>.dcp/`` folder."""
 
     def local_optimizer(self, optimizer: FP8ZeroOptimizer) -> torch.optim.Optimizer:
         return optimizer.shard
 
     def clip(self, model: nn.Module, optimizer: FP8ZeroOptimizer, max_norm: float) -> float:
-        return float(optimizer.clip_grad_norm_(max_norm))  # over the reduced gradients' owners
+        return float(clip_grad_norm_(optimizer, max_norm))  # FP8 ZeRO's: over the reduced gradients' owners
 
     def clip_and_step(self, model: nn.Module, optimizer: FP8ZeroOptimizer, max_norm: float) -> tuple[float, bool]:
         grad_norm = self.clip(model, optimizer, max_norm)
@@ -42,5 +44,5 @@ class ZeroLayout(ZeroState, Layout):
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
-        optimizer = FP8ZeroOptimizer(model, optimizer, mesh.group("dp_shard"))  # one rank included
-        return model, optimizer, cls(ranks, mesh)
+        sync = gradient_sync(spec, ranks, mesh)
+        return model, sync.shard_optimizer(model, optimizer), cls(ranks, mesh, sync)  # one rank included
