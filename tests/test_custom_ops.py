@@ -32,6 +32,12 @@ def _samples():
         for x in (_x().reshape(64, 64), _x(dtype=torch.bfloat16).reshape(32, 128), _x(6).reshape(2, 3)):
             yield "cast_transposed", (x, scale, dtype)
         yield "amax", (_x(),)
+        for x in (_x().reshape(32, 128), _x(dtype=torch.bfloat16).reshape(128, 32)):
+            group = x.shape[-1]
+            scales = torch.full((x.numel() // group,), 4.0)
+            yield "group_amax", (x, group)
+            yield "group_cast", (x, scales, group, dtype)
+            yield "group_upcast", (cast_ops.saturating_cast(x, scale, format_of(dtype)), scales, group, torch.bfloat16)
     for state in (_adam_state(torch.float16, torch.float32), _adam_state(torch.float8_e4m3fn, torch.float16)):
         w, g, m, v, scales, new_scales, hyperparams = state
         yield "adam_step", state
@@ -64,6 +70,9 @@ def test_every_op_is_listed():
         "cast_dequantized",
         "cast_transposed",
         "cast_with_amax",
+        "group_amax",
+        "group_cast",
+        "group_upcast",
         "upcast",
     ]
     for name in library.OPS:
@@ -73,7 +82,7 @@ def test_every_op_is_listed():
 @pytest.mark.parametrize("name, args", list(_samples()), ids=lambda v: v if isinstance(v, str) else None)
 def test_opcheck(name, args):
     tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    if name == "upcast" or name.startswith("adam"):
+    if name in ("upcast", "group_upcast") or name.startswith("adam"):
         tests = tests[1:]  # the schema check compares inputs before and after with mul, which float8 lacks
     torch.library.opcheck(getattr(torch.ops.fp8lm, name).default, args, test_utils=tests)
 

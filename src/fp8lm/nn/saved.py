@@ -56,6 +56,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..formats import E4M3, Format, format_of
+from ..ops import library, native
 from ..scaling import pow2_scale
 
 __all__ = [
@@ -93,6 +94,14 @@ def group_columns(columns: int, group_size: int) -> int:
     return group_size if columns % group_size == 0 else columns
 
 
+def _native(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether fp8lm's C kernels do a group cast between ``x`` and ``dtype`` (CPU, FP32/BF16 on
+    the wide side, FP8 on the other): the same results as the torch expressions below, one pass
+    instead of six (torch converts to FP8 one element at a time on CPUs)."""
+    wide = dtype if x.dtype.itemsize == 1 else x.dtype
+    return x.device.type == "cpu" and wide in (torch.float32, torch.bfloat16) and native.available()
+
+
 def quantize_groups(
     x: torch.Tensor, fmt: Format = E4M3, group_size: int = GROUP_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,9 +112,15 @@ def quantize_groups(
     so that it reads back as NaN (the step's non-finite check sees it).
 
     Memory: one temporary of x's size and dtype (a power-of-two scale multiplies a BF16 or FP32
-    value exactly, so the product is formed in x's dtype; FP16 and others go through FP32)."""
+    value exactly, so the product is formed in x's dtype; FP16 and others go through FP32); on CPU
+    fp8lm's C kernels (`fp8lm.ops.native`), none beyond a contiguous copy of a strided ``x``."""
     columns = x.shape[-1]
     g = group_columns(columns, group_size) if columns else 1
+    if x.numel() and fmt.is_fp8 and _native(x, fmt.dtype):
+        flat = x.detach().contiguous()
+        amax = library.group_amax(flat, g)
+        scale = torch.where(torch.isfinite(amax), pow2_scale(amax, fmt.max), torch.nan)
+        return library.group_cast(flat, scale, g, fmt.dtype), scale.view(*x.shape[:-1], columns // g)
     exact = x.dtype in (torch.float32, torch.bfloat16)
     grouped = x.detach().unflatten(-1, (columns // g, g))
     if not exact:
@@ -125,6 +140,8 @@ def dequantize_groups(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     """The values of `quantize_groups`' ``payload`` and ``scale``, as ``dtype`` (exact in any float
     dtype that holds the values: FP8 values and power-of-two scales multiply exactly)."""
     groups = scale.shape[-1]
+    if payload.numel() and _native(payload, dtype):
+        return library.group_upcast(payload.contiguous(), scale.contiguous(), payload.shape[-1] // groups, dtype)
     wide = dtype in (torch.float32, torch.bfloat16, torch.float64)  # holds any scale's reciprocal
     values = payload.to(dtype if wide else torch.float32).unflatten(-1, (groups, payload.shape[-1] // groups))
     values = values.mul_(scale.reciprocal().to(values.dtype).unsqueeze(-1)).flatten(-2)
@@ -171,9 +188,10 @@ def layer_norm_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of a layer norm over the last dimension (input, weight, bias; each where
     ``mask`` asks) at the FP32 input ``x``: torch's backward kernel in FP32, with the mean and
-    1/std of ``x`` itself. The parameters' gradients come in the parameters' dtypes."""
-    var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
-    rstd = torch.rsqrt(var + eps)
+    1/std of ``x`` itself as torch's forward kernel computes them (``native_layer_norm``: a tenth of
+    ``var_mean``'s time on CPUs). The parameters' gradients come in the parameters' dtypes."""
+    with torch.autocast(x.device.type, enabled=False):
+        _, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
     w = None if weight is None else weight.to(torch.float32)
     b = None if bias is None else bias.to(torch.float32)
     with torch.autocast(x.device.type, enabled=False):
@@ -297,15 +315,28 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal: bool, scale: float | None, fmt: Format, group_size: int):
         out = _attention_forward(q, k, v, is_causal, scale)[0]
-        saved = [t for z in (q, k, v) for t in quantize_groups(z, fmt, group_size)]
+        # each in the layout its projection wrote it, (batch, sequence, heads, head_dim), where that
+        # is contiguous: no copy to quantize, the same groups (one row of head_dim per token and head)
+        heads_last = [q.ndim == 4 and z.transpose(1, 2).is_contiguous() for z in (q, k, v)]
+        saved = [
+            t
+            for z, swap in zip((q, k, v), heads_last, strict=True)
+            for t in quantize_groups(z.transpose(1, 2) if swap else z, fmt, group_size)
+        ]
         ctx.save_for_backward(*saved)
         ctx.dtypes, ctx.is_causal, ctx.scale = (q.dtype, k.dtype, v.dtype), is_causal, scale
+        ctx.heads_last = heads_last
         return out
 
     @staticmethod
     def backward(ctx, grad):
         p = ctx.saved_tensors
-        q, k, v = (dequantize_groups(p[2 * i], p[2 * i + 1], dtype) for i, dtype in enumerate(ctx.dtypes))
+        q, k, v = (
+            dequantize_groups(p[2 * i], p[2 * i + 1], dtype).transpose(1, 2)
+            if swap
+            else dequantize_groups(p[2 * i], p[2 * i + 1], dtype)
+            for i, (dtype, swap) in enumerate(zip(ctx.dtypes, ctx.heads_last, strict=True))
+        )
         gq, gk, gv = attention_backward(grad.contiguous(), q, k, v, ctx.is_causal, ctx.scale)
         return gq, gk, gv, None, None, None, None
 

@@ -16,6 +16,9 @@ compiled CPU graphs too.
 | ``cast_dequantized(x, scale, scale_inv, dtype, out_dtype)`` | the cast, its values read back as ``payload * scale_inv`` in ``out_dtype``, and ``amax(x)`` |
 | ``upcast(data, scale_inv, dtype)`` | ``data * scale_inv`` as ``dtype``, exactly |
 | ``amax(x)`` | largest absolute value (float32, 0-d; NaN where one is NaN) |
+| ``group_amax(x, group)`` | the amax of each group of ``group`` consecutive elements (float32, ``numel / group``) |
+| ``group_cast(x, scales, group, dtype)`` | saturating ``cast(x * scale)`` with one scale per group of ``group`` consecutive elements |
+| ``group_upcast(data, scales, group, dtype)`` | ``data / scale`` per group, as ``dtype``, exactly |
 | ``adam_step(w, g, m, v, scales, new_scales, hyperparams)`` | the FP8 optimizer's fused step over lists of tensors: new w, m, v stored in place with ``new_scales`` (n, 3); returns the amaxes of the stored payloads (n, 3) |
 | ``adam_amaxes(w, g, m, v, scales, hyperparams)`` | the amaxes of the new w, m, v (n, 3), nothing stored |
 
@@ -48,6 +51,9 @@ __all__ = [
     "amax",
     "adam_step",
     "adam_amaxes",
+    "group_amax",
+    "group_cast",
+    "group_upcast",
     "traceable_amax",
     "traceable_cast",
     "traceable_cast_dequantized",
@@ -158,6 +164,37 @@ def _interleaved(w: list[Tensor], g: list[Tensor], m: list[Tensor], v: list[Tens
     return tensors
 
 
+# -- group-scaled casts (FP8-saved activations); CPU only: their callers use torch ops elsewhere --
+@torch.library.custom_op("fp8lm::group_amax", mutates_args=(), device_types="cpu")
+def group_amax(x: Tensor, group: int) -> Tensor:
+    return native.group_amax(x, group)
+
+
+@group_amax.register_fake
+def _(x: Tensor, group: int) -> Tensor:
+    return x.new_empty(x.numel() // group, dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8lm::group_cast", mutates_args=(), device_types="cpu")
+def group_cast(x: Tensor, scales: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    return native.group_cast(x, scales, group, dtype)
+
+
+@group_cast.register_fake
+def _(x: Tensor, scales: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("fp8lm::group_upcast", mutates_args=(), device_types="cpu")
+def group_upcast(data: Tensor, scales: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    return native.group_upcast(data, scales, group, dtype)
+
+
+@group_upcast.register_fake
+def _(data: Tensor, scales: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(data, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 @torch.library.custom_op("fp8lm::adam_step", mutates_args=("w", "m", "v"), device_types="cpu")
 def adam_step(
     w: list[Tensor],
@@ -200,6 +237,9 @@ OPS = {
     "amax": amax,
     "adam_step": adam_step,
     "adam_amaxes": adam_amaxes,
+    "group_amax": group_amax,
+    "group_cast": group_cast,
+    "group_upcast": group_upcast,
 }
 
 

@@ -5,8 +5,8 @@ support in ``at::vec``), inductor's generated code inherits that and costs tens 
 guards per call, and eager casts take four passes. The kernels here do the conversions with
 vectorized bit operations (``csrc/codec.h``) on torch's own OpenMP threads
 (``torch.get_num_threads()``): the saturating scaled cast with its amax in one pass, the exact upcast
-(``csrc/cast.c``) and the FP8 optimizer's multi-tensor step (``csrc/adam.c``, wrapped by
-`fp8lm.optim.native`). Results equal torch's conversions bit for bit (``tests/test_native_cast.py``,
+(``csrc/cast.c``), the group-scaled casts of FP8-saved activations (``csrc/groups.c``) and the FP8
+optimizer's multi-tensor step (``csrc/adam.c``, wrapped by `fp8lm.optim.native`). Results equal torch's conversions bit for bit (``tests/test_native_cast.py``,
 ``tests/test_native_adam.py``).
 
 The library is compiled with the system C compiler (``$CC``, else ``cc``; the one torch.compile
@@ -42,6 +42,9 @@ __all__ = [
     "amax",
     "upcast",
     "adam_step",
+    "group_amax",
+    "group_cast",
+    "group_upcast",
     "DTYPE_CODES",
 ]
 
@@ -64,6 +67,9 @@ _SIGNATURES = {
     "fp8_upcast": [_p, _int, _i64, _f32, _p, _int, _int],
     "adam_step": [_i64, _p, _p, _p, _p, _p, _p, _int, _p, _int],
     "stored_amax": [_i64, _p, _p, _p, _p, _int],
+    "group_amax": [_p, _int, _i64, _i64, _p, _int],
+    "group_cast": [_p, _int, _i64, _i64, _p, _p, _int, _int],
+    "group_upcast": [_p, _int, _i64, _i64, _p, _p, _int, _int],
 }
 
 _library: ctypes.CDLL | None = None
@@ -260,3 +266,48 @@ def adam_step(
         )
     )
     return amax
+
+
+def group_amax(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The exact amax of each group of ``group`` consecutive elements of ``x`` (see `supports`;
+    its numel a multiple of ``group``), float32 of shape (numel / group,): NaN where the group holds
+    a NaN, inf where it holds an inf and no NaN."""
+    out = torch.empty(x.numel() // group, dtype=torch.float32)
+    loaded_library().group_amax(
+        x.data_ptr(), DTYPE_CODES[x.dtype], out.numel(), group, out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
+def group_cast(x: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``round(clamp(x * scale))`` as ``dtype``, one float32 scale (contiguous) per group of
+    ``group`` consecutive elements of ``x`` (see `supports`)."""
+    out = torch.empty(x.shape, dtype=dtype)
+    loaded_library().group_cast(
+        x.data_ptr(),
+        DTYPE_CODES[x.dtype],
+        scales.numel(),
+        group,
+        scales.data_ptr(),
+        out.data_ptr(),
+        DTYPE_CODES[dtype],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def group_upcast(data: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``data * (1 / scale)`` as ``dtype``, one float32 scale (contiguous) per group of ``group``
+    consecutive elements (exact for FP8 data and power-of-two scales)."""
+    out = torch.empty(data.shape, dtype=dtype)
+    loaded_library().group_upcast(
+        data.data_ptr(),
+        DTYPE_CODES[data.dtype],
+        scales.numel(),
+        group,
+        scales.data_ptr(),
+        out.data_ptr(),
+        DTYPE_CODES[dtype],
+        torch.get_num_threads(),
+    )
+    return out

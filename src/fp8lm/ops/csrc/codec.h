@@ -87,7 +87,10 @@ static inline void decode(int dtype, const void *src, float *dst, int64_t n) {
         case E4M3: /* E4M3 bits moved into FP16's layout read 2^8 too small (bias 7 vs 15), subnormals too */
             for (int64_t i = 0; i < n; i++) h[i] = (uint16_t)(((b[i] & 0x7F) << 7) | ((b[i] & 0x80) << 8));
             halves_to_floats(h, dst, n);
-            for (int64_t i = 0; i < n; i++) dst[i] = (b[i] & 0x7F) == 0x7F ? NAN : dst[i] * 256.0f; /* its only NaN */
+            for (int64_t i = 0; i < n; i++) { /* 0x7F/0xFF: its only NaN, selected by a mask */
+                uint32_t is_nan = 0u - (uint32_t)((b[i] & 0x7F) == 0x7F);
+                dst[i] = f32_of((bits_of(dst[i] * 256.0f) & ~is_nan) | (0x7FC00000u & is_nan));
+            }
             break;
         case E5M2: /* E5M2 is the upper byte of FP16 */
             for (int64_t i = 0; i < n; i++) h[i] = (uint16_t)(b[i] << 8);
@@ -115,8 +118,11 @@ static inline uint8_t fp8_code(float y, int mbits, int bias, uint8_t nan_code) {
     float magic = f32_of((uint32_t)(127 + 23 + 1 - bias - mbits) << 23); /* 2^23 subnormal steps */
     uint32_t normal = ((a + ((1u << (cut - 1)) - 1) + ((a >> cut) & 1)) >> cut) - ((uint32_t)(127 - bias) << mbits);
     uint32_t subnormal = bits_of(f32_of(a) + magic) - bits_of(magic);
-    uint32_t code = a < ((uint32_t)(127 + 1 - bias) << 23) ? subnormal : normal;
-    code = a > 0x7F800000u ? nan_code : code;
+    /* selections by masks, not branches: the loops calling this vectorize */
+    uint32_t is_sub = 0u - (uint32_t)(a < ((uint32_t)(127 + 1 - bias) << 23));
+    uint32_t code = (subnormal & is_sub) | (normal & ~is_sub);
+    uint32_t is_nan = 0u - (uint32_t)(a > 0x7F800000u);
+    code = ((uint32_t)nan_code & is_nan) | (code & ~is_nan);
     return (uint8_t)(code | sign);
 }
 
