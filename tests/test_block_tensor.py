@@ -1,0 +1,65 @@
+"""`BlockScaledTensor` (the weight FSDP2 gathers in a fine-grained recipe's blocks) on its own:
+what keeps its payload and scales, what reads its values, what it refuses, and the layer paths
+that read it (the recipe's GEMMs with the gathered operand; a layer fallen back to high
+precision)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8lm
+from fp8lm.block_tensor import BlockScaledTensor
+from fp8lm.nn import FP8Linear
+from fp8lm.ops.finegrained import quantize_operand
+
+
+def _weight(recipe: str = "mxfp8") -> tuple[torch.Tensor, BlockScaledTensor]:
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    op = quantize_operand(w, fp8lm.Recipe.from_name(recipe), "weight", dim=1)
+    return w, BlockScaledTensor(op.payload, op.d, op.block)
+
+
+def test_views_of_the_whole_keep_payload_and_scales_and_values_are_the_operands():
+    w, t = _weight()
+    assert t.shape == (64, 96) and t.dtype == torch.float32
+    for view in (t.detach(), torch.ops.aten.alias(t), t.view(64, 96), t.as_strided((64, 96), (96, 1))):
+        assert isinstance(view, BlockScaledTensor) and view.operand.payload.data_ptr() == t.operand.payload.data_ptr()
+    p = torch.nn.Parameter(t)  # as FSDP2 wraps a gathered weight
+    assert isinstance(p, BlockScaledTensor) and p.requires_grad
+    assert torch.equal(t.dequantize(), fp8lm.fake_quantize(w, "mxfp8", "weight"))
+    assert torch.equal(t * 2, 2 * fp8lm.fake_quantize(w, "mxfp8", "weight"))  # a value op: plain
+    assert not isinstance(t[:3], BlockScaledTensor)  # part of it: the values
+
+
+def test_in_place_writes_are_refused_in_one_line():
+    _, t = _weight()
+    with pytest.raises(NotImplementedError, match="read-only"):
+        t.add_(1.0)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8", "nvfp4"])
+def test_a_layer_multiplies_the_gathered_operand_as_its_own(recipe):
+    """An FP8Linear whose weight is the gathered BlockScaledTensor of its own weight computes what
+    it computes from the weight (forward bit for bit), and its weight gradient flows."""
+    torch.manual_seed(0)
+    layer = FP8Linear(128, 128, recipe=recipe)
+    x = torch.randn(32, 128)
+    ref = layer(x)
+    values = layer.weight.dequantize()
+    op = quantize_operand(values, layer.recipe, "weight", dim=1)
+    layer.weight = torch.nn.Parameter(BlockScaledTensor(op.payload, op.d, op.block))
+    y = layer(x)
+    assert torch.equal(y, ref)
+    y.sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (128, 128)
+
+
+def test_a_layer_in_high_precision_reads_its_values():
+    torch.manual_seed(0)
+    w, t = _weight()
+    weight = torch.nn.Parameter(t)
+    x = torch.randn(4, 96, requires_grad=True)
+    y = F.linear(x, weight)
+    assert torch.equal(y, F.linear(x, fp8lm.fake_quantize(w, "mxfp8", "weight")))
+    y.sum().backward()
+    assert weight.grad is not None and weight.grad.shape == (64, 96) and x.grad is not None
