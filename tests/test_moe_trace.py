@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
+pytestmark = pytest.mark.slow  # one traced run of the script, ~15 s
 
 
 @pytest.fixture(scope="module")
