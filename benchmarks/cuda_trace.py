@@ -22,7 +22,8 @@ How the CUDA path is reached without a GPU (all inside this process, never in th
   kernels) and loaded;
 - the backward pass runs the autograd graph's nodes in topological order from Python, because the
   C++ engine asks for the current stream of an accelerator that a CPU-only build does not have;
-- ``torch.cuda.get_device_capability`` answers (9, 0) (an H100/H200), so ``backend="auto"`` picks
+- ``torch.cuda.get_device_capability`` answers (9, 0) (an H100/H200; ``--capability 10.0``: a
+  B200, where mxfp8 takes the MX ``torch._scaled_mm``), so ``backend="auto"`` picks
   ``torch._scaled_mm`` as it would there; CUDA autocast is switched on with
   ``torch.set_autocast_enabled``, which needs no device;
 - ``torch.compile`` cannot generate CUDA kernels here: for the compiled casts it is replaced by a
@@ -145,10 +146,11 @@ def build_guard(lib: Path, torch_dir: Path) -> None:
     os.replace(tmp, lib)
 
 
-def pretend_hopper() -> None:
-    """``torch.cuda.get_device_capability`` answers (9, 0) where no GPU can be asked."""
+def pretend_hopper(capability: tuple[int, int] = (9, 0)) -> None:
+    """``torch.cuda.get_device_capability`` answers ``capability`` ((9, 0): an H100/H200) where no
+    GPU can be asked."""
     if not torch.cuda.is_available():
-        torch.cuda.get_device_capability = lambda device=None: (9, 0)
+        torch.cuda.get_device_capability = lambda device=None: capability
 
 
 @contextmanager
@@ -695,12 +697,16 @@ def main() -> None:
         default="",
         help="also trace fp8lm (compiled casts) with these named recipes, comma-separated: variants fp8lm_NAME",
     )
+    parser.add_argument(
+        "--capability", default="9.0", help="the compute capability to pretend (default: %(default)s, an H200)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.shapes, args.block = [(1024, 512, 512)], (256, 1024, 256)
     warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
     load_fake_cuda_guard()
-    pretend_hopper()
+    major, minor = (int(v) for v in args.capability.split("."))
+    pretend_hopper((major, minor))
     recipes = [f"fp8lm_{name}" for name in args.recipes.split(",") if name]
     variants = run_variants(
         args, ["bf16", "fp8lm_eager", "fp8lm_compiled", "fp8lm_attn_bf16", "fp8lm_fp32_weights", "torchao", *recipes]

@@ -267,6 +267,36 @@ def test_block_scaled_mm_takes_the_three_gemms_of_blockwise_and_nothing_else():
     assert torch.equal(fp8lm.ops.finegrained.block_mm(*forward, torch.bfloat16, backend="scaled_mm"), exact)
 
 
+def test_mx_scaled_mm_takes_the_three_gemms_of_mxfp8_and_its_scales_in_cublas_layout():
+    from fp8lm.ops.finegrained import block_mm, mx_blocked_scales, mx_scales_fit, takes_mx_scaled_mm
+
+    mx = fp8lm.Recipe.from_name("mxfp8")
+    x, w, g = torch.randn(64, 96), torch.randn(64, 96), torch.randn(64, 64)
+    forward = (quantize_operand(x, mx, "input"), quantize_operand(w, mx, "weight").t())
+    dgrad = (quantize_operand(g, mx, "grad_output"), quantize_operand(w, mx, "weight", dim=0))
+    wgrad = (quantize_operand(g, mx, "grad_output", dim=0).t(), quantize_operand(x, mx, "input", dim=0))
+    for a, b in (forward, dgrad, wgrad):
+        assert mx_scales_fit(a, b, torch.bfloat16) and not takes_mx_scaled_mm(a, b, torch.bfloat16)  # CPU
+    blockwise = fp8lm.Recipe.from_name("blockwise")
+    assert not mx_scales_fit(
+        quantize_operand(x, blockwise, "input"), quantize_operand(w, blockwise, "weight").t(), torch.bfloat16
+    )
+    # On CPU the MX flag changes nothing: the emulation multiplies, bit for bit.
+    exact = block_mm(*forward, torch.bfloat16)
+    assert torch.equal(block_mm(*forward, torch.bfloat16, backend="scaled_mm", e8m0_scales=True), exact)
+    # cuBLAS's layout: 128 x 4 tiles of scales, row r of a tile at (r % 32) * 16 + (r // 32) * 4 + column.
+    rows, cols = 200, 6
+    d = 2.0 ** (torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) % 200 - 100)
+    flat = mx_blocked_scales(d).view(torch.uint8)
+    tiles_c = -(-cols // 4)
+    assert flat.numel() == 256 * tiles_c * 4
+    for r in range(rows):
+        for c in range(cols):
+            offset = ((r // 128) * tiles_c + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+            assert int(flat[offset]) == int(d[r, c].log2()) + 127
+    assert int(flat.sum()) == int((d.log2() + 127).sum())  # the padding is zeros
+
+
 def test_block_stats_count_what_the_blocks_lose():
     from fp8lm.telemetry import block_stats
 

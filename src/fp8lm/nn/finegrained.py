@@ -16,8 +16,8 @@ copies are saved where the weight-gradient GEMM is BF16. The GEMMs (`block_mm`) 
 resolves to it (CUDA of compute capability 9.0+, dims multiples of 16; ``backend="scaled_mm"``
 on CPU), else the exact emulation (FP32 GEMMs of the dequantized operands, one rounding to the
 output dtype); blockwise takes ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block scales on
-CUDA of compute capability 9.0 (`fp8lm.ops.finegrained.takes_block_scaled_mm`); mxfp8 and nvfp4
-have no fast kernel here yet. Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
+CUDA of compute capability 9.0 (`fp8lm.ops.finegrained.takes_block_scaled_mm`), mxfp8 with its
+E8M0 scales on 10.0 and later (`takes_mx_scaled_mm`); nvfp4 has no fast kernel here yet. Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
 states are not used. The weight gradient is returned in the weight's dtype; `FP8Linear` stores
 it (`_WeightValue`).
 """
@@ -32,6 +32,11 @@ from ..ops.hadamard import random_hadamard
 from ..recipe import Recipe
 
 __all__ = ["fine_grained_linear"]
+
+
+def _e8m0(recipe: Recipe) -> bool:
+    """Whether the recipe's scales are E8M0 (mxfp8: powers of two), for `block_mm`'s MX GEMM."""
+    return recipe.granularity == "mxfp8"
 
 
 def _save(ctx, name: str, operand: BlockOperand | torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -70,7 +75,8 @@ def _weight_grad(
         return torch.mm(g16.t(), x_op.to(compute)).to(out_dtype)
     if recipe.granularity == "nvfp4":
         g2 = random_hadamard(g2, recipe.hadamard_seed)
-    return block_mm(quantize_operand(g2, recipe, "grad_output", dim=0).t(), x_op, out_dtype, backend=backend)
+    g_op = quantize_operand(g2, recipe, "grad_output", dim=0).t()
+    return block_mm(g_op, x_op, out_dtype, backend=backend, e8m0_scales=_e8m0(recipe))
 
 
 class _FineGrainedLinear(torch.autograd.Function):
@@ -94,7 +100,8 @@ class _FineGrainedLinear(torch.autograd.Function):
             x2 = x.detach().reshape(-1, x.shape[-1])
             w_op = weight_operand or quantize_operand(weight.detach(), recipe, "weight", dim=1)
             b = None if bias is None else bias.detach()
-            y = block_mm(quantize_operand(x2, recipe, "input", dim=1), w_op.t(), out_dtype, b, backend)
+            x_op = quantize_operand(x2, recipe, "input", dim=1)
+            y = block_mm(x_op, w_op.t(), out_dtype, b, backend, _e8m0(recipe))
             w_dgrad = None
             if need_x:  # square weight blocks serve both GEMMs
                 square = recipe.granularity in ("blockwise", "nvfp4")
@@ -117,7 +124,8 @@ class _FineGrainedLinear(torch.autograd.Function):
                 w_op = _restore(ctx.w_block, w_payload, w_d)
                 assert isinstance(w_op, BlockOperand)  # the weight is always quantized
                 g_op = quantize_operand(g2, recipe, "grad_output", dim=1)
-                grad_x = block_mm(g_op, w_op, out_dtype, backend=backend).to(ctx.x_dtype).reshape(ctx.x_shape)
+                grad_x = block_mm(g_op, w_op, out_dtype, backend=backend, e8m0_scales=_e8m0(recipe))
+                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 x_op = _restore(ctx.x_block, x_payload, x_d)
                 assert x_op is not None  # saved when the weight needs a gradient

@@ -21,8 +21,9 @@ generator: ``torch.manual_seed`` makes it reproducible). A `BlockOperand` holds 
 one float32 ``d`` per block; its values are ``payload * d``. `block_mm` multiplies two of them
 as an FP8 GEMM with FP32 accumulation does: ``torch._scaled_mm`` with row-wise scales where it
 takes them (the rowwise recipes on CUDA) or with 1 x 128 / 128 x 128 block scales (blockwise, on
-CUDA of compute capability 9.0: cuBLAS's block-scaled GEMM), else exactly, the dequantized
-operands in FP32 (mxfp8 and nvfp4 have no kernel here yet).
+CUDA of compute capability 9.0: cuBLAS's block-scaled GEMM) or with MX scales (mxfp8, on compute
+capability 10.0+), else exactly, the dequantized operands in FP32 (nvfp4 has no kernel here
+yet).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ __all__ = [
     "rowwise_scaled_mm",
     "takes_block_scaled_mm",
     "block_scaled_mm",
+    "takes_mx_scaled_mm",
+    "mx_scaled_mm",
+    "mx_blocked_scales",
     "fake_quantize",
 ]
 
@@ -194,18 +198,23 @@ def block_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     backend: str = "emulated",
+    e8m0_scales: bool = False,
 ) -> torch.Tensor:
     """``values(a) @ values(b) (+ bias)`` as ``out_dtype``, ``a`` (M, K) and ``b`` (K, N), with
     FP32 accumulation. ``backend="scaled_mm"`` (as `fp8lm.ops.gemm.choose_backend` resolves it)
     runs ``torch._scaled_mm`` with row-wise scales where it takes the operands (`rowwise_scaled_mm`)
-    or with DeepSeek-V3's block scales (`block_scaled_mm`, CUDA of compute capability 9.0);
-    otherwise, and with ``"emulated"``, an FP32 GEMM of the exact float32 values, rounded once."""
+    or with DeepSeek-V3's block scales (`block_scaled_mm`, CUDA of compute capability 9.0) or,
+    where ``e8m0_scales`` says the scales are powers of two (mxfp8), with MX scales
+    (`mx_scaled_mm`, compute capability 10.0+); otherwise, and with ``"emulated"``, an FP32 GEMM
+    of the exact float32 values, rounded once."""
     if a.payload.shape[1] != b.payload.shape[0]:
         raise ValueError(f"block_mm: shapes {tuple(a.payload.shape)} and {tuple(b.payload.shape)} cannot be multiplied")
     if backend == "scaled_mm" and takes_rowwise_scaled_mm(a, b, out_dtype):
         return rowwise_scaled_mm(a, b, out_dtype, bias)
     if backend == "scaled_mm" and takes_block_scaled_mm(a, b, out_dtype):
         return block_scaled_mm(a, b, out_dtype, bias)
+    if backend == "scaled_mm" and e8m0_scales and takes_mx_scaled_mm(a, b, out_dtype):
+        return mx_scaled_mm(a, b, out_dtype, bias)
     a32, b32 = a.dequantize(), b.dequantize()
     out = torch.mm(a32, b32) if bias is None else torch.addmm(bias.to(torch.float32), a32, b32)
     return out.to(out_dtype)
@@ -276,6 +285,57 @@ def block_scaled_mm(
     b_data = b.payload if b.payload.t().is_contiguous() else b.payload.t().contiguous().t()
     scale_a = a.d.t().contiguous().t()
     scale_b = b.d.t().contiguous().t() if b.block == (128, 128) else b.d.contiguous()
+    if bias is None:
+        return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    return (out + bias.to(torch.float32)).to(out_dtype)
+
+
+def takes_mx_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies ``a`` and ``b`` with MX scales (cuBLAS; CUDA of
+    compute capability 10.0 or more): `mx_scales_fit` on such a device. The caller vouches that
+    the scales are powers of two (E8M0 holds them exactly)."""
+    if a.payload.device.type != "cuda" or not mx_scales_fit(a, b, out_dtype):
+        return False
+    return torch.cuda.get_device_capability(a.payload.device) >= (10, 0)
+
+
+def mx_scales_fit(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
+    """Whether ``a`` (M, K) and ``b`` (K, N) are MXFP8 operands of cuBLAS's MX GEMM: E4M3
+    payloads in blocks of 32 along K (``a`` 1 x 32, ``b`` 32 x 1), K a multiple of 32, M and N
+    multiples of 16, a BF16 or FP32 result."""
+    (m, k), n = a.payload.shape, b.payload.shape[1]
+    if not (a.payload.dtype == b.payload.dtype == torch.float8_e4m3fn and out_dtype in (torch.bfloat16, torch.float32)):
+        return False
+    if a.block != (1, 32) or b.block != (32, 1) or min(m, k, n) == 0:
+        return False
+    return not (k % 32 or m % 16 or n % 16)
+
+
+def mx_blocked_scales(d: torch.Tensor) -> torch.Tensor:
+    """The scales ``d`` (rows, K / 32; powers of two) as cuBLAS reads MX scales: E8M0 bytes in its
+    blocked layout, padded with zeros to 128 rows by 4 columns, each 128 x 4 tile stored as 32
+    rows of 16 bytes (row ``r`` of the tile at ``r % 32``, byte ``4 * (r // 32) + column``), the
+    tiles row-major. Flat, as ``torch._scaled_mm`` takes them."""
+    rows, cols = d.shape
+    tiles_r, tiles_c = -(-rows // 128), -(-cols // 4)
+    e8m0 = d.to(torch.float8_e8m0fnu).view(torch.uint8)
+    padded = torch.zeros((tiles_r * 128, tiles_c * 4), dtype=torch.uint8, device=d.device)
+    padded[:rows, :cols] = e8m0
+    tiles = padded.view(tiles_r, 4, 32, tiles_c, 4).permute(0, 3, 2, 1, 4)  # (tr, tc, r % 32, r // 32, col)
+    return tiles.reshape(-1).view(torch.float8_e8m0fnu)
+
+
+def mx_scaled_mm(
+    a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`block_mm` of MXFP8 operands (`takes_mx_scaled_mm`) by ``torch._scaled_mm``: ``a``
+    row-major, ``b`` column-major, the scales of each as (rows, K / 32) in cuBLAS's blocked E8M0
+    layout (`mx_blocked_scales`). A bias is added to the FP32 result before the one rounding, as
+    in `block_scaled_mm`."""
+    a_data = a.payload.contiguous()
+    b_data = b.payload if b.payload.t().is_contiguous() else b.payload.t().contiguous().t()
+    scale_a, scale_b = mx_blocked_scales(a.d), mx_blocked_scales(b.d.t())
     if bias is None:
         return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
