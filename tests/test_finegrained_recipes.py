@@ -321,6 +321,27 @@ def test_telemetry_records_block_stats_of_fine_grained_layers():
     records = {r["kind"]: r for r in telemetry.after_backward()}
     assert {"input", "weight", "grad_output", "weight_grad"} <= set(records)
     assert records["grad_output"]["fmt"] == "E4M3" and records["input"]["underflow"] == 0.0
+    assert all(r["amax_spread"] >= 0 for r in records.values() if r["kind"] != "weight_grad")
+
+
+def test_block_amax_spread_is_the_binades_between_block_amaxes():
+    from fp8lm.telemetry import block_amax_spread
+
+    x = torch.ones(4, 64)
+    x[0, :32] = 2.0**10  # the blocks (1 x 32): amaxes 1024, 1, 1, ... and one zero block
+    x[3, 32:] = 0.0
+    x[2, 40] = 2.0**-5
+    assert block_amax_spread(x, "mxfp8", "input") == 10.0
+    assert block_amax_spread(x, "rowwise", "input") == 10.0  # a row per block
+    assert block_amax_spread(torch.ones(2, 64), "mxfp8", "input") == 0.0
+    assert block_amax_spread(torch.zeros(2, 64), "mxfp8", "input") == 0.0
+    x[1, 1] = float("nan")
+    assert math.isnan(block_amax_spread(x, "mxfp8", "input"))
+    g = torch.randn(256, 256, dtype=torch.float64) * torch.logspace(-8, 8, 256, base=2.0, dtype=torch.float64)[:, None]
+    blocks = g.abs().reshape(2, 128, 2, 128).amax(dim=(1, 3))  # blockwise weight blocks, in float64
+    assert block_amax_spread(g.float(), "blockwise", "weight") == pytest.approx(
+        float(torch.log2(blocks.max() / blocks.min())), abs=1e-6
+    )
 
 
 @pytest.mark.slow

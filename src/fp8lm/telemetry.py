@@ -20,14 +20,23 @@ import torch
 from .formats import E4M3, E5M2, Format
 from .nn.checkpoint import is_recomputing
 from .nn.grouped import group_counts
-from .ops.blocks import from_blocks, per_block, to_blocks
+from .ops.blocks import block_amax, from_blocks, per_block, to_blocks
 from .ops.cast import amax
-from .ops.finegrained import quantize_operand
-from .recipe import Recipe
+from .ops.finegrained import operand_block, quantize_operand
+from .recipe import Recipe, recipe_from
 from .scaling import compute_scale
 from .tensor import ScalingTensor
 
-__all__ = ["TensorStats", "quantization_stats", "block_stats", "stored_stats", "Telemetry", "KINDS", "worst"]
+__all__ = [
+    "TensorStats",
+    "quantization_stats",
+    "block_stats",
+    "block_amax_spread",
+    "stored_stats",
+    "Telemetry",
+    "KINDS",
+    "worst",
+]
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,27 @@ def block_stats(x: torch.Tensor, recipe: Recipe, role: str) -> TensorStats:
         underflow=lost / nonzero if nonzero else 0.0,
         saturation=int(torch.count_nonzero(scaled > fmax)) / max(x2.numel(), 1),
     )
+
+
+def block_amax_spread(x: torch.Tensor, recipe: Recipe | str, role: str) -> float:
+    """Binades between the largest and the smallest non-zero block amax of ``x`` in the blocks of
+    the ``role`` operand of a fine-grained ``recipe`` (as `block_stats` blocks it): ``log2(max /
+    min)``, 0 for a tensor with fewer than two non-zero blocks, inf where a block holds inf, NaN
+    where one holds NaN. Next to one tensor-wide scale's range (E4M3: 17.8 binades from the
+    largest value to the smallest subnormal) it says how much of it the tensor's blocks would need.
+    ``recipe``: an `fp8lm.Recipe` or its name."""
+    recipe = recipe_from(recipe, "block_amax_spread")
+    x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+    if x2.numel() == 0:
+        return 0.0
+    block = operand_block(recipe, role, x2.shape, 1)
+    amaxes = block_amax(to_blocks(x2, block)).flatten()
+    if bool(amaxes.isnan().any()):
+        return float("nan")
+    nonzero = amaxes[amaxes > 0]
+    if nonzero.numel() < 2:
+        return 0.0
+    return float(torch.log2(nonzero.max().double() / nonzero.min().double()))
 
 
 def stored_stats(t: ScalingTensor) -> TensorStats:
@@ -148,8 +178,10 @@ class Telemetry:
         """Context manager around a step's forward and backward; records on sampled steps."""
         return _RecordingWindow(self, step)
 
-    def _record(self, layer: str, kind: str, fmt: Format, stats: TensorStats) -> None:
-        self._pending.append({"step": self._step, "layer": layer, "kind": kind, "fmt": fmt.name, **stats.as_dict()})
+    def _record(self, layer: str, kind: str, fmt: Format, stats: TensorStats, **extra: float) -> None:
+        """One record; ``extra``: more figures of it (a fine-grained layer's ``amax_spread``)."""
+        record = {"step": self._step, "layer": layer, "kind": kind, "fmt": fmt.name, **stats.as_dict(), **extra}
+        self._pending.append(record)
 
     def _attach(self) -> list:
         handles = []
@@ -196,7 +228,8 @@ class Telemetry:
             "grad_output": recipe.grad_output_format,
         }
         for role, x in tensors.items():
-            self._record(name, role, formats[role], block_stats(x, recipe, role))
+            spread = block_amax_spread(x, recipe, role)
+            self._record(name, role, formats[role], block_stats(x, recipe, role), amax_spread=spread)
 
     def _on_grouped_input(self, name: str):
         def hook(module, args):
