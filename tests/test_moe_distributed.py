@@ -113,6 +113,11 @@ def test_ep2_on_4_ranks_keeps_a_replica_of_each_expert_per_group(tmp_path):
         four = [*torchrun()[:-1], "4", *args]  # torchrun(...) with --nproc_per_node 4
         check(subprocess.run(four, env=ENV, capture_output=True, text=True, timeout=2 * TIMEOUT_S))
         runs[name] = {lv: json.loads((out / lv / "summary.json").read_text()) for lv in ("bf16", "O2")}
+    # at bf16 torch's DDP averages what is not an expert: its FP32 bytes are computed, less than the
+    # whole model's (each rank holds half of the experts, its group's other rank the other half)
+    bf16 = runs["ep"]["bf16"]
+    ddp = bf16["comm_bytes_per_step"] - sum(bf16["comm_bytes_by_kind_per_step"].values())
+    assert 0 < ddp < bf16["ddp_fp32_bytes_per_step"]
     for level, tolerance in (("bf16", 1e-3), ("O2", 1e-2)):
         ep, dp = runs["ep"][level], runs["dp"][level]
         assert ep["world_size"] == 4 and ep["layout"] == "expert parallel"
