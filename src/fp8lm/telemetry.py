@@ -101,10 +101,11 @@ def block_amax_spread(x: torch.Tensor, recipe: Recipe | str, role: str) -> float
     amaxes = block_amax(to_blocks(x2, block)).flatten()
     if bool(amaxes.isnan().any()):
         return float("nan")
-    nonzero = amaxes[amaxes > 0]
-    if nonzero.numel() < 2:
+    positive = amaxes > 0  # no boolean indexing: a tensor-parallel layer's tensors are DTensors
+    if int(positive.sum()) < 2:
         return 0.0
-    return float(torch.log2(nonzero.max().double() / nonzero.min().double()))
+    smallest = torch.where(positive, amaxes, torch.full_like(amaxes, float("inf"))).amin()
+    return float(torch.log2(amaxes.amax().double() / smallest.double()))
 
 
 def stored_stats(t: ScalingTensor) -> TensorStats:
