@@ -295,6 +295,12 @@ def test_mx_scaled_mm_takes_the_three_gemms_of_mxfp8_and_its_scales_in_cublas_la
             offset = ((r // 128) * tiles_c + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
             assert int(flat[offset]) == int(d[r, c].log2()) + 127
     assert int(flat.sum()) == int((d.log2() + 127).sum())  # the padding is zeros
+    nan = torch.full((2, 3), float("nan"))
+    assert bool((mx_blocked_scales(nan).view(torch.uint8)[[0, 1, 2, 16, 17, 18]] == 255).all())
+    # Off the CPU it runs compiled: inductor's function gives the same bytes.
+    from fp8lm.ops.finegrained import _blocked_e8m0
+
+    assert torch.equal(torch.compile(_blocked_e8m0, dynamic=True)(d), flat)
 
 
 def test_block_stats_count_what_the_blocks_lose():

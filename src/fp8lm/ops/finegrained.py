@@ -32,6 +32,7 @@ import types
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ..recipe import Recipe, recipe_from
 from . import nvfp4
@@ -316,14 +317,23 @@ def mx_blocked_scales(d: torch.Tensor) -> torch.Tensor:
     """The scales ``d`` (rows, K / 32; powers of two) as cuBLAS reads MX scales: E8M0 bytes in its
     blocked layout, padded with zeros to 128 rows by 4 columns, each 128 x 4 tile stored as 32
     rows of 16 bytes (row ``r`` of the tile at ``r % 32``, byte ``4 * (r // 32) + column``), the
-    tiles row-major. Flat, as ``torch._scaled_mm`` takes them."""
+    tiles row-major. Flat, as ``torch._scaled_mm`` takes them. Off the CPU one compiled function
+    (`FUSED_QUANTIZE`)."""
+    if d.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
+        return _blocked_e8m0(d).view(torch.float8_e8m0fnu)
+    fn = _compiled_fn(_blocked_e8m0)
+    return FUSED_QUANTIZE.run(lambda: fn(d), lambda: _blocked_e8m0(d)).view(torch.float8_e8m0fnu)
+
+
+def _blocked_e8m0(d: torch.Tensor) -> torch.Tensor:
+    """`mx_blocked_scales` as bytes. A power of two's E8M0 code is its float32 exponent field
+    (2**-127, a subnormal, has 0; NaN has 255), taken from the bits."""
     rows, cols = d.shape
     tiles_r, tiles_c = -(-rows // 128), -(-cols // 4)
-    e8m0 = d.to(torch.float8_e8m0fnu).view(torch.uint8)
-    padded = torch.zeros((tiles_r * 128, tiles_c * 4), dtype=torch.uint8, device=d.device)
-    padded[:rows, :cols] = e8m0
+    codes = ((d.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    padded = F.pad(codes, (0, tiles_c * 4 - cols, 0, tiles_r * 128 - rows))
     tiles = padded.view(tiles_r, 4, 32, tiles_c, 4).permute(0, 3, 2, 1, 4)  # (tr, tc, r % 32, r // 32, col)
-    return tiles.reshape(-1).view(torch.float8_e8m0fnu)
+    return tiles.reshape(-1)
 
 
 def mx_scaled_mm(
