@@ -298,6 +298,16 @@ def test_attention_forward_is_the_kernels_and_backward_the_exact_gradient_at_the
         assert (a.float() - b.float()).norm() < 0.1 * b.float().norm()
 
 
+def test_attention_under_autocast_computes_what_sdpa_computes_from_fp32_inputs():
+    q, k, v = _qkv(torch.float32)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = FP8SavedAttention()(q, k, v, is_causal=True)
+        want = ScaledDotProductAttention()(q, k, v, is_causal=True)
+    assert out.dtype == want.dtype == torch.bfloat16 and torch.equal(out, want)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert all(g.dtype == torch.float32 and g.isfinite().all() for g in grads)
+
+
 def test_attention_saves_only_fp8_inputs_and_their_scales():
     q, k, v = _qkv(torch.bfloat16, seq=32, dim=32)
     got = saved_tensor_bytes(lambda: FP8SavedAttention()(q, k, v, is_causal=True))

@@ -99,7 +99,11 @@ def _native(x: torch.Tensor, dtype: torch.dtype) -> bool:
     the wide side, FP8 on the other): the same results as the torch expressions below, one pass
     instead of six (torch converts to FP8 one element at a time on CPUs)."""
     wide = dtype if x.dtype.itemsize == 1 else x.dtype
-    return x.device.type == "cpu" and wide in (torch.float32, torch.bfloat16) and native.available()
+    if not (x.device.type == "cpu" and wide in (torch.float32, torch.bfloat16)):
+        return False
+    # while torch.compile traces, only kernels loaded before (loading cannot be traced): else the
+    # torch expressions, which give the same results
+    return native.loaded() if torch.compiler.is_compiling() else native.available()
 
 
 def quantize_groups(
@@ -563,7 +567,12 @@ class FP8SavedAttention(_SavesFP8, ScaledDotProductAttention):
     ) -> torch.Tensor:
         wants_grad = any(t.requires_grad for t in (q, k, v))
         plain = dropout_p > 0 or not (torch.is_grad_enabled() and wants_grad and q.numel() > 0)
-        if plain or any(isinstance(t, DTensor) for t in (q, k, v)) or not attention_saves_fp8(q, k, v):
+        if plain or any(isinstance(t, DTensor) for t in (q, k, v)):
+            return super().forward(q, k, v, is_causal, dropout_p, scale)
+        device = q.device.type
+        if torch.is_autocast_enabled(device):  # the kernel's inputs as autocast makes them for SDPA
+            q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
+        if not attention_saves_fp8(q, k, v):
             return super().forward(q, k, v, is_causal, dropout_p, scale)
         return _Attention.apply(q, k, v, is_causal, scale, self.saved_format, self.group_size)
 

@@ -34,6 +34,7 @@ __all__ = [
     "library",
     "loaded_library",
     "available",
+    "loaded",
     "supports",
     "pointers",
     "check",
@@ -142,6 +143,12 @@ def loaded_library() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError("fp8lm: the native CPU kernels are not loaded; check fp8lm.ops.native.available() first")
     return lib
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded already (no build or load is attempted: what code that
+    ``torch.compile`` may be tracing asks, since loading a library cannot be traced)."""
+    return _library is not None and KERNELS.enabled
 
 
 def available() -> bool:
