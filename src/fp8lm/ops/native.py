@@ -286,13 +286,11 @@ def group_amax(x: torch.Tensor, group: int) -> torch.Tensor:
     return out
 
 
-def group_cast(x: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """``round(clamp(x * scale))`` as ``dtype``, one float32 scale (contiguous) per group of
-    ``group`` consecutive elements of ``x`` (see `supports`)."""
-    out = torch.empty(x.shape, dtype=dtype)
-    loaded_library().group_cast(
-        x.data_ptr(),
-        DTYPE_CODES[x.dtype],
+def _group_scaled(kernel: str, src: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype):
+    out = torch.empty(src.shape, dtype=dtype)
+    getattr(loaded_library(), kernel)(
+        src.data_ptr(),
+        DTYPE_CODES[src.dtype],
         scales.numel(),
         group,
         scales.data_ptr(),
@@ -301,20 +299,15 @@ def group_cast(x: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.d
         torch.get_num_threads(),
     )
     return out
+
+
+def group_cast(x: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``round(clamp(x * scale))`` as ``dtype``, one float32 scale (contiguous) per group of
+    ``group`` consecutive elements of ``x`` (see `supports`)."""
+    return _group_scaled("group_cast", x, scales, group, dtype)
 
 
 def group_upcast(data: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
     """``data * (1 / scale)`` as ``dtype``, one float32 scale (contiguous) per group of ``group``
     consecutive elements (exact for FP8 data and power-of-two scales)."""
-    out = torch.empty(data.shape, dtype=dtype)
-    loaded_library().group_upcast(
-        data.data_ptr(),
-        DTYPE_CODES[data.dtype],
-        scales.numel(),
-        group,
-        scales.data_ptr(),
-        out.data_ptr(),
-        DTYPE_CODES[dtype],
-        torch.get_num_threads(),
-    )
-    return out
+    return _group_scaled("group_upcast", data, scales, group, dtype)

@@ -16,10 +16,9 @@
 
 #include "codec.h"
 
-/* The elements [lo, hi) of `src`, decoded to floats in pieces of at most BLOCK elements: `fn` gets
-   each piece with its offset. Work is cut into chunks of whole groups, at most BLOCK elements long
-   where a group is shorter than that (one group otherwise), so that each loop runs over many
-   elements whatever the group size: a loop per group of 32 would cost more in overhead than work. */
+/* Work is cut into chunks of whole groups, at most BLOCK elements long where a group is shorter
+   than that (one group otherwise), so that each loop runs over many elements whatever the group
+   size: a loop per group of 32 would cost more in overhead than in work. */
 static inline int64_t groups_per_chunk(int64_t group) { return group >= BLOCK ? 1 : BLOCK / group; }
 
 static inline uint32_t magnitude_max(const float *x, int64_t n, uint32_t mx) {
