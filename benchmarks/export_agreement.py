@@ -87,6 +87,7 @@ def measure(run: Path, tokens: int, work: Path) -> dict:
     result = {
         "checkpoint": Path(state["path"]).name,
         "opt_level": state.get("opt_level"),
+        "recipe": (state.get("config") or {}).get("recipe"),
         "layout": state.get("layout"),
         "world_size": len(state["ranks"]),
         "tokens": min(tokens, targets.numel()),

@@ -22,6 +22,7 @@ from fp8lm.train.export import (
     read_run_checkpoint,
     run_autocast,
     run_model,
+    run_tokenizer,
 )
 from fp8lm.train.model import GPT, GPTConfig
 
@@ -182,9 +183,8 @@ def test_a_llama_run_exports_as_llama_in_fp8(tmp_path, email_corpus, token_cache
     weights = {k: v.bfloat16().float() for k, v in full_weights(state).items()}
     for k, v in full_weights(state).items():
         if k.endswith(("c_q.weight", "c_kv.weight", "c_proj.weight", "c_fc.weight")):
-            # one scale per exported tensor: the fused k/v and gate/up layers are two tensors each
-            halves = v.chunk(2) if k.endswith(("c_kv.weight", "c_fc.weight")) else (v,)
-            weights[k] = torch.cat([dequantize_weight(*quantize_weight(h)) for h in halves])
+            # the fused k/v and gate/up layers are two tensors each, with the fused operand's scale
+            weights[k] = dequantize_weight(*quantize_weight(v))
     reference = GPT(state["model_config"])
     reference.load_state_dict(weights)
     with torch.no_grad():
@@ -248,6 +248,19 @@ def test_a_moe_run_exports_as_mixtral(tmp_path, email_corpus, token_cache, tiny_
         torch.testing.assert_close(
             load(tmp_path / "hf")(text_ids).logits, reference.eval()(text_ids)[0], rtol=1e-4, atol=1e-4
         )
+
+
+def test_a_bpe_run_exports_its_own_tokenizer(tmp_path, email_corpus, token_cache, tiny_cli_args, capsys):
+    run = tmp_path / "bpe"
+    args = ["train", *tiny_cli_args, "--steps", "1", "--tokenizer", "bpe", "--vocab-size", "512"]
+    assert run_main([*args, "--data", email_corpus, "--cache-dir", token_cache, "--out", str(run)], capsys)[0] == 0
+    out = tmp_path / "hf"
+    rc, _, err = run_main(["export", str(run), "--out", str(out)], capsys)
+    assert rc == 0, err
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 512
+    text = (Path(email_corpus) / "utils.py").read_text()[:2000]
+    ids = transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"]
+    assert ids == run_tokenizer(read_run_checkpoint(run)).encode(text.encode()) and len(ids) < 0.8 * len(text)  # merges
 
 
 def test_export_refuses_a_non_empty_out_then_overwrites(run, tmp_path, capsys):

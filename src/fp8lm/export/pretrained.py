@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,12 @@ import torch
 from torch import nn
 
 from ..nn.linear import FP8Linear, is_conv1d
+from ..recipe import Recipe, recipe_from
 from .folder import ExportError, atomic_folder, check_destination
 from .formats import FORMATS
-from .fp8 import quantization_config, quantize_weight
+from .fp8 import WeightScheme, quantization_config, quantize_weights, weight_scheme
 
-__all__ = ["save_pretrained", "require_hf", "WEIGHTS_NAME"]
+__all__ = ["save_pretrained", "model_recipe", "require_hf", "WEIGHTS_NAME"]
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -31,15 +33,24 @@ def save_pretrained(
     generation_config: Any = None,
     readme: str | None = None,
     overwrite: bool = False,
+    recipe: Recipe | str | None = None,
+    fused: Sequence[Sequence[str]] = (),
 ) -> Path:
     """Write ``model`` (a ``transformers`` causal LM, its linear layers plain or `FP8Linear`) to the
     folder ``out``: ``config.json``, ``model.safetensors``, ``generation_config.json``, the
     tokenizer (a ``tokenizers.Tokenizer`` or a transformers tokenizer) and ``README.md``.
 
     ``format="hf"``: every weight in BF16. ``format="hf-fp8"``: the linear layers' weights in E4M3
-    with per-tensor scales (``compressed-tensors`` "float-quantized", `fp8lm.export.fp8`), the
-    output head and everything else in BF16. The folder appears complete or not at all; an
-    existing non-empty ``out`` is refused unless ``overwrite``. Returns ``out``."""
+    with the scales of the recipe the model computes with (``compressed-tensors``, `fp8lm.export.fp8`:
+    per tensor, per output channel for rowwise, 128 x 128 blocks for blockwise, MXFP8 groups for
+    mxfp8), the output head and everything else in BF16. The recipe is the one of the model's
+    `FP8Linear` layers (a model converted by `fp8lm.initialize`), else ``recipe`` (an
+    `fp8lm.Recipe` or its name; None: per-tensor scales). ``fused``: groups of linear-layer
+    names whose weights the trained model computed as one operand, stacked along the output rows
+    in this order (fused k/v or gate/up projections split for the Hugging Face class): they are
+    quantized together, each getting its share of the operand's payload and scales. The folder
+    appears complete or not at all; an existing non-empty ``out`` is refused unless ``overwrite``.
+    Returns ``out``."""
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r}: use one of {', '.join(FORMATS)}")
     require_hf("compressed_tensors" if format == "hf-fp8" else None)
@@ -51,21 +62,45 @@ def save_pretrained(
         )
     out = Path(out)
     check_destination(out, overwrite)  # before the (possibly long) conversion
-    tensors, quantized = _weights(model, format == "hf-fp8")
+    fp8_recipe = model_recipe(model, recipe) if format == "hf-fp8" else None
+    scheme = weight_scheme(fp8_recipe)
+    tensors, quantized = _weights(model, format == "hf-fp8", fp8_recipe, fused)
     config = copy.deepcopy(config)
     config.architectures = [type(model).__name__]
     config.dtype = "bfloat16"
     if format == "hf-fp8":
         head = _head_names(model)
-        config.quantization_config = quantization_config(head, dequantize=any(_transposed(m) for m in quantized))
+        transposed = any(_transposed(m) for m in quantized)
+        config.quantization_config = quantization_config(head, dequantize=transposed, scheme=scheme)
     with atomic_folder(out, overwrite) as tmp:
         _save_tensors(tensors, tmp / WEIGHTS_NAME)
         config.save_pretrained(tmp)
         _generation_config(config, generation_config).save_pretrained(tmp)
         if tokenizer is not None:
             _as_transformers_tokenizer(tokenizer).save_pretrained(tmp)
-        (tmp / "README.md").write_text(readme if readme is not None else _default_readme(type(model).__name__, format))
+        default = _default_readme(type(model).__name__, format, scheme)
+        (tmp / "README.md").write_text(readme if readme is not None else default)
     return out
+
+
+def model_recipe(model: nn.Module, recipe: Recipe | str | None = None) -> Recipe | None:
+    """The recipe whose weight operands an ``hf-fp8`` export writes: the one of ``model``'s FP8
+    layers (`FP8Linear`; one recipe for all), else ``recipe`` (None: none, per-tensor scales). One
+    `ExportError` line where they disagree."""
+    given = None if recipe is None else recipe_from(recipe, "save_pretrained")
+    layers = {m.recipe for m in model.modules() if isinstance(m, FP8Linear)}
+    if len(layers) > 1:
+        names = ", ".join(sorted(r.name or "custom" for r in layers))
+        raise ExportError(f"the model's FP8 layers use several recipes ({names}); an hf-fp8 export holds one")
+    if not layers:
+        return given
+    (own,) = layers
+    if given is not None and given != own:
+        raise ExportError(
+            f"recipe {given.name or 'custom'} was given but the model's FP8 layers compute with "
+            f"{own.name or 'a custom recipe'}: pass that one or none"
+        )
+    return own
 
 
 def require_hf(extra: str | None = None) -> None:
@@ -76,9 +111,11 @@ def require_hf(extra: str | None = None) -> None:
             raise ExportError(f"exports need the {package!r} package: pip install {package} (or fp8lm[hf])")
 
 
-def _weights(model: nn.Module, fp8: bool) -> tuple[dict[str, torch.Tensor], list[nn.Module]]:
+def _weights(
+    model: nn.Module, fp8: bool, recipe: Recipe | None, fused: Sequence[Sequence[str]]
+) -> tuple[dict[str, torch.Tensor], list[nn.Module]]:
     """The tensors to write by name (BF16, or E4M3 + ``weight_scale`` for the linear layers when
-    ``fp8``) and the linear modules quantized."""
+    ``fp8``, as ``recipe``'s weight operands) and the linear modules quantized."""
     layers = _linear_layers(model) if fp8 else {}
     state = model.state_dict()
     keep = {name for name, _ in model.named_parameters()} | {
@@ -87,14 +124,32 @@ def _weights(model: nn.Module, fp8: bool) -> tuple[dict[str, torch.Tensor], list
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(keep & state.keys()):
         value = state[name].detach()
-        module_name, _, leaf = name.rpartition(".")
-        if leaf == "weight" and module_name in layers:
-            tensors[name], tensors[f"{module_name}.weight_scale"] = quantize_weight(value)
-        elif value.is_floating_point():
+        if value.is_floating_point():
             tensors[name] = value.to(torch.bfloat16).contiguous().clone()
         else:
             tensors[name] = value.contiguous().clone()
+    for group in _operand_groups(layers, fused) if fp8 else []:
+        values = [state[f"{name}.weight"] for name in group]
+        parts = quantize_weights(values, recipe, transposed=_transposed(layers[group[0]]))
+        for name, (e4m3, weight_scale) in zip(group, parts):
+            tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = e4m3, weight_scale
     return tensors, list(layers.values())
+
+
+def _operand_groups(layers: dict[str, nn.Module], fused: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    """The linear layers to quantize, each group one GEMM operand: the ``fused`` groups, then every
+    other layer alone."""
+    groups = [tuple(group) for group in fused]
+    grouped = [name for group in groups for name in group]
+    for name in grouped:
+        if name not in layers:
+            raise ExportError(f"fused names {name!r}, which is not one of the model's quantized linear layers")
+    if len(set(grouped)) != len(grouped):
+        raise ExportError("fused names a linear layer in more than one group; give each layer once")
+    for group in groups:
+        if len({_transposed(layers[name]) for name in group}) > 1:
+            raise ExportError(f"fused group {group} mixes Conv1D and Linear layers; fuse layers of one kind")
+    return groups + [(name,) for name in layers if name not in set(grouped)]
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -149,6 +204,6 @@ def _as_transformers_tokenizer(tokenizer):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
-def _default_readme(architecture: str, format: str) -> str:
-    weights = "BF16" if format == "hf" else "E4M3 linear-layer weights with per-tensor scales (compressed-tensors)"
+def _default_readme(architecture: str, format: str, scheme: WeightScheme) -> str:
+    weights = "BF16" if format == "hf" else f"E4M3 linear-layer weights, {scheme.describe()} (compressed-tensors)"
     return f"# {architecture}\n\nExported with fp8lm (format `{format}`: {weights}).\n"

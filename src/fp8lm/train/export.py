@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..export import ExportError, require_hf, save_pretrained
+from ..export.fp8 import weight_scheme
 from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..recipe import DEFAULT_RECIPE, Recipe
 from .checkpoint import CheckpointError, checkpoint_weights, list_checkpoints, load_checkpoint
@@ -41,6 +42,8 @@ __all__ = [
     "hf_model",
     "byte_tokenizer",
     "run_tokenizer",
+    "run_recipe",
+    "fused_layers",
     "export_run",
     "run_model",
     "run_autocast",
@@ -322,23 +325,57 @@ def export_run(
     ``format`` (``"hf"`` or ``"hf-fp8"``, `fp8lm.export.save_pretrained`)."""
     state = read_run_checkpoint(path, step)
     cfg = state["model_config"]
+    recipe = run_recipe(state)
+    if format == "hf-fp8":
+        weight_scheme(recipe)  # a recipe without an exact FP8 format is refused before the conversion
     model = hf_model(full_weights(state), cfg)
     tokenizer = run_tokenizer(state)
     return save_pretrained(
-        model, out, format=format, tokenizer=tokenizer.hf, readme=_readme(state, format), overwrite=overwrite
+        model,
+        out,
+        format=format,
+        tokenizer=tokenizer.hf,
+        readme=_readme(state, format),
+        overwrite=overwrite,
+        recipe=recipe,
+        fused=fused_layers(cfg),
     )
+
+
+def run_recipe(state: dict) -> Recipe | None:
+    """The recipe checkpoint ``state``'s FP8 layers computed with (None at the levels without FP8
+    GEMMs: their weights were never FP8 operands)."""
+    if state.get("opt_level") not in FP8_LEVELS:
+        return None
+    return Recipe.from_name((state.get("config") or {}).get("recipe") or DEFAULT_RECIPE)
+
+
+def fused_layers(cfg: GPTConfig | HFModelConfig) -> list[tuple[str, ...]]:
+    """The Hugging Face linear layers that are one layer of ``GPT(cfg)``, stacked along the output
+    rows (`fp8lm.export.save_pretrained`'s ``fused``): a Llama's or Mixtral's ``k_proj``/``v_proj``
+    (fp8lm's ``c_kv``) and a Llama's ``gate_proj``/``up_proj`` (``c_fc``)."""
+    if isinstance(cfg, HFModelConfig) or cfg.arch != "llama":
+        return []
+    groups: list[tuple[str, ...]] = []
+    for i in range(cfg.n_layer):
+        layer = f"model.layers.{i}."
+        groups.append((layer + "self_attn.k_proj", layer + "self_attn.v_proj"))
+        if not cfg.moe_experts:
+            groups.append((layer + "mlp.gate_proj", layer + "mlp.up_proj"))
+    return groups
 
 
 def _readme(state: dict, format: str) -> str:
     cfg: GPTConfig | HFModelConfig = state["model_config"]
     checkpoint = Path(state["path"])
     run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-    weights = (
-        "BF16"
-        if format == "hf"
-        else "E4M3 weights of the linear layers with per-tensor scales (compressed-tensors float-quantized), "
-        "output head and the rest in BF16"
-    )
+    weights = "BF16"
+    if format == "hf-fp8":
+        scheme = weight_scheme(run_recipe(state))
+        weights = (
+            f"E4M3 weights of the linear layers, {scheme.describe()} (compressed-tensors {scheme.format}), "
+            "output head and the rest in BF16"
+        )
     recipe = (state.get("config") or {}).get("recipe") or DEFAULT_RECIPE
     if isinstance(cfg, HFModelConfig):
         architecture = ", ".join(cfg.hf_config.get("architectures") or [cfg.model_type])
@@ -377,8 +414,7 @@ def run_model(state: dict, weights: dict[str, torch.Tensor] | None = None) -> nn
     if level in FP8_LEVELS:
         from ..amp import initialize
 
-        recipe = (state.get("config") or {}).get("recipe") or DEFAULT_RECIPE
-        model, _ = initialize(model, None, level, recipe=Recipe.from_name(recipe))
+        model, _ = initialize(model, None, level, recipe=run_recipe(state))
         own = scaling_state_dict(model)
         load_scaling_state_dict(model, merged_scaling(state["ranks"], model, own))
     return model.eval()
