@@ -374,3 +374,12 @@ def test_two_ranks_train_with_a_fine_grained_recipe(tmp_path, email_corpus, layo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert math.isfinite(summary["val_loss"]) and summary["val_loss"] < 5.6
+
+
+def test_e8m0_codes_are_the_exponent_plus_127():
+    from fp8lm.ops.block_scales import e8m0_codes
+
+    exps = torch.tensor([-127, -126, -1, 0, 1, 127])
+    d = torch.tensor([2.0**e for e in exps.tolist()], dtype=torch.float32)
+    assert e8m0_codes(d).tolist() == [0, 1, 126, 127, 128, 254]
+    assert e8m0_codes(torch.tensor([float("nan")])).item() == 255

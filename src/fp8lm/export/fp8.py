@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import E4M3
-from ..ops.block_scales import exp2i
+from ..ops.block_scales import e8m0_codes, exp2i
 from ..ops.cast import saturating_cast
 from ..ops.finegrained import quantize_operand
 from ..recipe import Recipe
@@ -68,8 +68,13 @@ class WeightScheme:
 
     def weights_args(self) -> dict:
         """The ``weights`` entry of a ``compressed-tensors`` config group."""
-        args: dict[str, object] = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": self.strategy}
-        args["dynamic"] = False
+        args: dict[str, object] = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": self.strategy,
+            "dynamic": False,
+        }
         if self.strategy == "block":
             args["block_structure"] = [self.block, self.block]
         if self.strategy == "group":
@@ -134,7 +139,7 @@ def quantize_weights(
         n = part.shape[0]
         p, s = payload[start : start + n], _part_scale(d, scheme, start, n)
         if scheme.strategy == "group":
-            s = _e8m0_codes(s)
+            s = e8m0_codes(s)
         if transposed:
             p, s = p.t(), (s if scheme.strategy == "tensor" else s.t())
         parts.append((p.clone(memory_format=torch.contiguous_format), s.clone(memory_format=torch.contiguous_format)))
@@ -182,12 +187,6 @@ def _part_scale(d: torch.Tensor, scheme: WeightScheme, start: int, n: int) -> to
             f"{n} rows); compressed-tensors' blocks start at each part's first row: export with format 'hf'"
         )
     return d[start // b : (start + n - 1) // b + 1]
-
-
-def _e8m0_codes(d: torch.Tensor) -> torch.Tensor:
-    """Powers of two as E8M0 codes (uint8, ``2**(code - 127)``): their float32 exponent field
-    (2**-127, a subnormal, has 0)."""
-    return ((d.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
 
 
 def dequantize_weight(

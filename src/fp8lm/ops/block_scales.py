@@ -21,7 +21,7 @@ import math
 
 import torch
 
-__all__ = ["pow2_ceil", "pow2_floor", "amax_over_max", "exp2i", "E8M0_MIN_EXP", "E8M0_MAX_EXP"]
+__all__ = ["pow2_ceil", "pow2_floor", "amax_over_max", "exp2i", "e8m0_codes", "E8M0_MIN_EXP", "E8M0_MAX_EXP"]
 
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 _SMALLEST_SUBNORMAL = 2.0**-149
@@ -64,3 +64,9 @@ def pow2_floor(amax: torch.Tensor, fmax: float) -> torch.Tensor:
 def amax_over_max(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     """``amax / fmax`` in float32, at least 2**-149 (see the module doc)."""
     return _finish(amax, (amax / fmax).clamp(min=_SMALLEST_SUBNORMAL))
+
+
+def e8m0_codes(d: torch.Tensor) -> torch.Tensor:
+    """Float32 powers of two as E8M0 codes (uint8, ``2**(code - 127)``): their float32 exponent
+    field, taken from the bits (2**-127, a subnormal, has 0; NaN has 255)."""
+    return ((d.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..recipe import Recipe, recipe_from
 from . import nvfp4
-from .block_scales import amax_over_max, pow2_ceil, pow2_floor
+from .block_scales import amax_over_max, e8m0_codes, pow2_ceil, pow2_floor
 from .blocks import Block, block_amax, from_blocks, per_block, to_blocks
 from .fastpath import COMPILED_CASTS, FastPath
 
@@ -326,11 +326,10 @@ def mx_blocked_scales(d: torch.Tensor) -> torch.Tensor:
 
 
 def _blocked_e8m0(d: torch.Tensor) -> torch.Tensor:
-    """`mx_blocked_scales` as bytes. A power of two's E8M0 code is its float32 exponent field
-    (2**-127, a subnormal, has 0; NaN has 255), taken from the bits."""
+    """`mx_blocked_scales` as bytes (`e8m0_codes`)."""
     rows, cols = d.shape
     tiles_r, tiles_c = -(-rows // 128), -(-cols // 4)
-    codes = ((d.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    codes = e8m0_codes(d)
     padded = F.pad(codes, (0, tiles_c * 4 - cols, 0, tiles_r * 128 - rows))
     tiles = padded.view(tiles_r, 4, 32, tiles_c, 4).permute(0, 3, 2, 1, 4)  # (tr, tc, r % 32, r // 32, col)
     return tiles.reshape(-1)
