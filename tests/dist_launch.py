@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,42 +23,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def forked_ranks(ranks: int, *args: str) -> list[str]:
+    """The command that starts ``ranks`` local ranks of ``args`` (``-m MODULE ...`` or a script) with
+    torchrun's environment, forked from one process that imported torch and fp8lm once
+    (tests/rank_launcher.py says why). Tests of torchrun itself launch torchrun."""
+    return [sys.executable, str(HERE / "rank_launcher.py"), str(ranks), *args]
+
+
 def launch(script: str, world_size: int, *args: str, timeout: float = 120.0) -> tuple[list[int], list[str], list]:
-    """Start ``world_size`` processes of ``tests/<script>`` with torchrun's env vars; each gets an
-    output dir as its first argument and may save ``rank{r}.pt`` there. Returns the exit codes,
-    the logs and the loaded results (None where a rank saved nothing)."""
+    """Start ``world_size`` processes of ``tests/<script>`` with torchrun's env vars (forked from one
+    process, independent of each other: tests/rank_launcher.py ``--logs``); each gets an output dir
+    as its first argument and may save ``rank{r}.pt`` there. Returns the exit codes, the logs and
+    the loaded results (None where a rank saved nothing)."""
     with tempfile.TemporaryDirectory() as out:
-        port = free_port()
-        procs = []
-        for r in range(world_size):
-            env = dict(
-                os.environ,
-                RANK=str(r),
-                LOCAL_RANK=str(r),
-                WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE / script), out, *args],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        logs, codes = [], []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise AssertionError(f"{script} on {world_size} ranks did not finish in {timeout} s") from None
-            codes.append(p.returncode)
+        logs_dir = Path(out) / "logs"
+        logs_dir.mkdir()
+        command = forked_ranks(world_size, "--logs", str(logs_dir), str(HERE / script), out, *args)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        launcher = subprocess.Popen(command, env=env, start_new_session=True)
+        try:
+            launcher.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and every rank it forked
+            launcher.wait()
+            raise AssertionError(f"{script} on {world_size} ranks did not finish in {timeout} s") from None
+        if launcher.returncode != 0:
+            raise AssertionError(f"the launcher of {script} failed with exit code {launcher.returncode}")
+        codes = [int((logs_dir / f"rank{r}.code").read_text()) for r in range(world_size)]
+        logs = [(logs_dir / f"rank{r}.log").read_text() for r in range(world_size)]
         files = [Path(out) / f"rank{r}.pt" for r in range(world_size)]
         results = [torch.load(f, weights_only=False) if f.exists() else None for f in files]
         return codes, logs, results

@@ -7,11 +7,12 @@ Under tensor parallelism the recomputation runs its collectives again: more byte
 import json
 import os
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+
+from dist_launch import forked_ranks
 
 pytestmark = pytest.mark.slow  # multi-rank training processes
 
@@ -20,7 +21,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
 
 
 def train(out: Path, cache: Path, *flags: str) -> dict:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    args = forked_ranks(2)
     args += ["-m", "fp8lm.cli", "train", "--opt-level", "O2", "--model", "tiny", "--batch-size", "8"]
     args += ["--seq-len", "32", "--steps", "4", "--eval-every", "2", "--eval-batches", "2", "--data", EMAIL]
     args += ["--cache-dir", str(cache), "--out", str(out), "--no-progress", "--activations", "fp8", *flags]

@@ -5,12 +5,12 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from cli_helpers import run_main
+from dist_launch import forked_ranks
 from fp8lm.train.dpo import SUMMARY_KEYS
 from fp8lm.train.model import GPT, preset
 from fp8lm.train.preference import PairSampler, read_pairs, split_pairs
@@ -174,7 +174,7 @@ def test_bf16_level_learns_the_pairs(inputs, tmp_path, capsys):
 
 def torchrun_dpo(inputs, out, level, *extra):
     """``fp8lm dpo`` on 2 gloo ranks (one thread each, eager: comparable bit for bit)."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fp8lm.cli"]
+    argv = forked_ranks(2, "-m", "fp8lm.cli")
     argv += dpo_args(inputs, out, "--steps", "4", "--save-every", "2", "--eval-every", "2", "--opt-level", level)
     if "--resume" in extra:  # the checkpoint holds the reference
         argv.remove("--init-from")

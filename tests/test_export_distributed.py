@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dist_launch import forked_ranks
 from fp8lm.train.data import eval_batches, pack, path_documents
 
 transformers = pytest.importorskip("transformers")
@@ -27,7 +28,7 @@ OPTIONS += ["--eval-every", "24", "--eval-batches", "4", "--data", EMAIL, "--no-
 
 
 def train(out: Path, cache: Path, *layout: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd = forked_ranks(2)
     cmd += ["-m", "fp8lm.cli", "train", *OPTIONS, "--cache-dir", str(cache), "--out", str(out), *layout]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

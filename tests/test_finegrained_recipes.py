@@ -362,12 +362,13 @@ def test_two_ranks_train_with_a_fine_grained_recipe(tmp_path, email_corpus, layo
     import json
     import os
     import subprocess
-    import sys
+
+    from dist_launch import forked_ranks
 
     out = tmp_path / "run"
     args = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "4", "--eval-batches", "2"]
     args += ["--data", email_corpus, "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--no-progress"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = forked_ranks(2)
     command += ["-m", "fp8lm.cli", "train", "--opt-level", "O2", "--recipe", recipe, *layout, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

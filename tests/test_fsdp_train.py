@@ -11,8 +11,9 @@ import subprocess
 import pytest
 
 from cli_helpers import run_main
+from dist_launch import forked_ranks
 from fp8lm.train.config import RunError, TrainConfig
-from test_train_distributed import ENV, STEPS, TIMEOUT_S, check, run_options, torchrun
+from test_train_distributed import ENV, STEPS, TIMEOUT_S, check, run_options
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def work(tmp_path_factory):
 def uninterrupted(work):
     out = work / "whole"
     args = ["-m", "fp8lm.cli", "compare", "--fsdp", "--levels", "bf16,O2", *run_options(out, work / "cache")]
-    log = check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=2 * TIMEOUT_S))
+    log = check(subprocess.run(forked_ranks(2, *args), env=ENV, capture_output=True, text=True, timeout=2 * TIMEOUT_S))
     return out, log
 
 
@@ -65,7 +66,7 @@ def test_fsdp_resume_from_a_distributed_checkpoint_matches_the_uninterrupted_run
     last.with_suffix(".pt").unlink()
     shutil.rmtree(last.with_suffix(".dcp"))
     args = ["-m", "fp8lm.cli", "train", "--opt-level", "O2", "--fsdp", *run_options(out, work / "cache", "--resume")]
-    check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    check(subprocess.run(forked_ranks(2, *args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
     for name in ("metrics.jsonl", "telemetry.jsonl"):
         assert (out / name).read_bytes() == (whole / name).read_bytes(), name
     assert read(out / "summary.json")["val_loss"] == read(whole / "summary.json")["val_loss"]

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from test_train_distributed import ENV, TIMEOUT_S, check, run_options, torchrun
+from dist_launch import forked_ranks
+from test_train_distributed import ENV, TIMEOUT_S, check, run_options
 
 pytestmark = pytest.mark.slow  # 2-rank training processes
 
@@ -18,7 +19,7 @@ def test_two_rank_moe_trains_at_o2_and_o3(tmp_path):
     args = ["-m", "fp8lm.cli", "compare", "--levels", "O2,O3", "--moe-experts", "4", "--moe-top-k", "2"]
     check(
         subprocess.run(
-            torchrun(*args, *run_options(out, tmp_path / "cache")),
+            forked_ranks(2, *args, *run_options(out, tmp_path / "cache")),
             env=ENV,
             capture_output=True,
             text=True,
@@ -44,7 +45,7 @@ def test_fsdp_without_ep_shards_the_experts_and_gathers_them_in_fp8(tmp_path):
     runs = {}
     for name, launch, extra in (
         ("one", [sys.executable], ["--levels", "O2"]),
-        ("fsdp", torchrun(), ["--levels", "bf16,O2", "--fsdp"]),
+        ("fsdp", forked_ranks(2), ["--levels", "bf16,O2", "--fsdp"]),
     ):
         out = tmp_path / name
         args = ["-m", "fp8lm.cli", "compare", *moe, *extra, *run_options(out, tmp_path / "cache")]
@@ -66,7 +67,7 @@ def test_ep2_trains_as_data_parallel_does_and_sends_fp8_tokens(tmp_path):
     for name, extra in (("dp", []), ("ep", ["--ep", "2"])):
         out = tmp_path / name
         args = ["-m", "fp8lm.cli", "compare", *moe, *extra, *run_options(out, tmp_path / "cache")]
-        check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        check(subprocess.run(forked_ranks(2, *args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
         runs[name] = {lv: json.loads((out / lv / "summary.json").read_text()) for lv in ("bf16", "O2")}
     dp, ep = runs["dp"], runs["ep"]
     assert ep["O2"]["layout"] == "expert parallel" and dp["O2"]["layout"] == "data parallel"
@@ -83,12 +84,12 @@ def test_ep2_trains_as_data_parallel_does_and_sends_fp8_tokens(tmp_path):
     for p in (resumed / "checkpoints").glob("step_00000016*"):
         subprocess.run(["rm", "-rf", str(p)], check=True)
     args = ["-m", "fp8lm.cli", "train", "--out", str(resumed), "--resume", "--no-progress", "--ep", "2"]
-    check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    check(subprocess.run(forked_ranks(2, *args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
     assert (resumed / "metrics.jsonl").read_bytes() == (whole / "metrics.jsonl").read_bytes()
     # --ep is the launch's layout: the same checkpoint resumes in one process (resharded: every
     # expert read from the rank that wrote it) and as plain data parallelism
     final = ep["O2"]["val_loss"]
-    for name, launch in (("one", [sys.executable]), ("dp", torchrun())):
+    for name, launch in (("one", [sys.executable]), ("dp", forked_ranks(2))):
         out = tmp_path / f"resumed_{name}"
         subprocess.run(["cp", "-r", str(whole), str(out)], check=True)
         (out / "summary.json").unlink()
@@ -110,7 +111,7 @@ def test_ep2_on_4_ranks_keeps_a_replica_of_each_expert_per_group(tmp_path):
         out = tmp_path / name
         args = ["-m", "fp8lm.cli", "compare", "--levels", "bf16,O2", "--moe-experts", "4", *extra]
         args += run_options(out, tmp_path / "cache")
-        four = [*torchrun()[:-1], "4", *args]  # torchrun(...) with --nproc_per_node 4
+        four = forked_ranks(4, *args)
         check(subprocess.run(four, env=ENV, capture_output=True, text=True, timeout=2 * TIMEOUT_S))
         runs[name] = {lv: json.loads((out / lv / "summary.json").read_text()) for lv in ("bf16", "O2")}
     # at bf16 torch's DDP averages what is not an expert: its FP32 bytes are computed, less than the
@@ -134,7 +135,7 @@ def test_ep2_with_fsdp_on_4_ranks_trains_as_one_process_and_resumes_byte_for_byt
     runs = {}
     for name, launch, extra in (
         ("one", [sys.executable], ["--levels", "O2"]),
-        ("epfsdp", [*torchrun()[:-1], "4"], ["--levels", "bf16,O2", "--ep", "2", "--fsdp"]),
+        ("epfsdp", forked_ranks(4), ["--levels", "bf16,O2", "--ep", "2", "--fsdp"]),
     ):
         out = tmp_path / name
         args = ["-m", "fp8lm.cli", "compare", *moe, *extra, *run_options(out, tmp_path / "cache", *steps)]
@@ -153,7 +154,7 @@ def test_ep2_with_fsdp_on_4_ranks_trains_as_one_process_and_resumes_byte_for_byt
     for p in (resumed / "checkpoints").glob("step_00000032*"):
         subprocess.run(["rm", "-rf", str(p)], check=True)
     args = ["-m", "fp8lm.cli", "train", "--out", str(resumed), "--resume", "--no-progress", "--ep", "2", "--fsdp"]
-    four = [*torchrun()[:-1], "4", *args]
+    four = forked_ranks(4, *args)
     log = check(subprocess.run(four, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
     assert "resharded" not in log
     assert (resumed / "metrics.jsonl").read_bytes() == (whole / "metrics.jsonl").read_bytes()

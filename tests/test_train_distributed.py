@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_launch import free_port
+from dist_launch import forked_ranks, free_port
 
 pytestmark = pytest.mark.slow  # every test here runs 2-rank training processes
 
@@ -60,6 +60,8 @@ def run_options(out: Path, cache: Path, *extra: str) -> list[str]:
 
 
 def torchrun(*args: str) -> list[str]:
+    """torchrun itself on 2 ranks: the reference runs and the restart test launch ranks the way users
+    do; the other multi-rank tests fork theirs (tests/rank_launcher.py)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
 
 
@@ -245,7 +247,7 @@ def test_shared_grad_sync_scaling_logs_mu_and_must_be_resumed_alike(work):
         "shared",
         *run_options(out, work / "cache"),
     ]
-    check(subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    check(subprocess.run(forked_ranks(2, *args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train_loss" in r]
     assert len(steps) == STEPS and all(r["grad_sync_mu"] and all(mu > 0 for mu in r["grad_sync_mu"]) for r in steps)
@@ -262,9 +264,9 @@ def test_shared_grad_sync_scaling_logs_mu_and_must_be_resumed_alike(work):
         "--grad-sync-scaling",
         "local",
     ]
-    proc = subprocess.run(torchrun(*args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(forked_ranks(2, *args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode != 0 and "--grad-sync-scaling shared" in proc.stderr, proc.stderr
     # without the option, --resume continues with the run's own scaling
-    check(subprocess.run(torchrun(*args[:-2]), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+    check(subprocess.run(forked_ranks(2, *args[:-2]), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train_loss" in r][-1] == STEPS + 4 and records[-1]["grad_sync_mu"]

@@ -8,7 +8,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -194,12 +193,11 @@ def test_dpo_and_export_of_a_folder_run(folders, tmp_path, email_corpus, token_c
     ],
 )
 def test_two_ranks_train_a_folder(folders, tmp_path, email_corpus, layout, options):
-    from dist_launch import free_port
+    from dist_launch import forked_ranks
 
     args = ["--model", str(folders / "llama"), *options, "--steps", "4", "--batch-size", "8", "--seq-len", "32"]
     args += ["--eval-batches", "2", "--data", email_corpus, "--out", str(tmp_path / "run")]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
-    command += [str(free_port()), "-m", "fp8lm.cli", "train", *args, "--no-progress"]
+    command = forked_ranks(2, "-m", "fp8lm.cli", "train", *args, "--no-progress")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -5,11 +5,11 @@ cannot do is refused in one line."""
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from cli_helpers import run_main
+from dist_launch import forked_ranks
 from fp8lm.cli import main
 from fp8lm.train.config import RunError, TrainConfig
 from fp8lm.train.ranks import join
@@ -50,7 +50,9 @@ def options(out, cache, *extra: str, levels: str = "bf16,O1") -> list[str]:
 
 
 def torchrun(ranks: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), *args]
+    """``ranks`` ranks of ``args`` with torchrun's environment (forked from one process: see
+    tests/rank_launcher.py); the tests of torchrun itself are in tests/test_train_distributed.py."""
+    return forked_ranks(ranks, *args)
 
 
 def summaries(out) -> dict:

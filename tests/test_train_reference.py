@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_launch import forked_ranks
+
 DATA = Path(__file__).resolve().parent / "data" / "train_reference"
 CORPUS = DATA / "corpus.txt"
 # One thread per process and no torch.compile: the same float sums in every run.
@@ -50,9 +52,9 @@ def reference_folders() -> list[Path]:
 
 def command(name: str, out: Path) -> list[str]:
     ranks, options = RUNS[name]
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else []
     corpus = ["--data", str(CORPUS), "--out", str(out), "--cache-dir", str(out.parent / "cache")]
-    return [sys.executable, *launcher, "-m", "fp8lm.cli", "train", *COMMON, *options, *corpus]
+    args = ["-m", "fp8lm.cli", "train", *COMMON, *options, *corpus]
+    return forked_ranks(ranks, *args) if ranks > 1 else [sys.executable, *args]
 
 
 def run(name: str, work: Path) -> bytes:
