@@ -18,6 +18,7 @@ from test_train_level3 import torchrun
 pytestmark = pytest.mark.slow  # multi-rank training processes
 
 STEPS, SAVE_EVERY = 6, 3
+TP2_PP2 = ("--tp", "2", "--pp", "2", "--pp-microbatches", "2")
 
 
 def options(out, cache, *extra: str) -> list[str]:
@@ -71,7 +72,7 @@ def drop_last_checkpoint(run) -> None:
         (2, ("--tp", "2", "--fallback")),
         (2, ("--pp", "2", "--pp-microbatches", "2", "--fallback")),
         (4, ("--pp", "2", "--fsdp")),
-        (4, ("--tp", "2", "--pp", "2", "--pp-microbatches", "2")),
+        (4, TP2_PP2),
         (8, ("--tp", "2", "--pp", "2", "--fsdp", "--pp-microbatches", "2")),
         (4, ("--pp", "2", "--opt-level", "O3", "--pp-microbatches", "2")),
         (2, ()),
@@ -81,9 +82,14 @@ def drop_last_checkpoint(run) -> None:
     ],
     ids=["tp2", "pp2", "pp2_fsdp", "tp2_pp2", "3d", "pp2_o3", "dp", "zero", "tp2_o3", "tp2_pp2_o3"],
 )
-def test_a_resumed_run_continues_byte_for_byte(tmp_path, ranks, flags):
-    whole, cache = tmp_path / "whole", tmp_path / "cache"
-    check(train(ranks, whole, cache, *flags))
+def test_a_resumed_run_continues_byte_for_byte(tmp_path, request, ranks, flags):
+    if flags == TP2_PP2:  # the module's uninterrupted --tp 2 --pp 2 run (the reshard tests' too)
+        whole = request.getfixturevalue("tp2_pp2")
+        cache = whole.parent / "cache"
+    else:
+        cache = tmp_path / "cache"
+        whole = tmp_path / "whole"
+        check(train(ranks, whole, cache, *flags))
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["world_size"] == ranks and summary["skipped_steps"] == 0
     assert (whole / "checkpoints" / f"step_{SAVE_EVERY:08d}.dcp").is_dir()
@@ -127,7 +133,7 @@ def tp2_pp2(tmp_path_factory):
     """An uninterrupted `--tp 2 --pp 2` run on 4 ranks."""
     work = tmp_path_factory.mktemp("reshard")
     whole = work / "tp2_pp2"
-    check(train(4, whole, work / "cache", "--tp", "2", "--pp", "2", "--pp-microbatches", "2"))
+    check(train(4, whole, work / "cache", *TP2_PP2))
     return whole
 
 
