@@ -21,6 +21,7 @@ and no rank is stopped when another fails (what a survivor does on its own may b
 
 from __future__ import annotations
 
+import ctypes
 import os
 import runpy
 import signal
@@ -81,6 +82,17 @@ def run_rank(rank: int, world: int, port: int, target: list[str]) -> int:
         return 1
 
 
+def die_with(parent: int) -> None:
+    """Linux: this rank is killed when the launcher dies (a test's timeout kills the launcher alone),
+    so no rank outlives a failed test holding a core."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
 def to_log(path: str) -> None:
     """This process's stdout and stderr (the file descriptors: child processes too) into ``path``."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -98,11 +110,13 @@ def main(argv: list[str]) -> int:
         __import__(name)
     port = free_port()
     children: dict[int, int] = {}
+    launcher = os.getpid()
     for rank in range(world):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            die_with(launcher)
             if logs is not None:
                 to_log(os.path.join(logs, f"rank{rank}.log"))
             code = run_rank(rank, world, port, target)
