@@ -22,7 +22,8 @@ scaled FP16 weights FSDP2 gathers in E4M3 where O1's FP32 weights travel in FP32
 Per layout and level it also reports the step time against one process (``time_vs_one_process``:
 tokens per second of one process over the layout's, all ranks sharing this machine's cores).
 
-A layout's result is kept in ``OUT/<layout>/``; with ``--results FILE`` the layouts found in
+A layout's result is kept in ``OUT/<layout>/``; a later run with other ``--levels`` and the same
+``OUT`` adds its levels to the layouts (the results name both commands); with ``--results FILE`` the layouts found in
 ``OUT`` are gathered into one JSON file (the single-process one is the reference of the gaps);
 ``--merge`` keeps the layouts FILE already holds that ``OUT`` lacks (its one-process reference
 too), so one layout can be added to a table::
@@ -87,6 +88,16 @@ def command(layout: str, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", ranks, *cli]
 
 
+def commands_of(folder: Path) -> list[list[str]]:
+    """The commands that trained ``folder``'s levels (``command.json``: one per ``--levels`` set, a
+    later set of levels added to the same folder; a folder of one command holds that command)."""
+    path = folder / "command.json"
+    if not path.exists():
+        return []
+    saved = json.loads(path.read_text())
+    return saved if saved and isinstance(saved[0], list) else [saved]
+
+
 def level_result(summary: dict) -> dict:
     return {
         "val_loss": summary["val_loss"],
@@ -111,7 +122,7 @@ def gather(out: Path, known: dict | None = None) -> dict:
             continue
         levels = {level: level_result(json.loads((folder / level / "summary.json").read_text())) for level in done}
         layouts[layout] = {
-            "command": "python " + " ".join(json.loads((folder / "command.json").read_text())),
+            "command": " && ".join("python " + " ".join(c) for c in commands_of(folder)),
             "levels": levels,
         }
     single = layouts.get("single")
@@ -137,7 +148,8 @@ def train(layout: str, args: argparse.Namespace, out: Path) -> None:
         return
     cmd = command(layout, argparse.Namespace(**{**vars(args), "levels": ",".join(levels)}))
     (out / layout).mkdir(parents=True, exist_ok=True)
-    (out / layout / "command.json").write_text(json.dumps(cmd[1:]))
+    commands = [c for c in commands_of(out / layout) if c != cmd[1:]] + [cmd[1:]]
+    (out / layout / "command.json").write_text(json.dumps(commands))
     print(f"== {layout}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
