@@ -67,3 +67,28 @@ def test_emulation_dtype_is_fp32_where_bf16_gemms_are_slow(monkeypatch):
     monkeypatch.setattr(gemm, "_CPU_HAS_BF16_GEMM", False)
     assert emulation_dtype(torch.bfloat16, "cpu") == torch.float32
     assert emulation_dtype(torch.float32, "cpu") == torch.float32
+
+
+def test_mode_routes_conv1d_addmm_as_a_linear_of_the_transposed_weight(monkeypatch):
+    """Hugging Face GPT-2's ``Conv1D``: ``torch.addmm(bias, x, weight)`` with ``weight`` stored
+    ``[in, out]`` is the emulated linear of ``weight.t()``, values and gradients; an ``addmm`` with
+    ``beta``/``alpha`` or a matrix bias is left to torch."""
+    monkeypatch.setattr(gemm, "_CPU_HAS_BF16_GEMM", False)
+    x, w, b = _inputs(3)
+    w_in_out = w.detach().t().contiguous().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16), CPUBF16Linear():
+        out = torch.addmm(b, x, w_in_out)
+    assert out.dtype == torch.bfloat16
+    ulp = _float64_reference(x, w, b).float().abs().clamp_min(1e-3) * 2.0**-7
+    assert ((out.float() - _float64_reference(x, w, b).float()).abs() <= ulp).all()
+    out.float().square().sum().backward()
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    _bf16_linear(x2, w2, b2).float().square().sum().backward()
+    assert torch.equal(x.grad, x2.grad) and torch.equal(b.grad, b2.grad)
+    assert torch.equal(w_in_out.grad, w2.grad.t())
+    calls = []
+    monkeypatch.setattr(gemm, "_bf16_linear", lambda *a, **k: calls.append(1) or F.linear(*a, **k))
+    with torch.autocast("cpu", dtype=torch.bfloat16), CPUBF16Linear():
+        torch.addmm(b, x, w_in_out, beta=0.5)
+        torch.addmm(torch.zeros(64, 32), x, w_in_out)
+    assert calls == []

@@ -260,21 +260,36 @@ def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return _BF16Linear.apply(x, weight, bias)
 
 
+def _emulates_bf16_gemm(x: torch.Tensor) -> bool:
+    """Whether a BF16-autocast GEMM of ``x`` runs on a CPU without BF16 GEMM instructions."""
+    return (
+        torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and x.device.type == "cpu"
+        and not _CPU_HAS_BF16_GEMM
+    )
+
+
 class CPUBF16Linear(TorchFunctionMode):
     """A mode (``with CPUBF16Linear(): ...``) under which ``F.linear`` in CPU BF16 autocast, on a
-    CPU without BF16 GEMM instructions, is computed by `_bf16_linear` (see the module docstring);
-    elsewhere it changes nothing. Enter it with ``torch.autocast`` around the forward pass."""
+    CPU without BF16 GEMM instructions, is computed by `_bf16_linear` (see the module docstring),
+    and so is ``torch.addmm(bias, x, weight)`` with a bias vector (the linear layer of Hugging Face
+    GPT-2's ``Conv1D``, whose weight is stored ``[in, out]``); elsewhere it changes nothing. Enter it
+    with ``torch.autocast`` around the forward pass."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (
-            func is F.linear
-            and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16
-            and args[0].device.type == "cpu"
-            and not _CPU_HAS_BF16_GEMM
-        ):
+        if func is F.linear and _emulates_bf16_gemm(args[0]):
             return _bf16_linear(*args, **kwargs)
+        if (
+            func is torch.addmm
+            and not kwargs
+            and len(args) == 3
+            and args[0].dim() == 1
+            and _emulates_bf16_gemm(args[1])
+        ):
+            bias, x, weight = args
+            return _bf16_linear(x, weight.t(), bias)
         return func(*args, **kwargs)
 
 
