@@ -15,7 +15,8 @@ rounding to ``out_dtype``. Two backends give that result:
 CPUs without BF16 instructions (no AVX512-BF16 or AMX, e.g. AVX2-only ones) run torch's BF16 GEMM
 through a slow reference path, ~40x slower than its FP32 GEMM (docs/performance.md). There the
 emulated FP8 GEMM multiplies in FP32, and `CPUBF16Linear` does the same for the BF16 GEMMs of
-``F.linear`` under ``torch.autocast``: an FP32 GEMM of the BF16-rounded operands, rounded to BF16,
+``F.linear`` (and of ``torch.addmm(bias, x, weight)``, Hugging Face GPT-2's ``Conv1D``) under
+``torch.autocast``: an FP32 GEMM of the BF16-rounded operands, rounded to BF16,
 which has the rounding points of a BF16 GEMM with FP32 accumulation.
 
 On CPU both accumulate in FP32 and agree within FP32 summation-order error. Hopper's FP8 tensor
