@@ -25,9 +25,10 @@ import ctypes
 import os
 import runpy
 import signal
-import socket
 import sys
 import traceback
+
+from dist_launch import free_port  # this script's folder is first on sys.path
 
 PRELOAD = (
     "torch",
@@ -39,12 +40,6 @@ PRELOAD = (
     "fp8lm.cli",
     "fp8lm.train.loop",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank(rank: int, world: int, port: int, target: list[str]) -> int:
