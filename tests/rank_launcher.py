@@ -27,6 +27,7 @@ import runpy
 import signal
 import sys
 import traceback
+import warnings
 
 from dist_launch import free_port  # this script's folder is first on sys.path
 
@@ -61,6 +62,8 @@ def run_rank(rank: int, world: int, port: int, target: list[str]) -> int:
     try:
         if target[0] == "-m":
             sys.argv = [target[1], *target[2:]]
+            # The module was preloaded on purpose; runpy warns that it runs it again as __main__.
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules after import", RuntimeWarning)
             runpy.run_module(target[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(target)

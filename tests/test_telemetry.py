@@ -62,7 +62,26 @@ def test_telemetry_records_every_kind_on_sampled_steps_only():
         assert kinds == {(layer, kind) for layer in ("0", "2") for kind in KINDS}
         assert all(r["step"] == step and 0 <= r["underflow"] <= 1 and 0 <= r["saturation"] <= 1 for r in per_step[step])
     # Hooks are gone after the window: an unsampled step leaves no hooks behind.
-    assert all(not m._forward_pre_hooks and not m._backward_pre_hooks for m in model.modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_telemetry_leaves_layer_outputs_as_they_are():
+    # A module's full backward hook would return each FP8 layer's output as a view: an in-place op on
+    # it (a residual `y += x`) would then fail, and FSDP2 warns when it is the model's output.
+    from fp8lm.telemetry import Telemetry
+
+    model = _tiny_model()
+    model, _ = fp8lm.initialize(model, None, opt_level="O2")
+    telemetry = Telemetry(model, every=1)
+    x = torch.randn(16, 32)
+    with telemetry.step(0):
+        out = model(x)
+        assert out._base is None
+        out += x  # in place on the last FP8 layer's output
+        out.square().mean().backward()
+    records = telemetry.after_backward()
+    grad_outputs = [r for r in records if r["kind"] == "grad_output"]
+    assert sorted(r["layer"] for r in grad_outputs) == ["0", "2"]  # each recorded once
 
 
 def test_telemetry_sees_underflowing_gradients():

@@ -12,7 +12,6 @@ have scales of their own, and a rarely routed expert is where a scale fails firs
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -214,10 +213,10 @@ class Telemetry:
                 self._record(name, "grad_output", E5M2, quantization_stats(g, E5M2, scale))
 
             handles.append(layer.register_forward_pre_hook(on_input))
-            handles.append(layer.register_full_backward_pre_hook(on_grad_output))
+            handles.append(layer.register_forward_hook(_on_output_gradient(on_grad_output)))
         for name, experts in self.grouped.items():
             handles.append(experts.register_forward_pre_hook(self._on_grouped_input(name)))
-            handles.append(experts.register_full_backward_pre_hook(self._on_grouped_grad_output(name)))
+            handles.append(experts.register_forward_hook(_on_output_gradient(self._on_grouped_grad_output(name))))
         return handles
 
     def _record_blocks(self, name: str, layer, tensors: dict[str, torch.Tensor]) -> None:
@@ -322,26 +321,32 @@ class _RecordingWindow:
         self.telemetry = telemetry
         self.step = step
         self.handles: list = []
-        self.quiet = None
 
     def __enter__(self):
         sampled = self.telemetry.sampled(self.step)
         self.telemetry._step = self.step if sampled else None
         if sampled:
             self.handles = self.telemetry._attach()
-            # The first layer's input needs no gradient; torch warns that its backward hook then
-            # sees only the output gradient, which is all telemetry reads.
-            self.quiet = warnings.catch_warnings()
-            self.quiet.__enter__()
-            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
         return self.telemetry
 
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
-        if self.quiet is not None:
-            self.quiet.__exit__(*exc)
         return False
+
+
+def _on_output_gradient(on_grad_output):
+    """A forward hook that has ``on_grad_output(module, (grad,))`` called with the gradient of the
+    module's output, by a hook on the output tensor. Why not a module's full backward hook: it
+    returns the output as a view (``BackwardHookFunction``), which an in-place op on it refuses and
+    which FSDP2 warns about when it is the model's own output (the head's logits). Under activation
+    checkpointing only the forward whose output the loss reaches fires: once per step."""
+
+    def hook(module, args, output):
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: on_grad_output(module, (grad,)))
+
+    return hook
 
 
 def worst(records: list[dict], key: str = "underflow", top: int = 10) -> list[dict]:
