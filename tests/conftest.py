@@ -2,7 +2,10 @@
 (`cli_helpers`, `dist_launch`); no test module imports another."""
 
 import os
+import shutil
+import signal
 import sysconfig
+import tempfile
 from pathlib import Path
 from types import MappingProxyType
 
@@ -16,12 +19,36 @@ settings.register_profile("fp8lm", deadline=None)
 settings.load_profile("fp8lm")
 
 
+FORK_DIR_KEY = pytest.StashKey[str]()
+
+
 def pytest_configure(config):
     """Under pytest-xdist (``-n``, on by default) each worker takes its share of the cores: torch's
     default, all of them in every worker, would oversubscribe the machine."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    # Multi-rank launches (tests/rank_launcher.py) go through fork servers that import torch and
+    # fp8lm once per session, not once per launch; FP8LM_TEST_FORK_SERVER=0 turns them off.
+    if os.environ.get("FP8LM_TEST_FORK_DIR") is None and os.environ.get("FP8LM_TEST_FORK_SERVER", "1") != "0":
+        fork_dir = tempfile.mkdtemp(prefix="fp8lm-fork-")
+        os.environ["FP8LM_TEST_FORK_DIR"] = fork_dir
+        config.stash[FORK_DIR_KEY] = fork_dir
+
+
+def pytest_unconfigure(config):
+    """The fork servers this process's session started end with it."""
+    fork_dir = config.stash.get(FORK_DIR_KEY, None)
+    if fork_dir is None:
+        return
+    for name in os.listdir(fork_dir):
+        if name.endswith(".pid"):
+            try:
+                os.kill(int(open(os.path.join(fork_dir, name)).read()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass  # already gone
+    shutil.rmtree(fork_dir, ignore_errors=True)
+    os.environ.pop("FP8LM_TEST_FORK_DIR", None)
 
 
 @pytest.fixture(scope="session")
