@@ -46,6 +46,8 @@ __all__ = [
     "allow_dequantize_fallback",
     "fsdp_gather_format",
     "fsdp_gather_recipe",
+    "fsdp_gathered",
+    "fsdp_wire",
     "fsdp_shard_amax",
 ]
 
@@ -347,12 +349,7 @@ class ScalingTensor(torch.Tensor):
             value_amax = fsdp_shard_amax(self).reshape(1)
             torch.distributed.all_reduce(value_amax, torch.distributed.ReduceOp.MAX, group=mesh.get_group())
             scale = compute_scale(value_amax.reshape(()), fmt)
-        rows = -(-outer_size[0] // mesh.size())  # FSDP's padded shard: ceil(dim 0 / ranks) rows
-        padded = torch.zeros((rows, *outer_size[1:]), dtype=fmt.dtype, device=self.device)
-        if self.numel() > 0:
-            padded[: self.shape[0]] = saturating_cast(self._data, scale / self._scale, fmt)
-        wire = padded.view(torch.uint8) if fmt.bytes == 1 else padded  # no backend carries float8
-        return (wire,), (fmt.dtype, scale)
+        return (fsdp_wire(self._data, scale / self._scale, fmt, outer_size, mesh.size()),), (fmt.dtype, scale)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered parameter: the ranks' payloads as one ScalingTensor with the agreed scale,
@@ -364,15 +361,7 @@ class ScalingTensor(torch.Tensor):
             # A later all-gather refilled its payload and scale bytes in place.
             block_tensor.refresh(getattr(out, "_local_tensor", out), all_gather_outputs, metadata)
             return None
-        (wire,) = all_gather_outputs
-        payload_dtype, scale = metadata
-        payload = wire.view(payload_dtype)
-        if out is not None:  # later all-gathers refill the same payload storage
-            # Under 2-D (FSDP2 x tensor parallel) FSDP2 hands back the DTensor it built around
-            # this ScalingTensor: the scale to refresh is its local tensor's.
-            getattr(out, "_local_tensor", out).scale.copy_(scale)
-            return None
-        return ScalingTensor(payload, scale.clone(), param_dtype), (payload,)
+        return fsdp_gathered(all_gather_outputs, metadata, param_dtype, out)
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -583,6 +572,33 @@ def _inplace(func, args, kwargs):
     for tmp, target in temps.values():
         target.requantize_(tmp)
     return tree_map(lambda t: temps[id(t)][1] if isinstance(t, torch.Tensor) and id(t) in temps else t, out)
+
+
+def fsdp_wire(shard: torch.Tensor, scale: torch.Tensor, fmt: Format, outer_size, ranks: int) -> torch.Tensor:
+    """A rank's all-gather input for FSDP2: ``shard`` (its rows of a parameter of ``outer_size``)
+    cast to ``fmt`` with ``scale``, zero-padded to FSDP's padded shard of ``ceil(dim 0 / ranks)``
+    rows, as uint8 bytes for a 1-byte format (no backend carries float8)."""
+    rows = -(-outer_size[0] // ranks)
+    padded = torch.zeros((rows, *outer_size[1:]), dtype=fmt.dtype, device=shard.device)
+    if shard.numel() > 0:
+        padded[: shard.shape[0]] = saturating_cast(shard, scale, fmt)
+    return padded.view(torch.uint8) if fmt.bytes == 1 else padded
+
+
+def fsdp_gathered(all_gather_outputs, metadata, param_dtype: torch.dtype, out=None):
+    """FSDP2's ``fsdp_post_all_gather`` of a one-scale payload (``metadata``: its dtype and the
+    agreed scale): the gathered ScalingTensor and its inner tensors, or with ``out`` (the one
+    built at the first all-gather, whose payload storage FSDP2 refilled) None after refreshing
+    its scale."""
+    (wire,) = all_gather_outputs
+    payload_dtype, scale = metadata
+    payload = wire.view(payload_dtype)
+    if out is not None:  # later all-gathers refill the same payload storage
+        # Under 2-D (FSDP2 x tensor parallel) FSDP2 hands back the DTensor it built around
+        # this ScalingTensor: the scale to refresh is its local tensor's.
+        getattr(out, "_local_tensor", out).scale.copy_(scale)
+        return None
+    return ScalingTensor(payload, scale.clone(), param_dtype), (payload,)
 
 
 def fsdp_shard_amax(shard: ScalingTensor) -> torch.Tensor:

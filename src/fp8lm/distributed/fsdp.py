@@ -12,7 +12,10 @@ reduce-scatter, through FSDP2's own extension points.
   sends every chunk of FSDP's flat gradient buffer as E4M3 with its own scale, sums in FP32 on the
   owning rank and divides by the world size after the sum (`fp8_reduce_scatter`), so nothing
   saturates.
-- `fully_shard` is torch's, plus both of the above and counted communication (`comm_stats`).
+- **O1's FP32 weights** of FP8 GEMMs are sharded as `FP8GatheredWeight`s (`fp32_gather`): FP32 for
+  the optimizer and checkpoints, all-gathered as E4M3 bytes with the agreed scale like the above,
+  the gathered operand exactly the one a single process casts.
+- `fully_shard` is torch's, plus the above and counted communication (`comm_stats`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ..scaling import compute_scale
 from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_shard_amax
 from . import comm
 from .collectives import fp8_reduce_scatter
+from .fp32_gather import gathered_fp32_weights, wrap_fp32_weights
 
 __all__ = ["fully_shard", "precompute_fp8_scales", "FP8ReduceScatter", "CountedAllGather", "CountedReduceScatter"]
 
@@ -120,7 +124,10 @@ def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs)
     all-gather for FP8Linear weights, FP8 gradient reduce-scatter (``fp8_reduce_scatter=False``
     keeps FSDP's own, in its ``MixedPrecisionPolicy.reduce_dtype``) and counted communication.
     Call it on each block, then on the whole model, as with torch's. On a model without fp8lm
-    layers it is torch's FSDP2 (with ``fp8_reduce_scatter=False``), counted."""
+    layers it is torch's FSDP2 (with ``fp8_reduce_scatter=False``), counted. Plain FP32 weights of
+    FP8 GEMMs (O1) become `FP8GatheredWeight` shards, all-gathered as E4M3: the parameters change
+    (as torch's ``fully_shard`` changes them anyway), so make or re-point the optimizer after."""
+    wrap_fp32_weights(module, _fp8_gemm_weights(module), kwargs.get("ignored_params"))
     sharded = torch_fully_shard(module, **kwargs)
     _choose_gather_formats(sharded)
     sharded.set_custom_all_gather(CountedAllGather())
@@ -136,16 +143,21 @@ def _fsdp_group(mesh):
 
 @torch.no_grad()
 def precompute_fp8_scales(model: nn.Module) -> None:
-    """Agree the all-gather scale of every sharded ScalingTensor weight of ``model`` with one MAX
-    all-reduce of their amaxes per FSDP group (instead of one per weight in each all-gather). Call it
-    before the first forward and after every optimizer step; the scales hold until the next call."""
+    """Agree the all-gather scale of every sharded ScalingTensor weight of ``model`` (and every
+    `FP8GatheredWeight`, O1's FP32 weights) with one MAX all-reduce of their amaxes per FSDP group
+    (instead of one per weight in each all-gather). Call it before the first forward and after
+    every optimizer step; the scales hold until the next call."""
     _choose_gather_formats(model)
     by_group: dict = defaultdict(list)
     for _, param, shard in _sharded_scaling_tensors(model):
-        by_group[_fsdp_group(param.device_mesh)].append((param, shard))
+        by_group[_fsdp_group(param.device_mesh)].append(
+            (param, fsdp_shard_amax(shard), fsdp_gather_format(param, shard))
+        )
+    for param, local in gathered_fp32_weights(model):
+        by_group[_fsdp_group(param.device_mesh)].append((param, local.shard_amax(), E4M3))
     for group, members in by_group.items():
-        amaxes = torch.stack([fsdp_shard_amax(shard) for _, shard in members])
+        amaxes = torch.stack([value_amax for _, value_amax, _ in members])
         comm.all_reduce(amaxes, dist.ReduceOp.MAX, group)
-        for (param, shard), value_amax in zip(members, amaxes, strict=True):
+        for (param, _, fmt), value_amax in zip(members, amaxes, strict=True):
             # Kept on the parameter, whose local tensor FSDP2 may replace.
-            param.fsdp_gather_scale = compute_scale(value_amax, fsdp_gather_format(param, shard))  # type: ignore[attr-defined]
+            param.fsdp_gather_scale = compute_scale(value_amax, fmt)  # type: ignore[attr-defined]

@@ -1,0 +1,114 @@
+"""O1 on FSDP2 (gloo ranks, tests/dist_fsdp_o1.py): the FP32 weights of FP8 GEMMs are all-gathered
+as E4M3 bytes (1 per element) with one agreed scale, the gathered operand is exactly the cast of
+the whole FP32 weight, so training equals one process's bit for bit (same batch on every rank)
+and torch's FSDP2 with FP32 all-gathers (own batches); torch's AdamW and Distributed Checkpoint
+keep working on the FP32 shards."""
+
+import pytest
+import torch
+
+import dist_fsdp_o1 as worker
+from dist_launch import run_workers
+from fp8lm import E4M3
+from fp8lm.distributed import load_fsdp_checkpoint
+from fp8lm.ops.cast import saturating_cast
+from fp8lm.scaling import compute_scale
+
+TIMEOUT = 600.0  # FSDP2 workers import torch.distributed's whole stack: slow on a loaded machine
+FP8_WEIGHTS = ("0.weight", "2.weight", "4.weight")  # the weights of the FP8 GEMMs; the biases stay FP32
+
+
+def padded_shard_numel(shape, world: int) -> int:
+    rows = -(-shape[0] // world)
+    return rows * (shape[1] if len(shape) > 1 else 1)
+
+
+@pytest.fixture(scope="module")
+def same_batch():
+    return run_workers("dist_fsdp_o1.py", 2, "same_batch", timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def wire():
+    return run_workers("dist_fsdp_o1.py", 2, "wire", timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+def test_training_on_the_same_batch_equals_one_process_bit_for_bit(same_batch):
+    for r in same_batch:
+        assert r["wrapped"] == sorted(FP8_WEIGHTS)
+        sharded, single = r["sharded"], r["single"]
+        for got, want in zip(sharded["outs"], single["outs"], strict=True):
+            assert torch.equal(got, want)
+        assert torch.equal(torch.stack(sharded["losses"]), torch.stack(single["losses"]))
+        for name, want in single["weights"].items():
+            assert want.dtype == torch.float32
+            assert torch.equal(sharded["weights"][name], want), name
+        # the weights moved: AdamW stepped on the FP32 shards
+        assert not torch.equal(sharded["losses"][0], sharded["losses"][-1])
+
+
+@pytest.mark.slow
+def test_fp8_gemm_weights_cross_as_one_byte_per_element(wire):
+    world = len(wire)
+    shapes = {n: s.shape for n, s in wire[0]["shards"].items()}
+    full_shapes = {
+        "0.weight": (32, 16),
+        "2.weight": (13, 32),
+        "4.weight": (8, 13),
+        "0.bias": (32,),
+        "2.bias": (13,),
+        "4.bias": (8,),
+    }
+    assert set(shapes) == set(full_shapes)
+    weights = sum(padded_shard_numel(full_shapes[n], world) for n in FP8_WEIGHTS)
+    others = sum(padded_shard_numel(s, world) for n, s in full_shapes.items() if n not in FP8_WEIGHTS)
+    for r in wire:
+        fp8, fp32 = r["fp8_forward"]["stats"], r["fp32_forward"]["stats"]
+        # one all-gather per layer; the E4M3 weights and the FP32 biases each rank hands over
+        assert fp8["all_gather_calls"] == fp32["all_gather_calls"] == 3
+        assert fp8["all_gather_handed_bytes"] == weights * 1 + others * 4
+        assert fp32["all_gather_handed_bytes"] == weights * 4 + others * 4
+        for fp8_step, fp32_step in zip(r["fp8"]["stats"], r["fp32"]["stats"], strict=True):
+            # the same collectives; forward and backward each gather every weight, 3 bytes less per element
+            assert fp8_step["all_gather_calls"] == fp32_step["all_gather_calls"]
+            saved = fp32_step["all_gather_handed_bytes"] - fp8_step["all_gather_handed_bytes"]
+            assert saved >= 2 * 3 * weights
+
+
+@pytest.mark.slow
+def test_gathered_weight_is_the_e4m3_cast_of_the_whole_fp32_weight(wire):
+    whole = torch.cat([r["shards"]["2.weight"] for r in wire])  # 13 rows: 7 and 6
+    assert [r["shards"]["2.weight"].shape[0] for r in wire] == [7, 6]
+    scale = compute_scale(whole.abs().max(), E4M3)
+    for r in wire:
+        payload, gathered_scale = r["fp8_forward"]["gathered"]
+        assert payload.dtype == torch.float8_e4m3fn
+        assert torch.equal(gathered_scale, scale)
+        assert torch.equal(payload.view(torch.uint8), saturating_cast(whole, scale, E4M3).view(torch.uint8))
+
+
+@pytest.mark.slow
+def test_training_equals_fsdp2_with_fp32_all_gathers(wire):
+    for r in wire:
+        fp8, fp32 = r["fp8"], r["fp32"]
+        for got, want in zip(fp8["outs"], fp32["outs"], strict=True):
+            assert torch.equal(got, want)
+        assert torch.equal(torch.stack(fp8["losses"]), torch.stack(fp32["losses"]))
+        for name, want in fp32["weights"].items():
+            assert torch.equal(fp8["weights"][name], want), name
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_and_loaded_resumes_bit_for_bit(tmp_path):
+    saved = run_workers("dist_fsdp_o1.py", 2, "save", str(tmp_path), timeout=TIMEOUT)
+    loaded = run_workers("dist_fsdp_o1.py", 2, "load", str(tmp_path), timeout=TIMEOUT)
+    for s, l in zip(saved, loaded, strict=True):
+        for name, value in s["saved"].items():
+            assert value.dtype == torch.float32 and torch.equal(l["loaded"][name], value), name
+        assert torch.equal(torch.stack(l["losses"]), torch.stack(s["losses"]))
+    # plain FP32 tensors in the folder: they load into one process's unsharded O1 model
+    model = worker.o1_model()
+    load_fsdp_checkpoint(tmp_path / "dcp", model, torch.optim.AdamW(model.parameters(), lr=worker.LR))
+    for name, p in model.named_parameters():
+        assert type(p.data) is torch.Tensor and torch.equal(p.detach(), saved[0]["saved"][name]), name
