@@ -92,6 +92,9 @@ def same_batch_checks(rank, world) -> dict:
     kinds = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
     batches = [batch(step, 0) for step in range(STEPS)]
     res = {"sharded": train(model, batches, True), "single": train(o1_model(), batches, False), "kinds": kinds}
+    from fp8lm import memory_report
+
+    res["memory"] = memory_report(model)
     res["wrapped"] = sorted(n for n, p in model.named_parameters() if isinstance(p.to_local(), FP8GatheredWeight))
     return res
 

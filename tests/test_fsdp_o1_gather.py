@@ -48,19 +48,29 @@ def test_training_on_the_same_batch_equals_one_process_bit_for_bit(same_batch):
         assert not torch.equal(sharded["losses"][0], sharded["losses"][-1])
 
 
+FULL_SHAPES = {
+    "0.weight": (32, 16),
+    "2.weight": (13, 32),
+    "4.weight": (8, 13),
+    "0.bias": (32,),
+    "2.bias": (13,),
+    "4.bias": (8,),
+}
+
+
+@pytest.mark.slow
+def test_each_rank_holds_its_fp32_shards(same_batch):
+    # the storage of the padded FP32 shards (the wrapped weights' included), once each
+    padded = sum(padded_shard_numel(s, len(same_batch)) for s in FULL_SHAPES.values())
+    for r in same_batch:
+        assert r["memory"]["weights"] == 4 * padded
+
+
 @pytest.mark.slow
 def test_fp8_gemm_weights_cross_as_one_byte_per_element(wire):
     world = len(wire)
-    shapes = {n: s.shape for n, s in wire[0]["shards"].items()}
-    full_shapes = {
-        "0.weight": (32, 16),
-        "2.weight": (13, 32),
-        "4.weight": (8, 13),
-        "0.bias": (32,),
-        "2.bias": (13,),
-        "4.bias": (8,),
-    }
-    assert set(shapes) == set(full_shapes)
+    full_shapes = FULL_SHAPES
+    assert set(wire[0]["shards"]) == set(full_shapes)
     weights = sum(padded_shard_numel(full_shapes[n], world) for n in FP8_WEIGHTS)
     others = sum(padded_shard_numel(s, world) for n, s in full_shapes.items() if n not in FP8_WEIGHTS)
     for r in wire:

@@ -16,7 +16,7 @@ import weakref
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from .scaling import ScalingMeta
@@ -55,6 +55,10 @@ class _Tally:
         if isinstance(t, ScalingTensor):
             self.add(kind, t.payload)
             self.add("scales", t.scale)
+            return
+        if is_traceable_wrapper_subclass(t):  # another wrapper (an FP32 weight FSDP2 gathers in FP8): its tensors
+            for name in t.__tensor_flatten__()[0]:
+                self.add(kind, getattr(t, name))
             return
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
