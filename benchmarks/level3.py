@@ -10,8 +10,9 @@ measured the same way: `comm_stats`, every collective and point-to-point byte ra
 torch's own functional collectives (DTensor, ``loss_parallel``, FSDP2) included. Prints one JSON
 object: per layout and level the validation loss after the last step, its gap to one process at
 the same level, and the bytes per step (total, handed to the process group, by kind); per layout
-each FP8 level's bytes over bf16's (``o1_over_bf16_bytes``; ``--levels bf16,O1,O2`` adds O2, whose
-scaled FP16 weights FSDP2 gathers in E4M3 where O1's FP32 weights travel in FP32)::
+each FP8 level's bytes over bf16's (``o1_over_bf16_bytes``; ``--levels bf16,O1,O2`` adds O2: FSDP2
+gathers both levels' FP8 GEMM weights in E4M3, and O2's embeddings and output head in their
+scaled FP16 where O1's travel in FP32)::
 
     python benchmarks/level3.py --layout single --steps 200
     python benchmarks/level3.py --layout tp --steps 200        # torchrun, 4 ranks: dp 2 x tp 2

@@ -4,13 +4,17 @@ the whole FP32 weight, so training equals one process's bit for bit (same batch 
 and torch's FSDP2 with FP32 all-gathers (own batches); torch's AdamW and Distributed Checkpoint
 keep working on the FP32 shards."""
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import dist_fsdp_o1 as worker
 from dist_launch import run_workers
 from fp8lm import E4M3
 from fp8lm.distributed import load_fsdp_checkpoint
+from fp8lm.distributed.fp32_gather import FP8GatheredWeight, wrap_fp32_weights
 from fp8lm.ops.cast import saturating_cast
 from fp8lm.scaling import compute_scale
 
@@ -122,3 +126,65 @@ def test_checkpoint_saved_and_loaded_resumes_bit_for_bit(tmp_path):
     load_fsdp_checkpoint(tmp_path / "dcp", model, torch.optim.AdamW(model.parameters(), lr=worker.LR))
     for name, p in model.named_parameters():
         assert type(p.data) is torch.Tensor and torch.equal(p.detach(), saved[0]["saved"][name]), name
+
+
+# -- the wrapper in one process ---------------------------------------------------------------------
+
+
+def test_the_wrapper_is_its_fp32_values_to_torch_ops():
+    values = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    w = nn.Parameter(FP8GatheredWeight(values.clone()))
+    assert isinstance(w, nn.Parameter) and isinstance(w.detach(), FP8GatheredWeight)
+    assert w.dtype == torch.float32 and w.shape == (5, 3)
+    doubled = w.detach() * 2  # a value op: a plain result
+    assert type(doubled) is torch.Tensor and torch.equal(doubled, values * 2)
+    assert type(torch.zeros_like(w)) is torch.Tensor  # what optimizer state is made of
+    assert isinstance(w.detach().new_zeros((2, 3)), FP8GatheredWeight)  # FSDP2's padding of a shard
+    assert torch.equal(w.detach()[1:3].inner, values[1:3])  # a view of the weight stays one
+
+
+def test_torch_adamw_steps_the_wrapped_values_as_plain_ones():
+    values = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+    wrapped, plain = nn.Parameter(FP8GatheredWeight(values.clone())), nn.Parameter(values.clone())
+    opts = [torch.optim.AdamW([p], lr=0.1, weight_decay=0.1) for p in (wrapped, plain)]
+    for _ in range(3):
+        for p, opt in zip((wrapped, plain), opts):
+            p.grad = grad.clone()
+            opt.step()
+    assert isinstance(wrapped.detach(), FP8GatheredWeight)
+    assert torch.equal(wrapped.detach().inner, plain.detach())
+    assert all(type(v) is torch.Tensor for v in opts[0].state[wrapped].values())
+
+
+def test_the_wrapper_pickles_and_copies_as_itself(tmp_path):
+    w = nn.Parameter(FP8GatheredWeight(torch.arange(6.0).reshape(2, 3)))
+    torch.save(w, tmp_path / "w.pt")
+    for again in (torch.load(tmp_path / "w.pt", weights_only=True), copy.deepcopy(w)):
+        assert isinstance(again, nn.Parameter) and isinstance(again.detach(), FP8GatheredWeight)
+        assert torch.equal(again.detach().inner, w.detach().inner) and again.requires_grad
+    flat, ctx = w.__tensor_flatten__()
+    assert torch.equal(
+        FP8GatheredWeight.__tensor_unflatten__({"_inner": w.inner}, ctx, w.shape, w.stride()).inner, w.inner
+    )
+
+
+def test_a_wrapped_layer_state_dict_is_plain():
+    layer = nn.Linear(4, 3)
+    assert wrap_fp32_weights(layer, {id(layer.weight)}) == 1
+    assert isinstance(layer.weight.detach(), FP8GatheredWeight)
+    state = layer.state_dict()
+    assert type(state["weight"]) is torch.Tensor and torch.equal(state["weight"], layer.weight.detach().inner)
+    assert isinstance(layer.state_dict(keep_vars=True)["weight"].detach(), FP8GatheredWeight)
+
+
+def test_a_tied_weight_is_not_wrapped():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    model = nn.Sequential(a, b)
+    assert wrap_fp32_weights(model, {id(a.weight)}) == 0
+
+
+def test_only_plain_floating_tensors_are_wrapped():
+    with pytest.raises(TypeError, match="FP8GatheredWeight wraps a plain floating-point tensor"):
+        FP8GatheredWeight(torch.arange(3))

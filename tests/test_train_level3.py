@@ -135,17 +135,17 @@ def test_tp2_with_fsdp_on_4_ranks_is_2d(work, single):
         assert s["world_size"] == 4 and s["config"]["fsdp"] and s["config"]["tp"] == 2
         check_counted_bytes(s, work / "tp_fsdp" / level)
     # bf16: FSDP2's BF16 all-gathers and reduce-scatters over dp, torch's TP collectives over tp;
-    # O1 and O2: FP8 gradient reductions (all-to-all of per-chunk payloads), O2's scaled FP16
-    # weights all-gathered in E4M3, O1's FP32 weights in FP32
+    # O1 and O2: FP8 gradient reductions (all-to-all of per-chunk payloads), the FP8 GEMMs' weights
+    # all-gathered in E4M3 (O2's scaled FP16 and O1's FP32 alike)
     assert set(runs["bf16"]["comm_bytes_by_kind_per_step"]) == {"all_gather", "reduce_scatter", "all_reduce"}
     for level in ("O1", "O2"):
         assert set(runs[level]["comm_bytes_by_kind_per_step"]) == {"all_gather", "all_to_all", "all_reduce"}
     # The tiny model's embeddings, output head and norms (43 % of it) stay 2 bytes on the wire at
     # O2: 0.57x measured here, against 0.5x for the FP8 GEMMs' weights and gradients alone. O1
-    # gathers 4-byte weights and reduces 1-byte gradients: 0.90x here (0.67x over 200 steps,
-    # docs/distributed.md).
+    # gathers them in FP32 (4 bytes): 0.64x here (its FP32 weights gathered in FP32: 0.90x).
     bf16 = runs["bf16"]["comm_bytes_per_step"]
-    assert runs["O2"]["comm_bytes_per_step"] < 0.65 * bf16 and runs["O1"]["comm_bytes_per_step"] < bf16
+    assert runs["O2"]["comm_bytes_per_step"] < 0.65 * bf16
+    assert runs["O2"]["comm_bytes_per_step"] < runs["O1"]["comm_bytes_per_step"] < 0.7 * bf16
     # dp 2: other batches than one process's, from the same weights
     check_val_loss_matches_one_process(runs, single, 0.01)
 

@@ -82,7 +82,7 @@ class FP8GatheredWeight(torch.Tensor):
         self._inner = inner
 
     @property
-    def values(self) -> torch.Tensor:
+    def inner(self) -> torch.Tensor:
         """The weight's values: the plain tensor this wraps (shared, not a copy)."""
         return self._inner
 
@@ -219,7 +219,7 @@ def plain_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_met
             continue
         if isinstance(value, DTensor):
             state_dict[key] = DTensor.from_local(
-                local.values,
+                local.inner,
                 value.device_mesh,
                 value.placements,
                 run_check=False,
@@ -227,4 +227,4 @@ def plain_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_met
                 stride=value.stride(),
             )
         else:
-            state_dict[key] = local.values
+            state_dict[key] = local.inner
