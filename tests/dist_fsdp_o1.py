@@ -61,14 +61,15 @@ def full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
 
 
-def train(model: nn.Module, batches, sharded: bool) -> dict:
-    """AdamW steps on ``batches``; the outputs, losses, counted bytes per step and final weights."""
+def train(model: nn.Module, batches, precompute: bool) -> dict:
+    """AdamW steps on ``batches`` (``precompute``: agree the all-gather scales before each step,
+    else each all-gather agrees its own); the outputs, losses, counted bytes per step and final weights."""
     from fp8lm.distributed import comm_stats, precompute_fp8_scales, reset_comm_stats
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     res: dict = {"outs": [], "losses": [], "stats": []}
     for x in batches:
-        if sharded:
+        if precompute:
             precompute_fp8_scales(model)
         reset_comm_stats()
         out = model(x)
@@ -124,6 +125,7 @@ def wire_checks(rank, world) -> dict:
     res = {"fp8_forward": forward_gather(fp8, batches[0]), "fp32_forward": forward_gather(fp32, batches[0])}
     res["shards"] = {n: p.to_local().detach().clone() for n, p in fp8.named_parameters()}
     res["fp8"], res["fp32"] = train(fp8, batches, True), train(fp32, batches, True)
+    res["fp8_own_scales"] = train(shard(o1_model()), batches, False)
     return res
 
 

@@ -103,14 +103,19 @@ def test_gathered_weight_is_the_e4m3_cast_of_the_whole_fp32_weight(wire):
 
 
 @pytest.mark.slow
-def test_training_equals_fsdp2_with_fp32_all_gathers(wire):
+@pytest.mark.parametrize("run", ["fp8", "fp8_own_scales"])
+def test_training_equals_fsdp2_with_fp32_all_gathers(wire, run):
+    """With the scales agreed by precompute_fp8_scales, or by each all-gather for its weight."""
     for r in wire:
-        fp8, fp32 = r["fp8"], r["fp32"]
+        fp8, fp32 = r[run], r["fp32"]
         for got, want in zip(fp8["outs"], fp32["outs"], strict=True):
             assert torch.equal(got, want)
         assert torch.equal(torch.stack(fp8["losses"]), torch.stack(fp32["losses"]))
         for name, want in fp32["weights"].items():
             assert torch.equal(fp8["weights"][name], want), name
+    own, agreed = wire[0]["fp8_own_scales"]["stats"][0], wire[0]["fp8"]["stats"][0]
+    if run == "fp8_own_scales":  # a 4-byte MAX all-reduce per FP8 weight and all-gather
+        assert own["all_reduce_calls"] == 2 * len(FP8_WEIGHTS) and agreed["all_reduce_calls"] == 0
 
 
 @pytest.mark.slow
