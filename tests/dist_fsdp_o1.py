@@ -2,7 +2,7 @@
 `fp8lm.distributed.fully_shard` (gloo ranks). Modes: ``same_batch`` (every rank the same batch,
 FP32 gradient reduce-scatter: the run against one process's), ``wire`` (each rank its own batch,
 the default FP8 reduce-scatter: against torch's ``fully_shard``, which gathers the FP32 weights),
-``save`` / ``load`` (Distributed Checkpoint)."""
+``int_reshard`` (4 ranks resharded to 2 after forward), ``save`` / ``load`` (Distributed Checkpoint)."""
 
 import sys
 from pathlib import Path
@@ -129,6 +129,17 @@ def wire_checks(rank, world) -> dict:
     return res
 
 
+def int_reshard_checks(rank, world) -> dict:
+    """``reshard_after_forward=2`` on 4 ranks (FSDP2 then runs no all-gather extensions): the FP32
+    weights stay plain and are gathered in FP32; training runs as with the default."""
+    from fp8lm.distributed.fp32_gather import FP8GatheredWeight
+
+    batches = [batch(step, rank) for step in range(2)]
+    model = shard(o1_model(), reshard_after_forward=2)
+    wrapped = [n for n, p in model.named_parameters() if isinstance(p.to_local(), FP8GatheredWeight)]
+    return {"wrapped": wrapped, "run": train(model, batches, True), "default": train(shard(o1_model()), batches, True)}
+
+
 def save_checks(rank, world, folder) -> dict:
     from fp8lm.distributed import save_fsdp_checkpoint
     from fp8lm.nn import scaling_state_dict
@@ -171,7 +182,13 @@ def train_with(model: nn.Module, opt, batches) -> list:
 
 
 def checks(rank, world, mode, *args):
-    modes = {"same_batch": same_batch_checks, "wire": wire_checks, "save": save_checks, "load": load_checks}
+    modes = {
+        "same_batch": same_batch_checks,
+        "wire": wire_checks,
+        "int_reshard": int_reshard_checks,
+        "save": save_checks,
+        "load": load_checks,
+    }
     return modes[mode](rank, world, *args)
 
 

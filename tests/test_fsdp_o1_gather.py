@@ -119,6 +119,13 @@ def test_training_equals_fsdp2_with_fp32_all_gathers(wire, run):
 
 
 @pytest.mark.slow
+def test_an_int_reshard_after_forward_keeps_fp32_all_gathers():
+    for r in run_workers("dist_fsdp_o1.py", 4, "int_reshard", timeout=TIMEOUT):
+        assert r["wrapped"] == []
+        assert torch.equal(torch.stack(r["run"]["losses"]), torch.stack(r["default"]["losses"]))
+
+
+@pytest.mark.slow
 def test_checkpoint_saved_and_loaded_resumes_bit_for_bit(tmp_path):
     saved = run_workers("dist_fsdp_o1.py", 2, "save", str(tmp_path), timeout=TIMEOUT)
     loaded = run_workers("dist_fsdp_o1.py", 2, "load", str(tmp_path), timeout=TIMEOUT)

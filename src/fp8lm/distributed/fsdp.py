@@ -126,8 +126,11 @@ def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs)
     Call it on each block, then on the whole model, as with torch's. On a model without fp8lm
     layers it is torch's FSDP2 (with ``fp8_reduce_scatter=False``), counted. Plain FP32 weights of
     FP8 GEMMs (O1) become `FP8GatheredWeight` shards, all-gathered as E4M3: the parameters change
-    (as torch's ``fully_shard`` changes them anyway), so make or re-point the optimizer after."""
-    wrap_fp32_weights(module, _fp8_gemm_weights(module), kwargs.get("ignored_params"))
+    (as torch's ``fully_shard`` changes them anyway), so make or re-point the optimizer after;
+    not with an int ``reshard_after_forward``, which FSDP2 does not run with all-gather extensions."""
+    reshard = kwargs.get("reshard_after_forward")
+    if reshard is None or isinstance(reshard, bool):  # an int reshards to fewer ranks: no all-gather extensions then
+        wrap_fp32_weights(module, _fp8_gemm_weights(module), kwargs.get("ignored_params"))
     sharded = torch_fully_shard(module, **kwargs)
     _choose_gather_formats(sharded)
     sharded.set_custom_all_gather(CountedAllGather())
