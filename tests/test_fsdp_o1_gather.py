@@ -200,3 +200,15 @@ def test_a_tied_weight_is_not_wrapped():
 def test_only_plain_floating_tensors_are_wrapped():
     with pytest.raises(TypeError, match="FP8GatheredWeight wraps a plain floating-point tensor"):
         FP8GatheredWeight(torch.arange(3))
+
+
+def test_the_wrapper_traces_under_torch_compile():
+    values = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    w = FP8GatheredWeight(values.clone())
+
+    def step(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        w.add_(g, alpha=-0.5)  # an optimizer's in-place update
+        return w * 2
+
+    doubled = torch.compile(step, fullgraph=True)(w, torch.ones(4, 3))
+    assert torch.equal(w.inner, values - 0.5) and torch.equal(doubled, (values - 0.5) * 2)

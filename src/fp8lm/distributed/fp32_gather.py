@@ -77,8 +77,10 @@ class FP8GatheredWeight(torch.Tensor):
         )
 
     def __init__(self, inner: torch.Tensor):
-        if type(inner) is not torch.Tensor or not inner.dtype.is_floating_point:
-            raise TypeError(f"FP8GatheredWeight wraps a plain floating-point tensor, got {type(inner).__name__}")
+        if isinstance(inner, FP8GatheredWeight) or not inner.dtype.is_floating_point:
+            raise TypeError(
+                f"FP8GatheredWeight wraps a plain floating-point tensor, got {type(inner).__name__} of {inner.dtype}"
+            )
         self._inner = inner
 
     @property
