@@ -10,6 +10,7 @@ are kept in ``--out/results.jsonl`` and not rerun, so an interrupted ablation co
     python benchmarks/fidelity.py --seeds 0,1,2 --variants bf16,fp32,O2,O2-head-grad-bf16
     python benchmarks/fidelity.py --list
     python benchmarks/fidelity.py --init-from CKPT --lr 1e-3 --steps 300 --seeds 0 --variants bf16,O2,O2-m-fp16
+    python benchmarks/fidelity.py --arch llama --init-from CKPT --lr 4e-4 --steps 300 --seeds 0,1 --variants bf16,O2
 
 The last is a continuation probe: every variant trains from the same checkpoint's weights (a
 fresh optimizer, constant lr), which measures a choice's cost at that point of a long run for a
@@ -284,6 +285,9 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (default: %(default)s)")
     p.add_argument("--out", default="runs/fidelity")
     p.add_argument(
+        "--arch", default="gpt", choices=("gpt", "llama"), help="the main job's architecture (default: %(default)s)"
+    )
+    p.add_argument(
         "--init-from",
         metavar="CKPT",
         help="continuation probe: every run starts from this checkpoint's weights (fresh optimizer state) "
@@ -322,7 +326,7 @@ def main(argv=None) -> int:
             "steps": args.steps,
             "out": str(out / f"{v}-s{s}-n{args.steps}"),
             "cache_dir": str(out / "cache"),
-            "train": _continuation(args),
+            "train": {**_continuation(args), **({"arch": args.arch} if args.arch != "gpt" else {})},
         }
         for s in seeds
         for v in variants
