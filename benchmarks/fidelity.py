@@ -152,6 +152,12 @@ def _continuation(args) -> dict:
     }
 
 
+def train_options(args) -> dict:
+    """TrainConfig fields every job of this invocation shares: the architecture (when not the
+    main job's GPT) and a continuation probe's."""
+    return {**_continuation(args), **({"arch": args.arch} if args.arch != "gpt" else {})}
+
+
 def variant_options(variant: str) -> tuple[str, dict]:
     """``(level, fp8lm.initialize options)`` of a `VARIANTS` entry: a recipe is a name, or fields
     that change the default fp8lm.Recipe (formats by name); ``"output_head": False`` becomes the
@@ -277,7 +283,7 @@ def summarize(rows: dict[tuple, dict], variants: list[str], seeds: list[int], st
     return table
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--variants", default="fp32,bf16,O1,O2")
@@ -300,6 +306,11 @@ def main(argv=None) -> int:
     p.add_argument("--time", metavar="V,V,...", help="instead of training: time these variants' steps (see time_steps)")
     p.add_argument("--rounds", type=int, default=5, help="--time: interleaved rounds (default: %(default)s)")
     p.add_argument("--time-steps", type=int, default=10, help="--time: steps per round (default: %(default)s)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.list:
         print(json.dumps({k: {"level": lvl, "options": o} for k, (lvl, o) in VARIANTS.items()}, indent=1))
@@ -326,7 +337,7 @@ def main(argv=None) -> int:
             "steps": args.steps,
             "out": str(out / f"{v}-s{s}-n{args.steps}"),
             "cache_dir": str(out / "cache"),
-            "train": {**_continuation(args), **({"arch": args.arch} if args.arch != "gpt" else {})},
+            "train": train_options(args),
         }
         for s in seeds
         for v in variants

@@ -37,12 +37,12 @@ _DEFAULTS = {
 }
 
 
-def _signature(variant: str) -> list:
+def _signature(variant: str, arch: str = "gpt") -> list:
     """What a variant decides, after one training step: the layers (GEMM precision, recipe) and
     each parameter's, gradient's and optimizer state's type and format."""
     torch.manual_seed(0)
     level, options = fidelity.variant_options(variant)
-    model = GPT(preset("small", n_layer=1))
+    model = GPT(preset("small", n_layer=1, arch=arch))
     model, opt = fp8lm.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level, **options)
     x = torch.randint(0, 256, (2, 16))
     model(x, x)[1].backward()
@@ -62,6 +62,18 @@ def _signature(variant: str) -> list:
 def test_every_variant_changes_what_it_names(variant):
     same = _signature(variant) == _signature(fidelity.VARIANTS[variant][0])
     assert same == (variant in _DEFAULTS), variant
+
+
+@pytest.mark.parametrize("variant", ["O2-master-fp32", "O2-gemm-bf16", "O2-attn-gemm-bf16", "O2-mlp-hp"])
+def test_the_llama_probes_variants_change_the_llama_model(variant):
+    # their patterns name GPT's modules (attn.*, mlp.*), which --arch llama keeps
+    assert _signature(variant, "llama") != _signature("O2", "llama")
+
+
+def test_arch_reaches_every_job_and_the_main_job_stays_gpt():
+    args = fidelity.parser().parse_args(["--arch", "llama", "--init-from", "x.pt", "--lr", "4e-4"])
+    assert fidelity.train_options(args) == {**fidelity._continuation(args), "arch": "llama"}
+    assert fidelity.train_options(fidelity.parser().parse_args([])) == {}
 
 
 def test_summary_gaps_means_and_the_fp32_floor():
