@@ -19,7 +19,7 @@ LR = 1e-2
 def o1_model() -> nn.Module:
     """Three FP8Linear layers at O1 (plain FP32 weights, FP8 GEMMs), one with rows that 2 ranks
     shard unevenly (13), and biases (FP32 on the wire). The last layer's GEMMs run in FP8 too
-    (no output-head rule): its BF16 gradient hook would not fire on FSDP2's parameters."""
+    (no output-head rule): every weight's gather is E4M3."""
     import fp8lm
 
     torch.manual_seed(0)
@@ -40,13 +40,16 @@ def shard(model: nn.Module, **options) -> nn.Module:
 
 def torch_shard(model: nn.Module) -> nn.Module:
     """torch's fully_shard with fp8lm's counted FP32 all-gather and FP8 reduce-scatter: FSDP2 as
-    it shards O1 weights without fp8lm (in FP32)."""
+    it shards O1 weights without fp8lm (in FP32), the gradient shards stored in the policy's
+    formats as fp8lm's fully_shard stores them."""
     from torch.distributed.fsdp import fully_shard
 
-    from fp8lm.distributed.fsdp import CountedAllGather, FP8ReduceScatter
+    from fp8lm.distributed.fsdp import CountedAllGather, FP8ReduceScatter, _grad_format_hooks, _move_grad_format_hooks
 
     for layer in [*model[::2], model]:
+        hooks = _grad_format_hooks(layer)
         fully_shard(layer)
+        _move_grad_format_hooks(layer, hooks)
         layer.set_custom_all_gather(CountedAllGather())
         layer.set_custom_reduce_scatter(FP8ReduceScatter())
     return model

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .formats import FP16, Format
+from .formats import FP16
+from .grad import QuantizeGrad  # here too: models pickled with fp8lm.amp.QuantizeGrad hooks load
 from .nn import (
     FP8GroupedLinear,
     FP8Linear,
@@ -37,25 +38,6 @@ _UNSUPPORTED_ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable"
 _STATE_FORMAT_OPTIONS = {"exp_avg_dtype": "exp_avg", "exp_avg_sq_dtype": "exp_avg_sq", "master_dtype": "master"}
 # torch.optim.Adam/AdamW group keys that the FP8 optimizers do not take.
 _TORCH_ADAM_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
-
-
-class QuantizeGrad:
-    """Post-accumulate-grad hook: store the parameter's gradient in ``fmt`` (a module-level class,
-    so models with the hook still pickle). For an FP8Linear's weight, not while the layer has
-    fallen back to high precision."""
-
-    def __init__(self, fmt: Format, layer: FP8Linear | FP8GroupedLinear | None = None):
-        self.fmt = fmt
-        self.layer = layer
-
-    def __call__(self, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None or (isinstance(grad, ScalingTensor) and grad.payload.dtype == self.fmt.dtype):
-            return
-        if self.layer is not None and self.layer.high_precision:
-            return
-        stored = quantize(grad.detach(), self.fmt)
-        param.grad = ScalingTensor(stored.payload, stored.scale, param.dtype)
 
 
 def initialize(

@@ -4,6 +4,10 @@ torch's own ``clip_grad_norm_`` also works on ScalingTensor gradients (they dequ
 use), but it dequantizes each gradient twice and requantizes it when scaling in place. Here
 norms come from the payloads, and clipping a ScalingTensor gradient divides its scale instead of
 rewriting its payload: exact, and O(1) per tensor.
+
+`QuantizeGrad` is the post-accumulate-grad hook that stores a parameter's gradient in its policy's
+format (`fp8lm.initialize` installs it; `fp8lm.distributed.fully_shard` moves it to FSDP2's sharded
+parameters, whose gradients it then stores shard by shard).
 """
 
 from __future__ import annotations
@@ -15,10 +19,41 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .formats import Format
 from .ops.cast import amax, upcast
-from .tensor import ScalingTensor
+from .tensor import ScalingTensor, quantize
 
-__all__ = ["clip_grad_norm_", "zero_grad", "grads_are_finite"]
+__all__ = ["clip_grad_norm_", "zero_grad", "grads_are_finite", "QuantizeGrad"]
+
+
+class QuantizeGrad:
+    """Post-accumulate-grad hook: store the parameter's gradient in ``fmt`` (a module-level class,
+    so models with the hook still pickle). For an FP8 layer's weight (``layer``: an object with a
+    ``high_precision`` flag), not while the layer has fallen back to high precision. A DTensor
+    gradient (FSDP2's shard, which FSDP2 hands its sharded parameter's hooks after each
+    reduce-scatter) keeps its layout: this rank's shard is stored in ``fmt`` with its own scale."""
+
+    def __init__(self, fmt: Format, layer: object | None = None):
+        self.fmt = fmt
+        self.layer = layer
+
+    def __call__(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        if isinstance(local, ScalingTensor) and local.payload.dtype == self.fmt.dtype:
+            return
+        if getattr(self.layer, "high_precision", False):
+            return
+        stored = quantize(local.detach(), self.fmt)
+        value = ScalingTensor(stored.payload, stored.scale, param.dtype)
+        if isinstance(grad, DTensor):
+            param.grad = DTensor.from_local(
+                value, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride()
+            )
+        else:
+            param.grad = value
 
 
 def _params(parameters) -> list[torch.Tensor]:

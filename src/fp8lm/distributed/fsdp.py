@@ -15,6 +15,10 @@ reduce-scatter, through FSDP2's own extension points.
 - **O1's FP32 weights** of FP8 GEMMs are sharded as `FP8GatheredWeight`s (`fp32_gather`): FP32 for
   the optimizer and checkpoints, all-gathered as E4M3 bytes with the agreed scale like the above,
   the gathered operand exactly the one a single process casts.
+- **Gradient formats**: the `QuantizeGrad` hooks of `fp8lm.initialize` (each parameter's gradient
+  in its policy's format) move to FSDP2's sharded parameters, whose post-accumulate-grad hooks
+  FSDP2 calls after each reduce-scatter: every rank's gradient shard is stored in the policy's
+  format with its own scale, as one process stores the whole gradient.
 - `fully_shard` is torch's, plus the above and counted communication (`comm_stats`).
 """
 
@@ -29,6 +33,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..formats import E4M3, Format, format_of
+from ..grad import QuantizeGrad
 from ..nn.grouped import FP8GroupedLinear
 from ..nn.linear import FP8Linear
 from ..recipe import Recipe
@@ -119,6 +124,52 @@ def _choose_gather_formats(module: nn.Module) -> None:
         fsdp_gather_format(param, shard, E4M3 if id(param) in fp8_weights else None)
 
 
+class OwnGradStorage:
+    """Post-accumulate-grad hook of a sharded parameter whose gradient has no stored format of its
+    own (FP32: 1-D parameters, O1's embeddings), in an FSDP2 group whose other gradients are
+    stored in their formats: copy the shard out of FSDP2's flat FP32 reduce-scatter output, so
+    that the buffer is freed (a view of it would keep all of it alive, stored formats or not)."""
+
+    def __call__(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad._local_tensor._base is not None:
+            param.grad = DTensor.from_local(
+                grad._local_tensor.clone(),
+                grad.device_mesh,
+                grad.placements,
+                run_check=False,
+                shape=grad.shape,
+                stride=grad.stride(),
+            )
+
+
+def _grad_format_hooks(module: nn.Module) -> dict[tuple[int, str], list[QuantizeGrad]]:
+    """The `QuantizeGrad` hooks (maybe none) of each of ``module``'s parameters that FSDP2 has not
+    sharded yet, by (id of the owning module, attribute name): where FSDP2 puts the sharded one."""
+    found = {}
+    for owner in module.modules():
+        for name, p in owner._parameters.items():
+            if p is not None and not isinstance(p, DTensor):
+                hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+                found[(id(owner), name)] = [h for h in hooks.values() if isinstance(h, QuantizeGrad)]
+    return found
+
+
+def _move_grad_format_hooks(module: nn.Module, hooks: dict[tuple[int, str], list[QuantizeGrad]]) -> None:
+    """Register ``hooks`` on the sharded parameters that replaced their parameters (once for a
+    parameter held by several modules), and `OwnGradStorage` on the others when any has a format;
+    a parameter FSDP2 did not shard (ignored) keeps its own hooks."""
+    if not any(hooks.values()):
+        return
+    moved = set()
+    for owner in module.modules():
+        for name, p in owner._parameters.items():
+            if (id(owner), name) in hooks and isinstance(p, DTensor) and p.requires_grad and id(p) not in moved:
+                moved.add(id(p))
+                for hook in hooks[(id(owner), name)] or [OwnGradStorage()]:
+                    p.register_post_accumulate_grad_hook(hook)
+
+
 def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs):
     """`torch.distributed.fsdp.fully_shard` (same arguments and return value) with FP8 weight
     all-gather for FP8Linear weights, FP8 gradient reduce-scatter (``fp8_reduce_scatter=False``
@@ -127,12 +178,15 @@ def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs)
     layers it is torch's FSDP2 (with ``fp8_reduce_scatter=False``), counted. Plain FP32 weights of
     FP8 GEMMs (O1) become `FP8GatheredWeight` shards, all-gathered as E4M3: the parameters change
     (as torch's ``fully_shard`` changes them anyway), so make or re-point the optimizer after;
-    not with an int ``reshard_after_forward``, which FSDP2 does not run with all-gather extensions."""
+    not with an int ``reshard_after_forward``, which FSDP2 does not run with all-gather extensions.
+    The gradient-format hooks of `fp8lm.initialize` move to the sharded parameters."""
+    grad_hooks = _grad_format_hooks(module)  # before the FP32 weights are wrapped (new parameters)
     reshard = kwargs.get("reshard_after_forward")
     if reshard is None or isinstance(reshard, bool):  # an int reshards to fewer ranks: no all-gather extensions then
         wrap_fp32_weights(module, _fp8_gemm_weights(module), kwargs.get("ignored_params"))
     sharded = torch_fully_shard(module, **kwargs)
     _choose_gather_formats(sharded)
+    _move_grad_format_hooks(sharded, grad_hooks)
     sharded.set_custom_all_gather(CountedAllGather())
     sharded.set_custom_reduce_scatter(FP8ReduceScatter() if fp8_reduce_scatter else CountedReduceScatter())
     return sharded

@@ -1,0 +1,70 @@
+"""Worker for tests/test_fsdp_grad.py: the storage format of every parameter's gradient after one
+backward, in one process and on FSDP2 shards (gloo ranks), at O1 and O2, with the gradients'
+bytes as `fp8lm.memory_report` counts them."""
+
+import torch
+
+from dist_launch import worker_main
+
+
+def tiny_gpt(opt_level: str):
+    import fp8lm
+    from fp8lm.train.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    model, _ = fp8lm.initialize(model, opt_level=opt_level)
+    return model
+
+
+def grad_format(grad) -> str:
+    """The gradient's storage: the payload dtype of a ScalingTensor, else the plain dtype."""
+    if grad is None:
+        return "none"
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    local = getattr(grad, "_local_tensor", local)
+    if hasattr(local, "payload"):
+        return f"scaled:{local.payload.dtype}"
+    return str(local.dtype)
+
+
+def batch(rank: int):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 256, (2, 16), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def formats(model, rank: int) -> dict:
+    """Gradient formats and bytes after one backward, and formats after a second one accumulated."""
+    from fp8lm import memory_report
+
+    _, loss = model(*batch(rank))
+    loss.backward()
+    result = {
+        "formats": {name: grad_format(p.grad) for name, p in model.named_parameters()},
+        "grad_bytes": memory_report(model)["gradients"],
+        "num_params": memory_report(model)["num_params"],
+    }
+    _, loss = model(*batch(rank + 10))
+    loss.backward()
+    result["accumulated"] = {name: grad_format(p.grad) for name, p in model.named_parameters()}
+    return result
+
+
+def checks(rank: int, world: int) -> dict:
+    from fp8lm.distributed import fully_shard, precompute_fp8_scales
+
+    result = {}
+    for level in ("O1", "O2"):
+        result[f"single_{level}"] = formats(tiny_gpt(level), rank)
+        model = tiny_gpt(level)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        precompute_fp8_scales(model)
+        result[f"fsdp_{level}"] = formats(model, rank)
+    return result
+
+
+if __name__ == "__main__":
+    worker_main(checks)
