@@ -1,6 +1,7 @@
-"""Worker for tests/test_fsdp_grad.py: the storage format of every parameter's gradient after one
-backward, in one process and on FSDP2 shards (gloo ranks), at O1 and O2, with the gradients'
-bytes as `fp8lm.memory_report` counts them."""
+"""Worker for tests/test_fsdp_grad.py (gloo ranks). ``formats``: the storage format of every
+parameter's gradient after one backward (and after a second one accumulated), in one process and
+on FSDP2 shards, at O1 and O2, with the gradients' bytes as `fp8lm.memory_report` counts them.
+``wire``: FP8ReduceScatter with a BF16 span, and the spans `fully_shard` finds in a GPT."""
 
 import torch
 
@@ -51,7 +52,46 @@ def formats(model, rank: int) -> dict:
     return result
 
 
-def checks(rank: int, world: int) -> dict:
+def wire(rank: int, world: int) -> dict:
+    """FP8ReduceScatter with a BF16 span against the float64 sum, and the spans fully_shard found
+    in the tiny GPT's groups (only the output head's, in the root group)."""
+    from fp8lm.distributed import comm_stats, fully_shard, reset_comm_stats
+    from fp8lm.distributed.fsdp import FP8ReduceScatter
+
+    g = torch.Generator().manual_seed(rank)
+    chunk, span = 40, (8, 24)
+    x = torch.randn(world * chunk, generator=g) * torch.logspace(-6, 2, world * chunk)  # rows of any size
+    out = torch.empty(chunk)
+    reset_comm_stats()
+    FP8ReduceScatter("E4M3", [span], chunk)(out, x.clone(), None, torch.distributed.ReduceOp.AVG)
+    stats = comm_stats()
+    everyone = [torch.empty_like(x) for _ in range(world)]
+    torch.distributed.all_gather(everyone, x)
+    model = tiny_gpt("O2")
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = {}
+    for name, module in [*((f"blocks.{i}", b) for i, b in enumerate(model.blocks)), ("", model)]:
+        group = module._get_fsdp_state()._fsdp_param_group
+        groups[name] = {
+            "wide": group._reduce_scatter_comm.wide,
+            "params": [(names[id(f.sharded_param)], f.padded_sharded_param_size.numel()) for f in group.fsdp_params],
+        }
+    return {
+        "out": out,
+        "inputs": torch.stack(everyone),
+        "chunk": chunk,
+        "span": span,
+        "stats": stats,
+        "groups": groups,
+    }
+
+
+def checks(rank: int, world: int, mode: str = "formats") -> dict:
+    if mode == "wire":
+        return wire(rank, world)
     from fp8lm.distributed import fully_shard, precompute_fp8_scales
 
     result = {}

@@ -45,3 +45,50 @@ def test_each_rank_holds_half_the_gradient_bytes_of_one_process(ranks, level):
         single, sharded = r[f"single_{level}"], r[f"fsdp_{level}"]
         # Every shape divides by 2 ranks (scales count apart, under "scales").
         assert sharded["grad_bytes"] == single["grad_bytes"] // 2
+
+
+@pytest.fixture(scope="module")
+def wire():
+    return run_workers("dist_fsdp_grad.py", 2, "wire", timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+def test_the_output_heads_gradient_crosses_the_wire_in_bf16(wire):
+    for r in wire:
+        for name, group in r["groups"].items():
+            offsets, offset = {}, 0
+            for param, numel in group["params"]:
+                offsets[param], offset = (offset, offset + numel), offset + numel
+            want = [offsets["lm_head.weight"]] if name == "" else []  # the root group holds the head
+            assert list(group["wide"]) == want, name
+
+
+@pytest.mark.slow
+def test_a_bf16_span_is_summed_within_bf16_rounding_and_the_rest_as_fp8(wire):
+    import torch
+
+    from fp8lm import E4M3 as E4M3_FORMAT
+    from fp8lm.ops.cast import saturating_cast
+    from fp8lm.scaling import compute_scale
+
+    world = len(wire)
+    inputs = wire[0]["inputs"].double().view(world, world, -1)  # [sender, owner, column]
+    start, end = wire[0]["span"]
+    for rank, r in enumerate(wire):
+        mine = inputs[:, rank]
+        want = mine.mean(0)
+        got = r["out"].double()
+        wide = got[start:end] - want[start:end]
+        bound = 2.0**-8 * mine[:, start:end].abs().sum(0) / world  # each input rounded to BF16 (8 bits) once
+        assert bool((wide.abs() <= bound * (1 + 1e-6)).all())
+        # the other columns: each sender's E4M3 chunk with its own scale, summed in FP32
+        narrow = torch.cat([mine[:, :start], mine[:, end:]], dim=1).float()
+        cast = []
+        for row in narrow:
+            scale = compute_scale(row.abs().max(), E4M3_FORMAT)
+            cast.append(saturating_cast(row, scale, E4M3_FORMAT).float() / scale)
+        expect = torch.stack(cast).sum(0) / world
+        assert torch.allclose(torch.cat([got[:start], got[end:]]).float(), expect, rtol=1e-6, atol=0)
+    # handed to the all-to-alls: the BF16 span 2 bytes per element, the rest 1 (scales all-gathered apart)
+    chunk, width = wire[0]["chunk"], end - start
+    assert wire[0]["stats"]["all_to_all_handed_bytes"] == world * ((chunk - width) + 2 * width)

@@ -25,6 +25,7 @@ reduce-scatter, through FSDP2's own extension points.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..formats import E4M3, Format, format_of
+from ..formats import E4M3, FP32, Format, format_of
 from ..grad import QuantizeGrad
 from ..nn.grouped import FP8GroupedLinear
 from ..nn.linear import FP8Linear
@@ -72,12 +73,18 @@ class FP8ReduceScatter(_PlainAllocation):
     """FSDP2's gradient reduce-scatter in FP8: each of the ``world_size`` chunks of the flat
     gradient buffer is quantized to ``fmt`` with its own scale, summed in FP32 by the rank that owns
     it, and (for FSDP's mean) divided by the world size after the sum. Error bound: that of
-    `fp8_all_reduce_error_bound` for the reduce-scatter half (docs/distributed.md)."""
+    `fp8_all_reduce_error_bound` for the reduce-scatter half (docs/distributed.md).
 
-    def __init__(self, fmt: Format | str = E4M3):
+    ``wide``: (start, end) spans of each rank's chunk sent in BF16 instead (summed in FP32 all the
+    same): the gradients the policy stores in 16 bits (the output head's), which ``fully_shard``
+    finds. They hold while the buffer is ``chunk_numel`` long per rank (every parameter of the group
+    has a gradient); another length sends all of it in ``fmt``."""
+
+    def __init__(self, fmt: Format | str = E4M3, wide: Sequence[tuple[int, int]] = (), chunk_numel: int = 0):
         self.fmt = format_of(fmt)
         if not self.fmt.is_fp8:
             raise ValueError(f"FP8ReduceScatter sends FP8 payloads; fmt must be E4M3 or E5M2, got {self.fmt}")
+        self.wide, self.chunk_numel = tuple(wide), chunk_numel
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -85,9 +92,37 @@ class FP8ReduceScatter(_PlainAllocation):
                 f"FP8ReduceScatter sums or averages, got reduce op {op}; "
                 "leave fully_shard's gradient_divide_factor unset"
             )
-        shard = fp8_reduce_scatter(input_tensor, group, self.fmt, average=op == dist.ReduceOp.AVG)
+        average = op == dist.ReduceOp.AVG
+        world = dist.get_world_size(group)
+        if self.wide and input_tensor.numel() == world * self.chunk_numel:
+            shard = _mixed_reduce_scatter(
+                input_tensor.view(world, -1), self._wide_mask(input_tensor), group, self.fmt, average
+            )
+        else:
+            shard = fp8_reduce_scatter(input_tensor, group, self.fmt, average=average)
         output_tensor.copy_(shard)
         return None
+
+    def _wide_mask(self, input_tensor: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(self.chunk_numel, dtype=torch.bool, device=input_tensor.device)
+        for start, end in self.wide:
+            mask[start:end] = True
+        return mask
+
+
+def _mixed_reduce_scatter(rows: torch.Tensor, wide: torch.Tensor, group, fmt: Format, average: bool) -> torch.Tensor:
+    """This rank's chunk of the sum (or mean) of ``rows`` (one row per rank) over the ranks, in
+    FP32: the columns of ``wide`` sent as BF16 (all-to-all, summed in FP32), the others as
+    `fp8_reduce_scatter` sends them."""
+    shard = torch.empty(rows.shape[1], dtype=torch.float32, device=rows.device)
+    narrow = ~wide
+    if bool(narrow.any()):
+        shard[narrow] = fp8_reduce_scatter(rows[:, narrow].reshape(-1), group, fmt, average=average)
+    send = rows[:, wide].to(torch.bfloat16).contiguous()
+    received = comm.all_to_all(torch.empty_like(send), send, group)
+    total = received.float().sum(0)
+    shard[wide] = total / rows.shape[0] if average else total
+    return shard
 
 
 def _sharded_scaling_tensors(module: nn.Module) -> list[tuple[nn.Module, DTensor, ScalingTensor]]:
@@ -170,6 +205,21 @@ def _move_grad_format_hooks(module: nn.Module, hooks: dict[tuple[int, str], list
                     p.register_post_accumulate_grad_hook(hook)
 
 
+def _wide_spans(sharded: nn.Module) -> tuple[list[tuple[int, int]], int]:
+    """The (start, end) spans, in each rank's chunk of the group's flat gradient buffer, of the
+    parameters whose gradient-format hook stores 16 bits (BF16, FP16: the output head's), and the
+    chunk's length (FSDP2 lays the chunk out as its parameters' padded shards, in its order)."""
+    group = sharded._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    spans, offset = [], 0
+    for fsdp_param in group.fsdp_params if group is not None else []:
+        numel = fsdp_param.padded_sharded_param_size.numel()
+        hooks = getattr(fsdp_param.sharded_param, "_post_accumulate_grad_hooks", None) or {}
+        if any(isinstance(h, QuantizeGrad) and not h.fmt.is_fp8 and h.fmt != FP32 for h in hooks.values()):
+            spans.append((offset, offset + numel))
+        offset += numel
+    return spans, offset
+
+
 def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs):
     """`torch.distributed.fsdp.fully_shard` (same arguments and return value) with FP8 weight
     all-gather for FP8Linear weights, FP8 gradient reduce-scatter (``fp8_reduce_scatter=False``
@@ -188,7 +238,9 @@ def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs)
     _choose_gather_formats(sharded)
     _move_grad_format_hooks(sharded, grad_hooks)
     sharded.set_custom_all_gather(CountedAllGather())
-    sharded.set_custom_reduce_scatter(FP8ReduceScatter() if fp8_reduce_scatter else CountedReduceScatter())
+    sharded.set_custom_reduce_scatter(
+        FP8ReduceScatter(E4M3, *_wide_spans(sharded)) if fp8_reduce_scatter else CountedReduceScatter()
+    )
     return sharded
 
 
