@@ -49,6 +49,15 @@ def formats(model, rank: int) -> dict:
     _, loss = model(*batch(rank + 10))
     loss.backward()
     result["accumulated"] = {name: grad_format(p.grad) for name, p in model.named_parameters()}
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):  # torch's clipping on the shards
+        import fp8lm
+
+        result["norm"] = fp8lm.clip_grad_norm_(model, float("inf"))
+        clipped = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        result["torch_norms"] = [
+            clipped.full_tensor(),
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor(),
+        ]
     return result
 
 

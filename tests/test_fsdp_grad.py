@@ -47,6 +47,17 @@ def test_each_rank_holds_half_the_gradient_bytes_of_one_process(ranks, level):
         assert sharded["grad_bytes"] == single["grad_bytes"] // 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_torchs_clip_grad_norm_clips_the_stored_shards(ranks, level):
+    for r in ranks:
+        sharded = r[f"fsdp_{level}"]
+        before, after = (float(n) for n in sharded["torch_norms"])
+        assert before == pytest.approx(float(sharded["norm"]), rel=1e-5)  # fp8lm's norm of the same shards
+        assert before > 1.0
+        assert after == pytest.approx(1.0, abs=2.0**-4)  # each clipped shard requantized to E4M3 (4 bits)
+
+
 @pytest.fixture(scope="module")
 def wire():
     return run_workers("dist_fsdp_grad.py", 2, "wire", timeout=TIMEOUT)

@@ -118,6 +118,7 @@ _VALUE_OPS = {
     aten.sum.dim_IntList,
     aten.amax.default,
     aten.linalg_vector_norm.default,
+    aten._foreach_norm.Scalar,  # torch's clip_grad_norm_ on DTensor gradients (FSDP2's shards)
     aten.eq.Tensor,
     aten.ne.Tensor,
     aten.equal.default,
@@ -155,6 +156,7 @@ _INPLACE_OPS = {
     aten.zero_.default,
     aten.fill_.Scalar,
     aten.clamp_.default,
+    aten._foreach_mul_.Tensor,  # torch's clip_grad_norm_ on DTensor gradients (FSDP2's shards)
 }
 
 OP_KINDS: Mapping[str, str] = {
