@@ -2,7 +2,8 @@
 `fp8lm.distributed.fully_shard` (gloo ranks). Modes: ``same_batch`` (every rank the same batch,
 FP32 gradient reduce-scatter: the run against one process's), ``wire`` (each rank its own batch,
 the default FP8 reduce-scatter: against torch's ``fully_shard``, which gathers the FP32 weights),
-``int_reshard`` (4 ranks resharded to 2 after forward), ``save`` / ``load`` (Distributed Checkpoint)."""
+``int_reshard`` (4 ranks resharded to 2 after forward), ``save`` / ``load`` (Distributed Checkpoint),
+``autocast_head`` (the output head's FP32 weight gathered in BF16 under BF16 autocast)."""
 
 import sys
 from pathlib import Path
@@ -16,15 +17,16 @@ STEPS = 4
 LR = 1e-2
 
 
-def o1_model() -> nn.Module:
+def o1_model(output_head: bool = False) -> nn.Module:
     """Three FP8Linear layers at O1 (plain FP32 weights, FP8 GEMMs), one with rows that 2 ranks
     shard unevenly (13), and biases (FP32 on the wire). The last layer's GEMMs run in FP8 too
-    (no output-head rule): every weight's gather is E4M3."""
+    (no output-head rule: every weight's gather is E4M3), or with ``output_head`` in high
+    precision (BF16 under autocast), as the rule says."""
     import fp8lm
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 13), nn.GELU(), nn.Linear(13, 8))
-    policy = fp8lm.policy.preset("O1").without_output_head()
+    policy = fp8lm.policy.preset("O1", output_head=output_head)
     model, _ = fp8lm.initialize(model, None, "O1", policy=policy, multiple_of=1)
     return model
 
@@ -64,9 +66,10 @@ def full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
 
 
-def train(model: nn.Module, batches, precompute: bool) -> dict:
+def train(model: nn.Module, batches, precompute: bool, autocast: bool = False) -> dict:
     """AdamW steps on ``batches`` (``precompute``: agree the all-gather scales before each step,
-    else each all-gather agrees its own); the outputs, losses, counted bytes per step and final weights."""
+    else each all-gather agrees its own; ``autocast``: the forward under BF16 autocast); the
+    outputs, losses, counted bytes per step and final weights."""
     from fp8lm.distributed import comm_stats, precompute_fp8_scales, reset_comm_stats
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -75,7 +78,8 @@ def train(model: nn.Module, batches, precompute: bool) -> dict:
         if precompute:
             precompute_fp8_scales(model)
         reset_comm_stats()
-        out = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
         loss = out.square().mean()
         loss.backward()
         res["stats"].append(comm_stats())
@@ -103,9 +107,9 @@ def same_batch_checks(rank, world) -> dict:
     return res
 
 
-def forward_gather(model: nn.Module, x: torch.Tensor) -> dict:
+def forward_gather(model: nn.Module, x: torch.Tensor, layer: int = 2) -> dict:
     """The counted all-gathers of one forward without autograd (one per FSDP group), and the
-    gathered weight of the middle layer (13 rows: uneven shards)."""
+    gathered weight of ``layer`` (the middle one by default: 13 rows, uneven shards)."""
     from fp8lm.distributed import comm_stats, precompute_fp8_scales, reset_comm_stats
 
     precompute_fp8_scales(model)
@@ -113,10 +117,10 @@ def forward_gather(model: nn.Module, x: torch.Tensor) -> dict:
     with torch.no_grad():
         model(x)
     stats = comm_stats()
-    model[2].unshard()
-    w = model[2].weight
+    model[layer].unshard()
+    w = model[layer].weight
     gathered = (w.payload.clone(), w.scale.clone()) if hasattr(w, "payload") else w.detach().clone()
-    model[2].reshard()
+    model[layer].reshard()
     return {"stats": stats, "gathered": gathered}
 
 
@@ -141,6 +145,29 @@ def int_reshard_checks(rank, world) -> dict:
     model = shard(o1_model(), reshard_after_forward=2)
     wrapped = [n for n, p in model.named_parameters() if isinstance(p.to_local(), FP8GatheredWeight)]
     return {"wrapped": wrapped, "run": train(model, batches, True), "default": train(shard(o1_model()), batches, True)}
+
+
+def autocast_head_checks(rank, world) -> dict:
+    """O1 with the output-head rule (the last layer's GEMMs in BF16 under autocast), each rank its
+    own batches, FP8 reduce-scatter: the head's weight gathered in BF16 (``autocast_dtype``)
+    against in FP32, and the same batch on every rank with FP32 reduce-scatter against one process."""
+    from fp8lm.distributed.fp32_gather import AutocastGatheredWeight
+
+    batches = [batch(step, rank) for step in range(STEPS)]
+    model = shard(o1_model(output_head=True), autocast_dtype=torch.bfloat16)
+    res = {"kinds": {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}}
+    res["head_shard"] = model[4].weight.to_local().detach().clone()
+    res["forward"] = forward_gather(model, batches[0], layer=4)
+    fp32 = shard(o1_model(output_head=True))
+    res["fp32_forward"] = forward_gather(fp32, batches[0], layer=4)
+    res["bf16"] = train(model, batches, True, autocast=True)
+    res["fp32"] = train(fp32, batches, True, autocast=True)
+    same = [batch(step, 0) for step in range(STEPS)]
+    one = shard(o1_model(output_head=True), autocast_dtype=torch.bfloat16, fp8_reduce_scatter=False)
+    res["same_batch"] = train(one, same, True, autocast=True)
+    res["single"] = train(o1_model(output_head=True), same, False, autocast=True)
+    res["cast_wrapped"] = [n for n, p in model.named_parameters() if isinstance(p.to_local(), AutocastGatheredWeight)]
+    return res
 
 
 def save_checks(rank, world, folder) -> dict:
@@ -189,6 +216,7 @@ def checks(rank, world, mode, *args):
         "same_batch": same_batch_checks,
         "wire": wire_checks,
         "int_reshard": int_reshard_checks,
+        "autocast_head": autocast_head_checks,
         "save": save_checks,
         "load": load_checks,
     }

@@ -14,7 +14,12 @@ import dist_fsdp_o1 as worker
 from dist_launch import run_workers
 from fp8lm import E4M3
 from fp8lm.distributed import load_fsdp_checkpoint
-from fp8lm.distributed.fp32_gather import FP8GatheredWeight, wrap_fp32_weights
+from fp8lm.distributed.fp32_gather import (
+    AutocastGatheredWeight,
+    FP8GatheredWeight,
+    fsdp_wire_cast,
+    wrap_fp32_weights,
+)
 from fp8lm.ops.cast import saturating_cast
 from fp8lm.scaling import compute_scale
 
@@ -212,3 +217,90 @@ def test_the_wrapper_traces_under_torch_compile():
 
     doubled = torch.compile(step, fullgraph=True)(w, torch.ones(4, 3))
     assert torch.equal(w.inner, values - 0.5) and torch.equal(doubled, (values - 0.5) * 2)
+
+
+# -- the output head under BF16 autocast -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def autocast_head():
+    return run_workers("dist_fsdp_o1.py", 2, "autocast_head", timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+def test_the_head_weight_crosses_in_bf16_under_autocast(autocast_head):
+    world = len(autocast_head)
+    head = padded_shard_numel(FULL_SHAPES["4.weight"], world)
+    whole = torch.cat([r["head_shard"] for r in autocast_head])
+    for r in autocast_head:
+        assert r["cast_wrapped"] == ["4.weight"] and r["kinds"]["4.weight"] == "AutocastGatheredWeight"
+        assert r["kinds"]["2.weight"] == "FP8GatheredWeight"
+        # the head's weight: 2 bytes per element instead of 4, the rest as before
+        bf16, fp32 = r["forward"]["stats"], r["fp32_forward"]["stats"]
+        assert fp32["all_gather_handed_bytes"] - bf16["all_gather_handed_bytes"] == 2 * head
+        for bf16_step, fp32_step in zip(r["bf16"]["stats"], r["fp32"]["stats"], strict=True):
+            assert bf16_step["all_gather_calls"] == fp32_step["all_gather_calls"]
+            assert fp32_step["all_gather_handed_bytes"] - bf16_step["all_gather_handed_bytes"] >= 2 * 2 * head
+        payload, scale = r["forward"]["gathered"]
+        # what autocast casts the whole FP32 weight to
+        assert payload.dtype == torch.bfloat16 and float(scale) == 1.0
+        assert torch.equal(payload, whole.to(torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_the_bf16_head_gather_trains_as_the_fp32_one_and_as_one_process(autocast_head):
+    for r in autocast_head:
+        for run, want in (("bf16", "fp32"), ("same_batch", "single")):
+            got, ref = r[run], r[want]
+            for a, b in zip(got["outs"], ref["outs"], strict=True):
+                assert torch.equal(a, b), run
+            assert torch.equal(torch.stack(got["losses"]), torch.stack(ref["losses"])), run
+            for name, value in ref["weights"].items():
+                assert value.dtype == torch.float32 and torch.equal(got["weights"][name], value), (run, name)
+        assert not torch.equal(r["bf16"]["losses"][0], r["bf16"]["losses"][-1])
+
+
+def test_the_autocast_wrapper_is_its_fp32_values_and_keeps_its_dtype(tmp_path):
+    values = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    w = nn.Parameter(AutocastGatheredWeight(values.clone(), torch.float16))
+    assert w.dtype == torch.float32 and type(w.detach() * 2) is torch.Tensor
+    kept = [w.detach(), w.detach().new_zeros((2, 3)), w.detach()[1:3], copy.deepcopy(w).detach()]
+    torch.save(w, tmp_path / "w.pt")
+    kept.append(torch.load(tmp_path / "w.pt", weights_only=True).detach())
+    for t in kept:
+        assert isinstance(t, AutocastGatheredWeight) and t.gather_dtype == torch.float16
+    flat, ctx = w.__tensor_flatten__()
+    again = AutocastGatheredWeight.__tensor_unflatten__({"_inner": w.inner}, ctx, w.shape, w.stride())
+    assert isinstance(again, AutocastGatheredWeight) and again.gather_dtype == torch.float16
+    with pytest.raises(ValueError, match="torch.bfloat16 or torch.float16"):
+        AutocastGatheredWeight(values, torch.float8_e4m3fn)
+
+
+def test_autocast_wire_is_the_cast_autocast_makes():
+    # values that round differently in BF16 and FP16, an overflow to inf and a zero-padded row
+    shard = torch.tensor([[1.0 + 2**-9, 3e38], [-(2**-20), 70000.0]])
+    for dtype in (torch.bfloat16, torch.float16):
+        wire = fsdp_wire_cast(shard, dtype, (5, 2), 2)
+        assert wire.dtype == dtype and wire.shape == (3, 2)
+        assert torch.equal(wire[:2], shard.to(dtype)) and torch.equal(wire[2], torch.zeros(2, dtype=dtype))
+
+
+def test_only_the_high_precision_layers_fp32_weights_are_cast_wrapped():
+    import fp8lm
+    from fp8lm.distributed.fsdp import _autocast_gemm_weights, _fp8_gemm_weights
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model, _ = fp8lm.initialize(model, None, "O1", multiple_of=1)  # the last: the output head
+    cast_to = _autocast_gemm_weights(model, torch.bfloat16)
+    assert cast_to == {id(model[1].weight): torch.bfloat16}
+    assert wrap_fp32_weights(model, _fp8_gemm_weights(model), None, cast_to) == 2
+    assert isinstance(model[0].weight.detach(), FP8GatheredWeight)
+    assert isinstance(model[1].weight.detach(), AutocastGatheredWeight)
+    assert type(model.state_dict()["1.weight"]) is torch.Tensor  # checkpoints: the plain FP32 values
+
+
+def test_fully_shard_refuses_an_autocast_dtype_it_cannot_gather_in():
+    from fp8lm.distributed import fully_shard
+
+    with pytest.raises(ValueError, match="autocast_dtype is the dtype of the torch.autocast"):
+        fully_shard(nn.Linear(2, 2), autocast_dtype=torch.float32)

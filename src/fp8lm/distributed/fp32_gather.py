@@ -1,4 +1,5 @@
-"""FP32 weights of FP8 GEMMs all-gathered by FSDP2 as E4M3 bytes (O1 under `fully_shard`).
+"""FP32 weights all-gathered by FSDP2 in the format their GEMM reads (O1 under `fully_shard`):
+E4M3 bytes for an FP8 GEMM's weight, BF16 (or FP16) for a high-precision GEMM's under autocast.
 
 At O1 an `FP8Linear`'s weight is a plain FP32 parameter: FSDP2 would all-gather it in FP32 (4 bytes
 per element) although the layer only ever multiplies its E4M3 cast. `FP8GatheredWeight` is the
@@ -15,9 +16,17 @@ all-gather extension:
   the largest of the shards'), so outputs and gradients are those of the unsharded layer.
 
 The weight's gradient comes back through the gathered ScalingTensor as at O2 (an E4M3 gradient,
-reduce-scattered by FSDP2), and the optimizer updates the FP32 values in place. `wrap_fp32_weights`
-puts the wrappers in (`fp8lm.distributed.fully_shard` calls it before torch's ``fully_shard``); a
-model that is not sharded keeps its plain weights.
+reduce-scattered by FSDP2), and the optimizer updates the FP32 values in place.
+
+`AutocastGatheredWeight` is the same wrapper for the FP32 weight of a layer whose GEMM runs in high
+precision under ``torch.autocast`` (O1's output head): its all-gather sends the shard cast to the
+autocast dtype (BF16: 2 bytes per element), exactly the cast autocast makes of the whole FP32
+weight at the GEMM, and returns it as a ScalingTensor of scale 1 presenting FP32, whose gradient
+is FP32 like the other parameters'. Outside that autocast the layer would multiply the rounded
+weight: hence an opt-in (``fully_shard(..., autocast_dtype=torch.bfloat16)``).
+
+`wrap_fp32_weights` puts the wrappers in (`fp8lm.distributed.fully_shard` calls it before torch's
+``fully_shard``); a model that is not sharded keeps its plain weights.
 """
 
 from __future__ import annotations
@@ -28,13 +37,24 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from ..formats import E4M3
+from ..formats import E4M3, format_of
 from ..ops.cast import amax as _amax
 from ..scaling import compute_scale
 from ..tensor import fsdp_gathered, fsdp_wire
 from . import comm
 
-__all__ = ["FP8GatheredWeight", "wrap_fp32_weights", "gathered_fp32_weights", "plain_state_dict"]
+__all__ = [
+    "GatheredWeight",
+    "FP8GatheredWeight",
+    "AutocastGatheredWeight",
+    "AUTOCAST_DTYPES",
+    "wrap_fp32_weights",
+    "gathered_fp32_weights",
+    "plain_state_dict",
+]
+
+# The autocast dtypes an `AutocastGatheredWeight` gathers in: 2-byte floats (autocast's casts).
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 aten = torch.ops.aten
 
@@ -58,14 +78,14 @@ _KEEP_OPS = {
 }
 
 
-class FP8GatheredWeight(torch.Tensor):
-    """An FP32 weight shard that FSDP2 all-gathers as E4M3 with one scale agreed over the mesh; for
-    every other use a plain tensor of its values (module docstring)."""
+class GatheredWeight(torch.Tensor):
+    """An FP32 weight shard that FSDP2 all-gathers in another format (`FP8GatheredWeight`,
+    `AutocastGatheredWeight`); for every other use a plain tensor of its values (module docstring)."""
 
     _inner: torch.Tensor
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor):
+    def __new__(cls, inner: torch.Tensor, *args):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             inner.shape,
@@ -77,9 +97,9 @@ class FP8GatheredWeight(torch.Tensor):
         )
 
     def __init__(self, inner: torch.Tensor):
-        if isinstance(inner, FP8GatheredWeight) or not inner.dtype.is_floating_point:
+        if isinstance(inner, GatheredWeight) or not inner.dtype.is_floating_point:
             raise TypeError(
-                f"FP8GatheredWeight wraps a plain floating-point tensor, got {type(inner).__name__} of {inner.dtype}"
+                f"{type(self).__name__} wraps a plain floating-point tensor, got {type(inner).__name__} of {inner.dtype}"
             )
         self._inner = inner
 
@@ -88,22 +108,31 @@ class FP8GatheredWeight(torch.Tensor):
         """The weight's values: the plain tensor this wraps (shared, not a copy)."""
         return self._inner
 
+    def _context(self) -> tuple:
+        """What besides the values makes this wrapper (the arguments after ``inner``)."""
+        return ()
+
+    def rewrap(self, inner: torch.Tensor) -> GatheredWeight:
+        """``inner`` in a wrapper like this one."""
+        return type(self)(inner, *self._context())
+
     def __repr__(self) -> str:  # type: ignore[override]  # must not dispatch
-        return f"FP8GatheredWeight({self._inner!r})"
+        return f"{type(self).__name__}({self._inner!r})"
 
     # -- subclass protocol (torch.compile, pickling) --------------------------------------------
     def __tensor_flatten__(self):
-        return ["_inner"], None
+        return ["_inner"], (type(self), self._context())
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        return FP8GatheredWeight(inner_tensors["_inner"])
+        cls, context = ctx
+        return cls(inner_tensors["_inner"], *context)
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild, (self._inner, isinstance(self, nn.Parameter), self.requires_grad))
+        return (_rebuild, (self._inner, isinstance(self, nn.Parameter), self.requires_grad, *self._context()))
 
     def __deepcopy__(self, memo):
-        out = _rebuild(self._inner.clone(), isinstance(self, nn.Parameter), self.requires_grad)
+        out = _rebuild(self._inner.clone(), isinstance(self, nn.Parameter), self.requires_grad, *self._context())
         memo[id(self)] = out
         return out
 
@@ -111,19 +140,25 @@ class FP8GatheredWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        written: dict[int, FP8GatheredWeight] = {}
+        written: dict[int, GatheredWeight] = {}
 
-        def unwrap(t: FP8GatheredWeight) -> torch.Tensor:
+        def unwrap(t: GatheredWeight) -> torch.Tensor:
             written[id(t._inner)] = t
             return t._inner
 
-        args, kwargs = tree_map_only(FP8GatheredWeight, unwrap, (args, kwargs or {}))
+        args, kwargs = tree_map_only(GatheredWeight, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func._schema.is_mutable:  # the tensors it wrote in place: their wrappers
             return tree_map_only(torch.Tensor, lambda t: written.get(id(t), t), out)
         if func in _KEEP_OPS:
-            return tree_map_only(torch.Tensor, FP8GatheredWeight, out)
+            like = next(iter(written.values()))
+            return tree_map_only(torch.Tensor, like.rewrap, out)
         return out
+
+
+class FP8GatheredWeight(GatheredWeight):
+    """An FP32 weight shard that FSDP2 all-gathers as E4M3 with one scale agreed over the mesh; for
+    every other use a plain tensor of its values (module docstring)."""
 
     # -- FSDP2 all-gather extension (torch.distributed.fsdp.fully_shard) -------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -148,12 +183,54 @@ class FP8GatheredWeight(torch.Tensor):
         return _amax(self._inner).float()
 
 
-def _rebuild(inner: torch.Tensor, is_param: bool = False, requires_grad: bool = False) -> torch.Tensor:
-    out = FP8GatheredWeight(inner)
+class AutocastGatheredWeight(GatheredWeight):
+    """An FP32 weight shard of a high-precision GEMM that runs under ``torch.autocast(dtype)``:
+    FSDP2 all-gathers it cast to ``dtype`` (BF16 or FP16), the cast autocast makes at the GEMM;
+    for every other use a plain tensor of its values (module docstring)."""
+
+    gather_dtype: torch.dtype
+
+    def __init__(self, inner: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+        super().__init__(inner)
+        if dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"AutocastGatheredWeight gathers in torch.bfloat16 or torch.float16, got {dtype}")
+        self.gather_dtype = dtype
+
+    def _context(self) -> tuple:
+        return (self.gather_dtype,)
+
+    # -- FSDP2 all-gather extension (torch.distributed.fsdp.fully_shard) -------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's rows cast to the autocast dtype (round to nearest even, as autocast casts),
+        padded to FSDP's padded shard."""
+        return (fsdp_wire_cast(self._inner, self.gather_dtype, outer_size, mesh.size()),), (
+            self.gather_dtype,
+            torch.ones((), dtype=torch.float32, device=self._inner.device),
+        )
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The gathered weight: the ranks' rows as one ScalingTensor of the autocast dtype with
+        scale 1, presenting FP32 (the values autocast casts back to that dtype exactly)."""
+        return fsdp_gathered(all_gather_outputs, metadata, param_dtype, out)
+
+
+def fsdp_wire_cast(shard: torch.Tensor, dtype: torch.dtype, outer_size, ranks: int) -> torch.Tensor:
+    """A rank's all-gather input: ``shard`` (its rows of a parameter of ``outer_size``) cast to
+    ``dtype`` as ``Tensor.to`` casts, zero-padded to FSDP's padded shard of ``ceil(dim 0 / ranks)`` rows."""
+    format_of(dtype)  # a known format: the gathered ScalingTensor's payload
+    rows = -(-outer_size[0] // ranks)
+    padded = torch.zeros((rows, *outer_size[1:]), dtype=dtype, device=shard.device)
+    if shard.numel() > 0:
+        padded[: shard.shape[0]] = shard
+    return padded
+
+
+def _rebuild(inner: torch.Tensor, is_param: bool = False, requires_grad: bool = False, *context) -> torch.Tensor:
+    out = AutocastGatheredWeight(inner, *context) if context else FP8GatheredWeight(inner)
     return nn.Parameter(out, requires_grad=requires_grad) if is_param else out.requires_grad_(requires_grad)
 
 
-torch.serialization.add_safe_globals([FP8GatheredWeight, _rebuild])
+torch.serialization.add_safe_globals([FP8GatheredWeight, AutocastGatheredWeight, _rebuild])
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -171,9 +248,13 @@ def _managed(module: nn.Module, ignored: set[int]) -> list[tuple[nn.Module, str,
     return found
 
 
-def _wrapped(param: nn.Parameter) -> nn.Parameter:
-    """``param`` (plain, or a tensor-parallel DTensor) with its values in an FP8GatheredWeight."""
-    local = FP8GatheredWeight(_local(param))
+def _wrapped(param: nn.Parameter, cast_dtype: torch.dtype | None) -> nn.Parameter:
+    """``param`` (plain, or a tensor-parallel DTensor) with its values in an FP8GatheredWeight, or
+    with ``cast_dtype`` in an AutocastGatheredWeight of that dtype."""
+    values = _local(param)
+    local: torch.Tensor = (
+        FP8GatheredWeight(values) if cast_dtype is None else AutocastGatheredWeight(values, cast_dtype)
+    )
     if isinstance(param, DTensor):
         local = DTensor.from_local(
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
@@ -181,19 +262,25 @@ def _wrapped(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(local, requires_grad=param.requires_grad)
 
 
-def wrap_fp32_weights(module: nn.Module, weight_ids: set[int], ignored_params=None) -> int:
+def wrap_fp32_weights(
+    module: nn.Module, weight_ids: set[int], ignored_params=None, cast_to: dict[int, torch.dtype] | None = None
+) -> int:
     """Put the plain floating-point parameters of ``module`` whose ids are in ``weight_ids`` (the
-    weights of its FP8 GEMMs with one scale per tensor) in `FP8GatheredWeight`s, for torch's
-    ``fully_shard(module, ignored_params=...)`` to shard next; a weight held twice (tied) stays
-    plain. Registers `plain_state_dict` on the owners. Returns how many it wrapped."""
+    weights of its FP8 GEMMs with one scale per tensor) in `FP8GatheredWeight`s, and those whose
+    ids ``cast_to`` maps to an autocast dtype (the weights of high-precision GEMMs that run under
+    that autocast) in `AutocastGatheredWeight`s, for torch's ``fully_shard(module,
+    ignored_params=...)`` to shard next; a weight held twice (tied) stays plain. Registers
+    `plain_state_dict` on the owners. Returns how many it wrapped."""
+    cast_to = cast_to or {}
     managed = _managed(module, {id(p) for p in ignored_params or ()})
     holders: dict[int, int] = {}
     for _, _, p in managed:
         holders[id(p)] = holders.get(id(p), 0) + 1
     count = 0
     for owner, name, p in managed:
-        if id(p) in weight_ids and holders[id(p)] == 1 and type(_local(p)) is torch.Tensor and p.is_floating_point():
-            owner.register_parameter(name, _wrapped(p))
+        wanted = id(p) in weight_ids or id(p) in cast_to
+        if wanted and holders[id(p)] == 1 and type(_local(p)) is torch.Tensor and p.is_floating_point():
+            owner.register_parameter(name, _wrapped(p, None if id(p) in weight_ids else cast_to[id(p)]))
             if not getattr(owner, "_fp8lm_plain_gathered_state", False):
                 owner.register_state_dict_post_hook(plain_state_dict)
                 owner._fp8lm_plain_gathered_state = True  # type: ignore[assignment]  # a flag
@@ -211,13 +298,13 @@ def gathered_fp32_weights(module: nn.Module) -> list[tuple[DTensor, FP8GatheredW
 
 
 def plain_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    """State-dict post hook: ``module``'s FP8GatheredWeight parameters as DTensors (or tensors) of
+    """State-dict post hook: ``module``'s GatheredWeight parameters as DTensors (or tensors) of
     their plain FP32 values, sharing their storage, so that checkpoints hold plain FP32 tensors."""
     for name in module._parameters:
         key = prefix + name
         value = state_dict.get(key)
         local = value._local_tensor if isinstance(value, DTensor) else value
-        if not isinstance(local, FP8GatheredWeight) or isinstance(value, nn.Parameter):  # keep_vars: the parameter
+        if not isinstance(local, GatheredWeight) or isinstance(value, nn.Parameter):  # keep_vars: the parameter
             continue
         if isinstance(value, DTensor):
             state_dict[key] = DTensor.from_local(

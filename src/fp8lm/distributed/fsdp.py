@@ -14,7 +14,9 @@ reduce-scatter, through FSDP2's own extension points.
   saturates.
 - **O1's FP32 weights** of FP8 GEMMs are sharded as `FP8GatheredWeight`s (`fp32_gather`): FP32 for
   the optimizer and checkpoints, all-gathered as E4M3 bytes with the agreed scale like the above,
-  the gathered operand exactly the one a single process casts.
+  the gathered operand exactly the one a single process casts. With ``autocast_dtype`` (the forward
+  runs under BF16 autocast), the FP32 weights of FP8Linear layers kept in high precision (O1's
+  output head) are `AutocastGatheredWeight`s, all-gathered in BF16: the cast autocast makes anyway.
 - **Gradient formats**: the `QuantizeGrad` hooks of `fp8lm.initialize` (each parameter's gradient
   in its policy's format) move to FSDP2's sharded parameters, whose post-accumulate-grad hooks
   FSDP2 calls after each reduce-scatter: every rank's gradient shard is stored in the policy's
@@ -42,7 +44,7 @@ from ..scaling import compute_scale
 from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_shard_amax
 from . import comm
 from .collectives import fp8_reduce_scatter
-from .fp32_gather import gathered_fp32_weights, wrap_fp32_weights
+from .fp32_gather import AUTOCAST_DTYPES, gathered_fp32_weights, wrap_fp32_weights
 
 __all__ = ["fully_shard", "precompute_fp8_scales", "FP8ReduceScatter", "CountedAllGather", "CountedReduceScatter"]
 
@@ -150,6 +152,13 @@ def _fp8_gemm_weights(module: nn.Module) -> set[int]:
     return ids
 
 
+def _autocast_gemm_weights(module: nn.Module, dtype: torch.dtype) -> dict[int, torch.dtype]:
+    """id -> ``dtype`` for the weight of every FP8Linear in ``module`` whose GEMMs run in high
+    precision (``fp8_enabled`` False: ``F.linear``, which ``torch.autocast(dtype)`` computes on the
+    weight cast to ``dtype``)."""
+    return {id(m.weight): dtype for m in module.modules() if isinstance(m, FP8Linear) and not m.fp8_enabled}
+
+
 def _choose_gather_formats(module: nn.Module) -> None:
     """E4M3 for the weight of every FP8 GEMM with one scale per tensor (a format is fixed at the
     shard's first all-gather). A fine-grained recipe's weight is gathered in its blocks where its
@@ -220,7 +229,9 @@ def _wide_spans(sharded: nn.Module) -> tuple[list[tuple[int, int]], int]:
     return spans, offset
 
 
-def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs):
+def fully_shard(
+    module: nn.Module, *, fp8_reduce_scatter: bool = True, autocast_dtype: torch.dtype | None = None, **kwargs
+):
     """`torch.distributed.fsdp.fully_shard` (same arguments and return value) with FP8 weight
     all-gather for FP8Linear weights, FP8 gradient reduce-scatter (``fp8_reduce_scatter=False``
     keeps FSDP's own, in its ``MixedPrecisionPolicy.reduce_dtype``) and counted communication.
@@ -229,11 +240,21 @@ def fully_shard(module: nn.Module, *, fp8_reduce_scatter: bool = True, **kwargs)
     FP8 GEMMs (O1) become `FP8GatheredWeight` shards, all-gathered as E4M3: the parameters change
     (as torch's ``fully_shard`` changes them anyway), so make or re-point the optimizer after;
     not with an int ``reshard_after_forward``, which FSDP2 does not run with all-gather extensions.
-    The gradient-format hooks of `fp8lm.initialize` move to the sharded parameters."""
+    The gradient-format hooks of `fp8lm.initialize` move to the sharded parameters.
+    ``autocast_dtype`` (torch.bfloat16 or torch.float16; only when every forward of the model runs
+    under ``torch.autocast`` of that dtype): plain FP32 weights of FP8Linear layers kept in high
+    precision (O1's output head) become `AutocastGatheredWeight` shards, all-gathered in that dtype,
+    the values autocast multiplies anyway (a forward outside it would multiply the rounded weights)."""
+    if autocast_dtype is not None and autocast_dtype not in AUTOCAST_DTYPES:
+        raise ValueError(
+            f"autocast_dtype is the dtype of the torch.autocast the forward runs under: torch.bfloat16 or "
+            f"torch.float16, got {autocast_dtype}; leave it None without autocast"
+        )
     grad_hooks = _grad_format_hooks(module)  # before the FP32 weights are wrapped (new parameters)
     reshard = kwargs.get("reshard_after_forward")
     if reshard is None or isinstance(reshard, bool):  # an int reshards to fewer ranks: no all-gather extensions then
-        wrap_fp32_weights(module, _fp8_gemm_weights(module), kwargs.get("ignored_params"))
+        cast_to = _autocast_gemm_weights(module, autocast_dtype) if autocast_dtype is not None else {}
+        wrap_fp32_weights(module, _fp8_gemm_weights(module), kwargs.get("ignored_params"), cast_to)
     sharded = torch_fully_shard(module, **kwargs)
     _choose_gather_formats(sharded)
     _move_grad_format_hooks(sharded, grad_hooks)

@@ -148,6 +148,7 @@ class TrainingRun:
             fsdp=cfg.fsdp,
             pipeline=pipeline if cfg.pp > 1 else None,
             ep=cfg.ep,
+            autocast_dtype=None if cfg.opt_level == "fp32" else torch.bfloat16,  # self.autocast's
         )
         # the one mesh of the run, built once (every rank creates its process groups)
         self.mesh = self.ranks.dims.build_mesh(self.device.type) if self.ranks.distributed else None

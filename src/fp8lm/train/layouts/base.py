@@ -54,6 +54,7 @@ class LayoutSpec:
     fsdp: bool = False
     pipeline: PipelineShape | None = None
     ep: int = 1  # expert parallelism over this many ranks (`expert.ExpertParallelLayout`)
+    autocast_dtype: torch.dtype | None = None  # the torch.autocast every forward runs under (None: none)
 
 
 def gradient_sync(spec: LayoutSpec, ranks: Ranks, mesh: ParallelMesh, **options) -> GradientSync:

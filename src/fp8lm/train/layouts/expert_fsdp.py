@@ -36,7 +36,7 @@ class ExpertFSDPLayout(FSDPLayout):
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         model, optimizer, sync = spread_experts(model, optimizer, spec, ranks, mesh, "dp_shard")
         names = {id(p): n for n, p in model.named_parameters()}
-        shard_blocks_and_model(model, sync.fsdp_options(spec.opt_level))
+        shard_blocks_and_model(model, spec, sync)
         point_optimizer_at(optimizer, names, dict(model.named_parameters()))
         precompute_fp8_scales(model)
         return model, optimizer, cls(ranks, mesh, sync)

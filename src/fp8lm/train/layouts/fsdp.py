@@ -14,14 +14,19 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from ...amp import initialize
 from ...distributed import fully_shard, precompute_fp8_scales
+from ...distributed.grad_sync import GradientSync
 from ..config import RunError
 from .base import Layout, LayoutSpec, ShardedCheckpoints, gradient_sync, point_optimizer_at
 
 __all__ = ["FSDPLayout", "shard_blocks_and_model"]
 
 
-def shard_blocks_and_model(model: nn.Module, options: dict) -> None:
-    """FSDP2 over each of the model's blocks, then over the whole (what is left: embeddings, head)."""
+def shard_blocks_and_model(model: nn.Module, spec: LayoutSpec, sync: GradientSync) -> None:
+    """FSDP2 over each of the model's blocks, then over the whole (what is left: embeddings, head),
+    with ``sync``'s options at ``spec``'s level; every forward runs under ``spec``'s autocast, so
+    O1's output head (a BF16 GEMM) has its FP32 weight all-gathered in BF16 (`fully_shard`'s
+    ``autocast_dtype``: the values the GEMM multiplies anyway)."""
+    options = {**sync.fsdp_options(spec.opt_level), "autocast_dtype": spec.autocast_dtype}
     blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks  # a stage's: by index
     for block in blocks:
         fully_shard(block, **options)
@@ -46,7 +51,7 @@ class FSDPLayout(ShardedCheckpoints, Layout):
             model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
         names = {id(p): name for name, p in model.named_parameters()}
         sync = gradient_sync(spec, ranks, mesh)
-        shard_blocks_and_model(model, sync.fsdp_options(spec.opt_level))
+        shard_blocks_and_model(model, spec, sync)
         point_optimizer_at(optimizer, names, dict(model.named_parameters()))
         precompute_fp8_scales(model)
         return model, optimizer, cls(ranks, mesh, sync)

@@ -58,7 +58,7 @@ class PipelineLayout(ShardedCheckpoints, Layout):
         stage = PipelineStageModule(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire, seq_shards=ranks.tp)
         sync = gradient_sync(spec, ranks, mesh)
         if spec.fsdp:
-            shard_blocks_and_model(stage, sync.fsdp_options(spec.opt_level))
+            shard_blocks_and_model(stage, spec, sync)
         params = dict(stage.named_parameters())
         point_optimizer_at(optimizer, names, params)
         if spec.fsdp:

@@ -57,7 +57,7 @@ class TensorParallelLayout(ShardedCheckpoints, Layout):
         apply_tensor_parallel(model, spec, mesh)
         sync = gradient_sync(spec, ranks, mesh)
         if spec.fsdp:
-            shard_blocks_and_model(model, sync.fsdp_options(spec.opt_level))
+            shard_blocks_and_model(model, spec, sync)
         point_optimizer_at(optimizer, names, dict(model.named_parameters()))
         if spec.fsdp:
             precompute_fp8_scales(model)
