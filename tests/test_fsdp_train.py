@@ -49,10 +49,11 @@ def test_fsdp_summaries_count_the_fsdp_collectives(uninterrupted):
     # and the output head (19 %; its GEMMs are BF16 by default), an FP8 reduce-scatter: about 0.59
     # of BF16's bytes from that composition (0.60 measured, with FSDP2's padding and the scales).
     assert o2["comm_bytes_per_step"] < 0.65 * bf16["comm_bytes_per_step"]
-    # Each rank holds half of the FP16 weights, E4M3 first and FP16 second moments (5 bytes) and of
-    # the FP32 gradients, padded to whole rows.
+    # Each rank holds half of the FP16 weights, E4M3 first and FP16 second moments (5 bytes), padded
+    # to whole rows, and half of the gradients in the policy's formats: E4M3 (1 byte) but the output
+    # head's BF16 (2 bytes, 19 %) and the vectors' FP32 (4 bytes, 2 %): 1.25 bytes per parameter.
     mem = o2["memory"]
-    assert mem["gradients"] == 4 * n / 2
+    assert n / 2 < mem["gradients"] <= 1.3 * n / 2
     assert 5 * n / 2 <= mem["weights"] + mem["exp_avg"] + mem["exp_avg_sq"] <= 1.03 * 5 * n / 2
 
 
