@@ -100,6 +100,10 @@ def test_a_resumed_run_continues_byte_for_byte(tmp_path, request, ranks, flags):
             name for name in layers if name.startswith(("blocks", "lm"))
         }
         assert {"blocks.0.attn.c_attn", "blocks.1.mlp.c_proj"} <= layers  # both stages' layers, under --pp
+    records = [json.loads(line) for line in (whole / "telemetry.jsonl").read_text().splitlines()]
+    # every FP8 layer's weight gradient is judged, from whichever rank holds it or its shards
+    blocks = {r["layer"] for r in records if r["layer"].startswith("blocks")}
+    assert blocks and blocks == {r["layer"] for r in records if r["kind"] == "weight_grad"} & blocks
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
     drop_last_checkpoint(resumed)

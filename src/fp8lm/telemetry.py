@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .formats import E4M3, E5M2, Format
 from .nn.checkpoint import is_recomputing
@@ -105,6 +106,13 @@ def block_amax_spread(x: torch.Tensor, recipe: Recipe | str, role: str) -> float
         return 0.0
     smallest = torch.where(positive, amaxes, torch.full_like(amaxes, float("inf"))).amin()
     return float(torch.log2(amaxes.amax().double() / smallest.double()))
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a gradient: the local shard of a DTensor's (FSDP2, tensor parallel),
+    an FP8 `ScalingTensor` where the gradient is stored in FP8. Its records describe the shard: a
+    training loop merges those of one layer's shards (the app takes each figure's worst)."""
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 def stored_stats(t: ScalingTensor) -> TensorStats:
@@ -266,7 +274,7 @@ class Telemetry:
         if self._step is None:
             return []
         for name, layer in self.layers.items():
-            grad = layer.weight.grad
+            grad = _local(layer.weight.grad)
             if isinstance(grad, ScalingTensor):
                 self._record(name, "weight_grad", grad.fmt, stored_stats(grad))
             elif grad is not None and layer.high_precision and layer.weight_grad_format.is_fp8:
@@ -279,8 +287,9 @@ class Telemetry:
             counts = self._counts.get(name, [])
             for e, w in experts.held_weights():
                 # an expert without tokens this step has an all-zero gradient: nothing was lost
-                if isinstance(w.grad, ScalingTensor) and e < len(counts) and counts[e] > 0:
-                    self._record(f"{name}.expert{e}", "weight_grad", w.grad.fmt, stored_stats(w.grad))
+                grad = _local(w.grad)
+                if isinstance(grad, ScalingTensor) and e < len(counts) and counts[e] > 0:
+                    self._record(f"{name}.expert{e}", "weight_grad", grad.fmt, stored_stats(grad))
         self._counts.clear()
         return self._flush()
 

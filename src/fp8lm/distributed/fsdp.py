@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -187,30 +188,35 @@ class OwnGradStorage:
             )
 
 
-def _grad_format_hooks(module: nn.Module) -> dict[tuple[int, str], list[QuantizeGrad]]:
+def _grad_format_hooks(module: nn.Module) -> dict[tuple[int, str], tuple[int, list[QuantizeGrad]]]:
     """The `QuantizeGrad` hooks (maybe none) of each of ``module``'s parameters that FSDP2 has not
-    sharded yet, by (id of the owning module, attribute name): where FSDP2 puts the sharded one."""
+    sharded yet (plain ones, and tensor-parallel DTensors), with the parameter's id, by (id of the
+    owning module, attribute name): where FSDP2 puts the sharded one."""
+    managed = {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
     found = {}
     for owner in module.modules():
         for name, p in owner._parameters.items():
-            if p is not None and not isinstance(p, DTensor):
+            if p is not None and id(p) not in managed:
                 hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-                found[(id(owner), name)] = [h for h in hooks.values() if isinstance(h, QuantizeGrad)]
+                found[(id(owner), name)] = (id(p), [h for h in hooks.values() if isinstance(h, QuantizeGrad)])
     return found
 
 
-def _move_grad_format_hooks(module: nn.Module, hooks: dict[tuple[int, str], list[QuantizeGrad]]) -> None:
+def _move_grad_format_hooks(module: nn.Module, hooks: dict[tuple[int, str], tuple[int, list[QuantizeGrad]]]) -> None:
     """Register ``hooks`` on the sharded parameters that replaced their parameters (once for a
     parameter held by several modules), and `OwnGradStorage` on the others when any has a format;
-    a parameter FSDP2 did not shard (ignored) keeps its own hooks."""
-    if not any(hooks.values()):
+    a parameter FSDP2 did not shard (ignored: the same object) keeps its own hooks."""
+    if not any(found for _, found in hooks.values()):
         return
     moved = set()
     for owner in module.modules():
         for name, p in owner._parameters.items():
-            if (id(owner), name) in hooks and isinstance(p, DTensor) and p.requires_grad and id(p) not in moved:
+            key = (id(owner), name)
+            if key not in hooks or hooks[key][0] == id(p) or not isinstance(p, DTensor):
+                continue
+            if p.requires_grad and id(p) not in moved:
                 moved.add(id(p))
-                for hook in hooks[(id(owner), name)] or [OwnGradStorage()]:
+                for hook in hooks[key][1] or [OwnGradStorage()]:
                     p.register_post_accumulate_grad_hook(hook)
 
 

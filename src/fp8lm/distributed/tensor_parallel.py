@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
+from ..grad import QuantizeGrad
 from ..nn.linear import FP8Linear
 from .activation_comm import (
     all_reduce_partial,
@@ -101,7 +102,11 @@ def _distribute(module: nn.Module, name: str, placement: Placement, chunks: int,
     dim = _shard_dim(placement, param.dim())
     local = param.detach() if dim is None else _shard_value(param, dim, chunks, mesh)
     dt = DTensor.from_local(local, mesh, (placement,), run_check=False)
-    module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+    sharded = nn.Parameter(dt, requires_grad=param.requires_grad)
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        if isinstance(hook, QuantizeGrad):  # the policy's gradient format goes with the parameter
+            sharded.register_post_accumulate_grad_hook(hook)
+    module.register_parameter(name, sharded)
     if chunks > 1:  # the rows are ordered rank by rank: checkpoints restore the model's order
         module.row_chunks = {**getattr(module, "row_chunks", {}), name: (chunks, mesh.size())}
 

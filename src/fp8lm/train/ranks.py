@@ -73,6 +73,17 @@ class Ranks:
     def dp_rank(self) -> int:
         return self.dims.dp_rank(self.rank)
 
+    @property
+    def model_spread(self) -> bool:
+        """Whether one copy of the model (its layers, weights, gradients or optimizer state) is
+        spread over several ranks: pipeline stages, tensor-parallel or data-parallel shards."""
+        return self.dims.pp * self.dims.dp_shard * self.dims.tp > 1
+
+    @property
+    def first_copy(self) -> bool:
+        """Whether this rank holds part of the first copy of the model (data-parallel replica 0)."""
+        return self.dims.coordinates(self.rank)["dp_replicate"] == 0
+
 
 def join(tp: int = 1, pp: int = 1, shard: bool = False) -> Ranks:
     """This process's place in the run: the process group torchrun describes (``WORLD_SIZE`` in the

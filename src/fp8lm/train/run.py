@@ -335,8 +335,8 @@ class TrainingRun:
         done = record["step"]
         for r in records:
             r["step"] = done  # the step count, as in metrics.jsonl (Telemetry numbers steps from 0)
-        if self._model_parallel:  # the first replica's ranks hold the layers: judged from all of theirs
-            gathered = gather_to_main(records if self.ranks.dp_rank == 0 else [], self.ranks)
+        if self.ranks.model_spread:  # the first copy's ranks hold the layers and their shards: all of theirs judged
+            gathered = gather_to_main(records if self.ranks.first_copy else [], self.ranks)
             records = merge_shard_records(gathered) if gathered is not None else []
         if self.ranks.main and records:
             for r in records:
@@ -637,8 +637,9 @@ class TrainingRun:
 
 def merge_shard_records(per_rank: list[list[dict]]) -> list[dict]:
     """Telemetry records of the ranks that hold one model replica, one per layer and kind: a
-    tensor-parallel layer's shards merged to their worst (largest amax, underflow, saturation,
-    smallest scale)."""
+    layer's shards (tensor-parallel; FSDP2's and FP8 ZeRO's gradient and optimizer-state shards)
+    and the data-parallel shards' own batches merged to their worst (largest amax, underflow,
+    saturation, smallest scale): a fraction is the worst shard's, not the whole tensor's."""
     merged: dict[tuple, dict] = {}
     for records in per_rank:
         for r in records:
