@@ -92,6 +92,26 @@ def test_saturating_cast_uses_the_kernel_only_where_it_applies():
         assert _same(saturating_cast(inp, scale, E4M3), _eager_cast(inp, scale, 448.0, torch.float8_e4m3fn))
 
 
+def test_wrapper_subclasses_keep_to_torch_ops(tmp_path):
+    """A DTensor's data pointer is not its values: the kernels must not take one (a fine-grained
+    recipe's operands under tensor parallelism reach `upcast` as DTensors; a kernel crashed there)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from fp8lm.ops.cast import upcast
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+        payload = DTensor.from_local(codes, init_device_mesh("cpu", (1,)), [Replicate()], run_check=False)
+        assert native.supports(codes) and not native.supports(payload)
+        got = upcast(payload, torch.ones(()), torch.float32)
+        assert _same(got.full_tensor(), codes.to(torch.float32))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("fmt_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("deq", [torch.bfloat16, torch.float32], ids=str)
 def test_cast_reads_back_the_stored_values(fmt_dtype, deq):

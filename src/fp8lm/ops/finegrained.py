@@ -38,6 +38,7 @@ from ..recipe import Recipe, recipe_from
 from . import nvfp4
 from .block_scales import amax_over_max, e8m0_codes, pow2_ceil, pow2_floor
 from .blocks import Block, block_amax, from_blocks, per_block, to_blocks
+from .cast import upcast
 from .fastpath import COMPILED_CASTS, FastPath
 
 __all__ = [
@@ -61,6 +62,7 @@ ROLES = ("input", "weight", "grad_output")
 # runs as one compiled function; FP8LM_FUSED_CAST=0 turns it off.
 FUSED_QUANTIZE = FastPath("compiled block quantization", fallback="eager ops", switch=COMPILED_CASTS)
 _compiled: dict = {}
+_ONE = torch.ones(())  # `upcast`'s scale: the payload's own values
 
 
 class BlockOperand(NamedTuple):
@@ -86,7 +88,10 @@ class BlockOperand(NamedTuple):
 
 
 def _dequantize(payload: torch.Tensor, d: torch.Tensor, block: Block) -> torch.Tensor:
-    return from_blocks(to_blocks(payload.to(torch.float32), block) * per_block(d), payload.shape)
+    # On CPU torch converts float8 one element at a time; `upcast`'s kernel is ~5x faster.
+    cpu = payload.device.type == "cpu"
+    values = upcast(payload, _ONE, torch.float32) if cpu else payload.to(torch.float32)
+    return from_blocks(to_blocks(values, block) * per_block(d), payload.shape)
 
 
 def _compiled_fn(fn, *key):

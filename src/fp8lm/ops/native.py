@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .fastpath import NATIVE, FastPath, NativeBuildError
 
@@ -157,8 +158,9 @@ def available() -> bool:
 
 
 def supports(t: torch.Tensor) -> bool:
-    """Whether the kernels take ``t``: a contiguous CPU tensor of a `DTYPE_CODES` dtype."""
-    return t.is_cpu and t.dtype in DTYPE_CODES and t.is_contiguous()
+    """Whether the kernels take ``t``: a contiguous CPU tensor of a `DTYPE_CODES` dtype, with its
+    own storage (not a wrapper subclass such as a DTensor, whose data pointer is not its values)."""
+    return t.is_cpu and t.dtype in DTYPE_CODES and t.is_contiguous() and not is_traceable_wrapper_subclass(t)
 
 
 def cast(
