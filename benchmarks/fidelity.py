@@ -11,6 +11,7 @@ are kept in ``--out/results.jsonl`` and not rerun, so an interrupted ablation co
     python benchmarks/fidelity.py --list
     python benchmarks/fidelity.py --init-from CKPT --lr 1e-3 --steps 300 --seeds 0 --variants bf16,O2,O2-m-fp16
     python benchmarks/fidelity.py --arch llama --init-from CKPT --lr 4e-4 --steps 300 --seeds 0,1 --variants bf16,O2
+    python benchmarks/fidelity.py --model tiny --moe-experts 8 --moe-top-k 2 --seeds 0,1 --variants bf16,O2,O2-act-mlp-bf16
 
 The last is a continuation probe: every variant trains from the same checkpoint's weights (a
 fresh optimizer, constant lr), which measures a choice's cost at that point of a long run for a
@@ -88,6 +89,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O2-act-fp8": ("O2", {"activations": "fp8"}),
     "O2-act-bf16": ("O2", {"activations": "bf16"}),
     "O1-act-fp8": ("O1", {"activations": "fp8"}),
+    # O2's FP8-saved activations with one kind of module back to saving them as computed
+    "O2-act-norm-bf16": ("O2", {"policy": {"*ln_*": {"activations": "bf16"}}}),
+    "O2-act-attn-bf16": ("O2", {"policy": {"*.sdpa": {"activations": "bf16"}}}),
+    "O2-act-mlp-bf16": ("O2", {"policy": {"*.mlp.*": {"activations": "bf16"}}}),
     # the whole output head in FP8 (GEMMs and E4M3 weight gradient): preset("O2", output_head=False)
     "O2-head-fp8": ("O2", {"output_head": False}),
     # the fine-grained recipes (docs/recipes.md), the output head as the default policy keeps it
@@ -153,9 +158,14 @@ def _continuation(args) -> dict:
 
 
 def train_options(args) -> dict:
-    """TrainConfig fields every job of this invocation shares: the architecture (when not the
-    main job's GPT) and a continuation probe's."""
-    return {**_continuation(args), **({"arch": args.arch} if args.arch != "gpt" else {})}
+    """TrainConfig fields every job of this invocation shares: the model (when not the main job's
+    GPT: architecture, size, experts) and a continuation probe's."""
+    model = {"arch": args.arch} if args.arch != "gpt" else {}
+    if args.model != "small":
+        model["model"] = args.model
+    if args.moe_experts:
+        model.update(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k)
+    return {**_continuation(args), **model}
 
 
 def variant_options(variant: str) -> tuple[str, dict]:
@@ -293,6 +303,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--arch", default="gpt", choices=("gpt", "llama"), help="the main job's architecture (default: %(default)s)"
     )
+    p.add_argument("--model", default="small", help="the model preset (default: %(default)s, the main job's)")
+    p.add_argument("--moe-experts", type=int, default=0, help="a mixture of this many experts in every block")
+    p.add_argument("--moe-top-k", type=int, default=2, help="--moe-experts: experts per token (default: %(default)s)")
     p.add_argument(
         "--init-from",
         metavar="CKPT",

@@ -69,6 +69,8 @@ def test_bad_overrides():
         preset("O1").override("", weight=fp8lm.FP32)
     with pytest.raises(ValueError, match="fp8_gemm"):
         preset("O1").override("x", fp8_gemm="no")
+    with pytest.raises(ValueError, match="unknown activations 'e5m2': use one of bf16, fp8"):
+        preset("O2").override("x", activations="e5m2")
     with pytest.raises(ValueError, match="unknown format"):
         ParamPrecision(fp8lm.FP16, None, None, fp8lm.E4M3, fp8lm.FP16)
 
@@ -96,3 +98,17 @@ def test_output_head_has_bf16_gemms_and_a_bf16_weight_gradient(level):
     e4m3 = policy.override("lm_head", grad="E4M3").precision("lm_head.weight", W, True, output_head=True)
     assert e4m3.grad == fp8lm.E4M3
     assert policy.override("lm_head", fp8_gemm=True).gemm_in_fp8("lm_head", output_head=True)
+
+
+def test_saved_activations_follow_the_level_then_the_overrides_by_module_name():
+    o2 = preset("O2").override("*.mlp.*", activations="bf16").override("blocks.1.mlp.act", activations="fp8")
+    assert [o2.saved_activations(n) for n in ("blocks.0.ln_1", "blocks.0.mlp.act", "blocks.1.mlp.act")] == [
+        "fp8",
+        "bf16",
+        "fp8",
+    ]
+    o1 = preset("O1").override("ln_f", activations="fp8")
+    assert (o1.saved_activations("ln_f"), o1.saved_activations("blocks.0.ln_1")) == ("fp8", "bf16")
+    # an activations override changes no parameter's formats and no layer's GEMMs
+    assert o2.precision("blocks.0.mlp.c_fc.weight", torch.empty(4, 4), in_linear=True) == preset("O2").linear
+    assert o2.gemm_in_fp8("blocks.0.mlp.c_fc")

@@ -246,6 +246,21 @@ def test_initialize_swaps_the_norms_and_activations_and_keeps_the_loss(arch):
     assert all(p.grad is not None for p in fp8.parameters())
 
 
+def test_policy_overrides_choose_which_modules_save_in_fp8():
+    base = _gpt("gpt")
+    policy = {"*.mlp.*": {"activations": "bf16"}, "ln_f": {"activations": "bf16"}}
+    model, _ = fp8lm.initialize(copy.deepcopy(base), None, "O2", policy=policy)
+    kinds = {name: type(m) for name, m in model.named_modules()}
+    assert kinds["blocks.0.mlp.act"] is nn.GELU and kinds["ln_f"] is nn.LayerNorm
+    assert kinds["blocks.0.ln_1"] is FP8SavedLayerNorm and kinds["blocks.1.attn.sdpa"] is FP8SavedAttention
+    # the level's activations="bf16" with one kind of module back in FP8
+    model, _ = fp8lm.initialize(
+        copy.deepcopy(base), None, "O2", activations="bf16", policy={"*.sdpa": {"activations": "fp8"}}
+    )
+    saving = sorted(name for name, m in model.named_modules() if type(m).__name__.startswith("FP8Saved"))
+    assert saving == ["blocks.0.attn.sdpa", "blocks.1.attn.sdpa"]
+
+
 def test_initialize_refuses_an_unknown_activations_value_and_changes_nothing():
     model = _gpt("gpt")
     before = [type(m) for m in model.modules()]

@@ -64,14 +64,15 @@ def initialize(
 
     Options: ``module_filter(name, module) -> bool`` selects linear layers to convert; layers
     whose features are not multiples of ``multiple_of`` (16) stay high precision. ``policy``: a
-    `fp8lm.policy.Policy`, or ``{pattern: {field: format, "fp8_gemm": bool}}`` overrides of the
-    level's preset. ``recipe``: the `fp8lm.Recipe` (or its name) of every FP8Linear (default
+    `fp8lm.policy.Policy`, or ``{pattern: {field: format, "fp8_gemm": bool, "activations": str}}``
+    overrides of the level's preset. ``recipe``: the `fp8lm.Recipe` (or its name) of every FP8Linear (default
     ``"tensorwise-delayed"``).
     ``optimizer_options`` go to the FP8 optimizer under O2/O3 (e.g. ``{"kernel": "eager"}``).
     ``activations``: ``"fp8"`` saves the inputs of the norms (``nn.LayerNorm``, RMSNorm), GELU and
     SwiGLU modules for backward in FP8 (`fp8lm.nn.saved`: those modules are swapped for FP8-saving
     ones with the same parameters), ``"bf16"`` as the model computes them; default: the policy's
-    (``"fp8"`` at O2, ``"bf16"`` at O1 and O3). It sets ``Policy.activations``.
+    (``"fp8"`` at O2, ``"bf16"`` at O1 and O3). It sets ``Policy.activations``; a policy override's
+    ``activations`` still decides for the modules it matches.
     Returns ``(model, optimizer)``: the model to use (the same object, or the new `FP8Linear` when
     ``model`` itself is an ``nn.Linear`` or ``Conv1D``) and the optimizer to use from now on.
     """
@@ -161,8 +162,8 @@ def _build(
             bias_prec = policy.precision(f"{name}.bias", old.bias, in_linear=False)
             layer.bias = _stored_param(old.bias, bias_prec)
             plan.add(old.bias, layer.bias, bias_prec)
-    if policy.activations == "fp8":
-        for name in activation_targets(model):
+    for name in activation_targets(model):
+        if policy.saved_activations(name) == "fp8":
             plan.saving[name] = saving_counterpart(modules[name])
     for name, param in model.named_parameters():
         if id(param) in plan.param_map:

@@ -35,10 +35,11 @@ every level.
 
 Overrides by module-name pattern (``fnmatch``; matched against module and parameter names, later
 overrides win, also over the output-head rule) change any of it, e.g. put the output head's GEMMs
-back in FP8, or keep it entirely in high precision::
+back in FP8, keep it entirely in high precision, or keep the MLPs' saved activations as computed::
 
     policy = fp8lm.policy.preset("O2").override("lm_head", fp8_gemm=True)
     policy = fp8lm.policy.preset("O2").override("lm_head", weight=fp8lm.FP32, grad=fp8lm.FP32)
+    policy = fp8lm.policy.preset("O2").override("*.mlp.*", activations="bf16")
     model, opt = fp8lm.initialize(model, opt, "O2", policy=policy)
 """
 
@@ -105,6 +106,7 @@ class Override:
     pattern: str
     fp8_gemm: bool | None = None
     formats: tuple[tuple[str, Format | None], ...] = ()
+    activations: str | None = None  # how the matching modules save activations (`Policy.activations`)
 
     def matches(self, name: str) -> bool:
         return fnmatchcase(name, self.pattern)
@@ -123,15 +125,21 @@ class Policy:
     output_head: Override | None = None  # changes for the output head, before the overrides by name
     activations: str = "bf16"  # saved activations outside the linear layers: "bf16" (as computed) or "fp8"
 
-    def override(self, pattern: str, *, fp8_gemm: bool | None = None, **formats) -> Policy:
+    def override(
+        self, pattern: str, *, fp8_gemm: bool | None = None, activations: str | None = None, **formats
+    ) -> Policy:
         """A copy of this policy with ``pattern`` overridden; ``formats`` are `ParamPrecision`
-        fields (``weight``, ``grad``, ``master``, ``exp_avg``, ``exp_avg_sq``)."""
+        fields (``weight``, ``grad``, ``master``, ``exp_avg``, ``exp_avg_sq``); ``activations``
+        (``"bf16"`` or ``"fp8"``) says how the matching norm, activation-function and attention
+        modules save their inputs (`Policy.activations` for the rest)."""
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"an override pattern is a non-empty module-name pattern, got {pattern!r}")
         if fp8_gemm is not None and not isinstance(fp8_gemm, bool):
             raise ValueError(f"fp8_gemm must be True or False, got {fp8_gemm!r}")
-        parsed = _parse_formats(formats, "or fp8_gemm")
-        return replace(self, overrides=self.overrides + (Override(pattern, fp8_gemm, parsed),))
+        if activations is not None and activations not in ACTIVATIONS:
+            raise ValueError(f"unknown activations {activations!r}: use one of {', '.join(ACTIVATIONS)}")
+        parsed = _parse_formats(formats, "or fp8_gemm, activations")
+        return replace(self, overrides=self.overrides + (Override(pattern, fp8_gemm, parsed, activations),))
 
     def with_linear(self, **formats) -> Policy:
         """A copy of this policy whose converted linear layers' parameters default to ``formats``
@@ -163,6 +171,15 @@ class Policy:
             if o.fp8_gemm is not None:
                 fp8 = o.fp8_gemm
         return fp8
+
+    def saved_activations(self, module_name: str) -> str:
+        """How module ``module_name`` (a norm, activation function or attention) saves its inputs
+        for backward: ``"fp8"`` or ``"bf16"`` (`Policy.activations`, then the overrides)."""
+        saved = self.activations
+        for o in self._matching(module_name):
+            if o.activations is not None:
+                saved = o.activations
+        return saved
 
     def precision(
         self, param_name: str, param: torch.Tensor, in_linear: bool, output_head: bool = False
