@@ -92,3 +92,38 @@ def test_fp8_activations_are_o2s_default_and_recorded_resolved():
     assert TrainConfig(opt_level="O2", activations="bf16").initialize_options()["activations"] == "bf16"
     assert fp8lm.policy.preset("O2").activations == "fp8"
     assert fp8lm.policy.preset("O1").activations == fp8lm.policy.preset("O3").activations == "bf16"
+
+
+def test_policy_option_reaches_initialize_merged_with_exp_avg_sq_and_is_checked_first():
+    norms = '{"*ln_*": {"activations": "bf16"}}'
+    cfg = TrainConfig(opt_level="O2", policy=norms)
+    cfg.validate()
+    assert cfg.initialize_options() == {"policy": {"*ln_*": {"activations": "bf16"}}}
+    both = TrainConfig(opt_level="O2", policy='{"*": {"exp_avg": "FP16"}}', exp_avg_sq="e5m2")
+    assert both.initialize_options()["policy"] == {"*": {"exp_avg": "FP16", "exp_avg_sq": "E5M2"}}
+    assert TrainConfig(opt_level="O2", policy=norms).options()["policy"] == norms  # what --resume keeps
+    for bad, message in [
+        (TrainConfig(opt_level="bf16", policy=norms), "--policy sets the precision policy of the FP8 levels"),
+        (TrainConfig(opt_level="O2", policy="{'*ln_*': 1}"), "--policy is not JSON"),
+        (TrainConfig(opt_level="O2", policy='["*ln_*"]'), "--policy takes a JSON object"),
+        (
+            TrainConfig(opt_level="O2", policy='{"*ln_*": {"activations": "fp4"}}'),
+            "rule '\\*ln_\\*': unknown activations",
+        ),
+        (TrainConfig(opt_level="O2", policy='{"*": {"colour": "E4M3"}}'), "rule '\\*'"),
+        (TrainConfig(opt_level="O2", policy=norms, amp_options={"policy": {}}), "pass one of them"),
+    ]:
+        with pytest.raises(RunError, match=message):
+            bad.validate()
+    runs = {level: _level_config(cfg, level, Path("unused")) for level in ("fp32", "bf16", "O1", "O2")}
+    assert {level: r.policy for level, r in runs.items()} == {"fp32": None, "bf16": None, "O1": norms, "O2": norms}
+
+
+def test_policy_option_saves_the_matching_modules_inputs_as_computed(tmp_path, cache):
+    base = TrainConfig(**TINY, opt_level="O2", steps=2, cache_dir=cache, out=str(tmp_path / "fp8"))
+    fp8 = train(base)
+    norms = train(replace(base, policy='{"*ln_*": {"activations": "bf16"}}', out=str(tmp_path / "norms")))
+    plain = train(replace(base, activations="bf16", out=str(tmp_path / "plain")))
+    # the norms' inputs kept as computed: more saved bytes than all in FP8, fewer than none in FP8
+    assert fp8["act_bytes_per_token"] < norms["act_bytes_per_token"] < plain["act_bytes_per_token"]
+    assert norms["config"]["policy"] == '{"*ln_*": {"activations": "bf16"}}'

@@ -47,6 +47,7 @@ def _level_config(cfg: TrainConfig, level: str, out: Path) -> TrainConfig:
         recipe=cfg.recipe if level in FP8_LEVELS else DEFAULT_RECIPE,
         # and so do FP8-saved activations
         activations=cfg.activations if level in FP8_LEVELS else None,
+        policy=cfg.policy if level in FP8_LEVELS else None,
     )
     if cfg.resume:  # a level that had not started yet when the comparison stopped starts now
         run.resume = bool(list_checkpoints(Path(run.out) / "checkpoints"))

@@ -13,6 +13,7 @@ Levels (`OPT_LEVELS`, the one list the CLI offers):
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
@@ -367,6 +368,15 @@ class TrainConfig:
         group=_NUMERICS,
         choices=ACTIVATIONS,
     )
+    policy: str | None = option(
+        None,
+        "FP8 levels: per-module rules over the level's precision policy, as JSON {pattern: {field: value}} "
+        "(fields: weight, grad, master, exp_avg, exp_avg_sq, fp8_gemm, activations; patterns match module "
+        'names), e.g. \'{"*ln_*": {"activations": "bf16"}}\' saves the norms\' inputs as computed; '
+        "see docs/api.md",
+        group=_NUMERICS,
+        metavar="JSON",
+    )
     fallback: bool = option(
         False,
         "move a layer to BF16 while its telemetry shows too much underflow or saturation, and back "
@@ -447,6 +457,7 @@ class TrainConfig:
             raise RunError(f"fp8lm.initialize options apply to {'/'.join(FP8_LEVELS)} only, not to {self.opt_level}")
         self._check_recipe()
         self._check_activations()
+        self._check_policy()
         self._check_tokenizer()
         if self.exp_avg_sq is not None:
             if self.opt_level not in FP8_OPTIMIZER_LEVELS:
@@ -682,6 +693,39 @@ class TrainConfig:
         if "activations" in self.amp_options:
             raise RunError("--activations fp8 and the fp8lm.initialize option activations: pass one of them")
 
+    def _check_policy(self) -> None:
+        if self.policy is None:
+            return
+        if self.opt_level not in FP8_LEVELS:
+            raise RunError(
+                f"--policy sets the precision policy of the FP8 levels ({'/'.join(FP8_LEVELS)}); this run is "
+                f"{self.opt_level}: drop it or pick an FP8 level"
+            )
+        if "policy" in self.amp_options:
+            raise RunError("--policy and the fp8lm.initialize option policy: pass one of them")
+        from ..policy import preset
+
+        resolved = preset(self.opt_level)
+        for pattern, changes in self.policy_overrides().items():
+            try:
+                resolved = resolved.override(pattern, **changes)
+            except (TypeError, ValueError) as e:
+                raise RunError(f"--policy rule {pattern!r}: {e}") from None
+
+    def policy_overrides(self) -> dict[str, dict]:
+        """``--policy`` parsed: ``{pattern: {field: value}}`` (empty without it). JSON only: the
+        option is data, never code, also when ``--resume`` reads it back from a checkpoint."""
+        if self.policy is None:
+            return {}
+        example = '\'{"*ln_*": {"activations": "bf16"}}\''
+        try:
+            rules = json.loads(self.policy)
+        except json.JSONDecodeError as e:
+            raise RunError(f"--policy is not JSON ({e.msg} at character {e.pos}): pass e.g. {example}") from None
+        if not isinstance(rules, dict) or not all(isinstance(c, dict) for c in rules.values()):
+            raise RunError(f"--policy takes a JSON object of {{pattern: {{field: value}}}}, e.g. {example}")
+        return rules
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -724,8 +768,11 @@ class TrainConfig:
             options["recipe"] = Recipe.from_name(self.recipe)
         if self.activations is not None and self.opt_level in FP8_LEVELS:
             options["activations"] = self.activations
-        if self.exp_avg_sq is not None:
-            policy = {**options.get("policy", {}), "*": {"exp_avg_sq": self.exp_avg_sq.upper()}}
+        if self.policy is not None and self.opt_level in FP8_LEVELS:
+            options["policy"] = self.policy_overrides()
+        if self.exp_avg_sq is not None:  # the last rule: it decides over --policy's for every parameter
+            policy = {**options.get("policy", {})}
+            policy["*"] = {**policy.get("*", {}), "exp_avg_sq": self.exp_avg_sq.upper()}
             options["policy"] = policy
         return options
 

@@ -54,6 +54,7 @@ RESUME_KEYS = (
     "vocab_size",
     "recipe",
     "activations",
+    "policy",
     "exp_avg_sq",
     "fallback",
 )
