@@ -290,7 +290,20 @@ def summarize(rows: dict[tuple, dict], variants: list[str], seeds: list[int], st
         for entry in table.values():
             for mean in [k for k in entry if k.startswith("mean_")]:
                 entry[mean.replace("mean", "above_fp32", 1)] = round(entry[mean] - floor[mean], 3)
+            entry["paired_above_fp32"] = _paired(entry["gaps_pct"], floor["gaps_pct"])
     return table
+
+
+def _paired(gaps: dict[str, float], floor: dict[str, float]) -> dict:
+    """A variant's gap minus fp32's, seed by seed, over the seeds both ran: the comparison that
+    the seeds' shared data order and initialization do not blur (``above_fp32_pct`` subtracts
+    means, which may cover different seeds while a run is incomplete)."""
+    diffs = [gaps[s] - floor[s] for s in gaps if s in floor]
+    return {
+        "mean_pct": round(statistics.mean(diffs), 3) if diffs else None,
+        "std_pct": round(statistics.stdev(diffs), 3) if len(diffs) > 1 else None,
+        "seeds": len(diffs),
+    }
 
 
 def parser() -> argparse.ArgumentParser:

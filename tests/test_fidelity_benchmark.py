@@ -88,6 +88,20 @@ def test_summary_gaps_means_and_the_fp32_floor():
     assert table["O2"]["mean_pct"] == 1.5 and table["O2"]["std_pct"] == round(statistics.stdev([2.0, 1.0]), 3)
     assert table["O2"]["above_fp32_pct"] == 1.0
     assert torch.tensor(table["fp32"]["above_fp32_pct"]) == 0
+    assert table["O2"]["paired_above_fp32"] == {"mean_pct": 1.0, "std_pct": 0.0, "seeds": 2}
+
+
+def test_paired_difference_to_fp32_uses_the_seeds_both_ran():
+    rows = {("bf16", s, 500): {"val_loss": 2.0, "bytes_per_param": 16.0} for s in range(3)}
+    rows |= {("fp32", s, 500): {"val_loss": v, "bytes_per_param": 16.0} for s, v in enumerate([2.02, 2.0, 2.04])}
+    rows |= {("O2", s, 500): {"val_loss": v, "bytes_per_param": 6.0} for s, v in enumerate([2.04, 2.0])}
+    table = fidelity.summarize(rows, ["fp32", "O2"], [0, 1, 2], 500)
+    assert table["O2"]["above_fp32_pct"] == 0.0  # means over 2 seeds against 3: blurred
+    assert table["O2"]["paired_above_fp32"] == {
+        "mean_pct": 0.5,
+        "std_pct": round(statistics.stdev([1.0, 0.0]), 3),
+        "seeds": 2,
+    }
 
 
 def test_long_runs_also_average_the_gap_over_the_last_80_percent_of_evaluations(tmp_path):
