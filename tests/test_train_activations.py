@@ -6,10 +6,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import fp8lm.policy
-from fp8lm.train.compare import _level_config
+from fp8lm.train.compare import _level_config, compare
 from fp8lm.train.config import RunError, TrainConfig
+from fp8lm.train.hf_model import build_model
 from fp8lm.train.loop import train
 from fp8lm.train.report import read_metrics
 
@@ -127,3 +129,16 @@ def test_policy_option_saves_the_matching_modules_inputs_as_computed(tmp_path, c
     # the norms' inputs kept as computed: more saved bytes than all in FP8, fewer than none in FP8
     assert fp8["act_bytes_per_token"] < norms["act_bytes_per_token"] < plain["act_bytes_per_token"]
     assert norms["config"]["policy"] == '{"*ln_*": {"activations": "bf16"}}'
+    with pytest.raises(RunError, match=r"--policy rule '\*norm\*' matches no module or parameter .* 'blocks.0.ln_1'"):
+        train(replace(base, policy='{"*norm*": {"activations": "bf16"}}', out=str(tmp_path / "typo")))
+    assert not (tmp_path / "typo" / "checkpoints").exists()
+
+
+def test_compare_refuses_a_policy_pattern_that_matches_nothing_before_any_level_trains(tmp_path, cache):
+    cfg = TrainConfig(**TINY, steps=2, cache_dir=cache, out=str(tmp_path), policy='{"*.ln1": {"activations": "bf16"}}')
+    with pytest.raises(RunError, match=r"--policy rule '\*.ln1' matches no module"):
+        compare(cfg, ["bf16", "O2"])
+    assert not (tmp_path / "bf16" / "metrics.jsonl").exists()
+    with torch.device("meta"):  # the check's model: GPT's names, whatever the arch
+        names = {n for n, _ in build_model(replace(cfg, arch="llama").model_config()).named_modules()}
+    assert "blocks.0.ln_1" in names

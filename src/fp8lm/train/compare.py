@@ -7,10 +7,13 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from ..recipe import DEFAULT_RECIPE
 from . import progress
 from .checkpoint import atomic_write_bytes, list_checkpoints
 from .config import FP8_DATA_PARALLEL_LEVELS, FP8_LEVELS, FP8_OPTIMIZER_LEVELS, OPT_LEVELS, RunError, TrainConfig
+from .hf_model import build_model
 from .loop import check_output, train
 from .ranks import join
 from .report import format_seed_table, format_table, plot_losses, read_metrics, rel_gap
@@ -83,6 +86,11 @@ def _train_levels(cfg: TrainConfig, levels: list[str], out: Path, ranks, seed: i
         run.validate()
         if finished[level] is None:
             check_output(run)
+    if cfg.policy is not None:  # --policy's patterns against the model's names, on the meta device
+        with torch.device("meta"):
+            model = build_model(cfg.model_config())
+        for run in runs.values():
+            run.check_policy_names(model)
     if ranks.main:
         (out / "compare.json").unlink(missing_ok=True)
     summaries = {}

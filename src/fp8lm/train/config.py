@@ -17,6 +17,7 @@ import json
 import math
 import os
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -711,6 +712,21 @@ class TrainConfig:
                 resolved = resolved.override(pattern, **changes)
             except (TypeError, ValueError) as e:
                 raise RunError(f"--policy rule {pattern!r}: {e}") from None
+
+    def check_policy_names(self, model: Any) -> None:
+        """Refuse a ``--policy`` pattern that matches none of ``model``'s module and parameter
+        names: a rule that changes nothing is a misspelt name, not a choice."""
+        if self.opt_level not in FP8_LEVELS or self.policy is None:
+            return
+        names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+        for pattern in self.policy_overrides():
+            if not any(fnmatchcase(name, pattern) for name in names):
+                examples = [n for n in names if n.count(".") >= 2][:3] or names[-3:]
+                raise RunError(
+                    f"--policy rule {pattern!r} matches no module or parameter of this model; its names look "
+                    f"like {', '.join(map(repr, examples))} (fp8lm.nn.activation_targets lists its norms and "
+                    "activations)"
+                )
 
     def policy_overrides(self) -> dict[str, dict]:
         """``--policy`` parsed: ``{pattern: {field: value}}`` (empty without it). JSON only: the

@@ -130,6 +130,7 @@ class TrainingRun:
         self.model_config = cfg.model_config()
         torch.manual_seed(cfg.seed)
         model = self.build_model()
+        cfg.check_policy_names(model)
         self._checkpoint_blocks(model)
         resume = load_checkpoint(self.out / "checkpoints") if resuming else None
         self.reshard: Reshard | None = None  # set when resuming in another layout or rank count
