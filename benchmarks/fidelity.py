@@ -99,6 +99,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # (BF16 GEMMs and weight gradient), and with the whole head in FP8 under the recipe ("-head-fp8")
     **{f"O2-{name}": ("O2", {"recipe": name}) for name in FINE_GRAINED_RECIPES},
     **{f"O2-{name}-head-fp8": ("O2", {"recipe": name, "output_head": False}) for name in FINE_GRAINED_RECIPES},
+    # nvfp4 with NVIDIA's selective high precision (arXiv 2509.25149: about 15 % of the linear layers,
+    # at the end, in BF16): the last block's MLP of the main job's 4 blocks (17 % of the blocks'
+    # GEMM weights), or its whole last block (25 %)
+    "O2-nvfp4-last-mlp-bf16": ("O2", {"recipe": "nvfp4", "policy": {"blocks.3.mlp.*": {"fp8_gemm": False}}}),
+    "O2-nvfp4-last-block-bf16": ("O2", {"recipe": "nvfp4", "policy": {"blocks.3.*": {"fp8_gemm": False}}}),
 }
 
 

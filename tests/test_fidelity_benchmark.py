@@ -123,3 +123,15 @@ def test_long_runs_also_average_the_gap_over_the_last_80_percent_of_evaluations(
     assert table["fp32"]["mean_from_step_1000_pct"] == round(1 / 3, 3)
     assert table["O1"]["above_fp32_from_step_1000_pct"] == round(2 - 1 / 3, 3)
     assert table["O1"]["gaps_pct"] == {"0": 3.0}  # the final evaluation alone
+
+
+@pytest.mark.parametrize(("variant", "bf16_layers"), [("O2-nvfp4-last-mlp-bf16", 2), ("O2-nvfp4-last-block-bf16", 4)])
+def test_nvfp4_selective_precision_keeps_the_main_jobs_last_layers_in_bf16(variant, bf16_layers):
+    level, options = fidelity.variant_options(variant)
+    model, _ = fp8lm.initialize(GPT(preset("small")), None, level, **options)  # the main job's 4 blocks
+    blocks = {
+        n: m.fp8_enabled for n, m in model.named_modules() if n.startswith("blocks.") and hasattr(m, "fp8_enabled")
+    }
+    assert len(blocks) == 16 and [n for n, on in blocks.items() if not on][0].startswith("blocks.3.")
+    assert sum(not on for on in blocks.values()) == bf16_layers
+    assert all(m.recipe.name == "nvfp4" for m in model.modules() if hasattr(m, "fp8_enabled"))
