@@ -104,6 +104,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # GEMM weights), or its whole last block (25 %)
     "O2-nvfp4-last-mlp-bf16": ("O2", {"recipe": "nvfp4", "policy": {"blocks.3.mlp.*": {"fp8_gemm": False}}}),
     "O2-nvfp4-last-block-bf16": ("O2", {"recipe": "nvfp4", "policy": {"blocks.3.*": {"fp8_gemm": False}}}),
+    # mxfp8 with cuBLAS's scale rounding (RCEIL: no block's amax saturates) instead of the OCP spec's
+    # floor, which clips a block's amax by up to 12.5 % (docs/measurements/recipes.md)
+    "O2-mxfp8-rceil": ("O2", {"recipe": {"name": "mxfp8", "mx_rounding": "rceil"}}),
+    "O2-mxfp8-rceil-head-fp8": ("O2", {"recipe": {"name": "mxfp8", "mx_rounding": "rceil"}, "output_head": False}),
 }
 
 
@@ -175,7 +179,7 @@ def train_options(args) -> dict:
 
 def variant_options(variant: str) -> tuple[str, dict]:
     """``(level, fp8lm.initialize options)`` of a `VARIANTS` entry: a recipe is a name, or fields
-    that change the default fp8lm.Recipe (formats by name); ``"output_head": False`` becomes the
+    that change the default fp8lm.Recipe (formats by name), or the named one's with ``"name"``; ``"output_head": False`` becomes the
     policy ``fp8lm.policy.preset(level, output_head=False)``."""
     from fp8lm.formats import format_of
     from fp8lm.policy import preset
@@ -184,7 +188,8 @@ def variant_options(variant: str) -> tuple[str, dict]:
     level, options = VARIANTS[variant]
     if isinstance(options.get("recipe"), dict):
         fields = {k: format_of(v) if k.endswith("_format") else v for k, v in options["recipe"].items()}
-        options = {**options, "recipe": Recipe(**fields)}
+        named = fields.pop("name", None)  # a named recipe with some fields changed
+        options = {**options, "recipe": Recipe.from_name(named).replace(**fields) if named else Recipe(**fields)}
     if "output_head" in options:
         options = {k: v for k, v in options.items() if k != "output_head"}
         assert "policy" not in options  # a variant names one or the other

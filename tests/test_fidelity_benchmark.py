@@ -135,3 +135,10 @@ def test_nvfp4_selective_precision_keeps_the_main_jobs_last_layers_in_bf16(varia
     assert len(blocks) == 16 and [n for n, on in blocks.items() if not on][0].startswith("blocks.3.")
     assert sum(not on for on in blocks.values()) == bf16_layers
     assert all(m.recipe.name == "nvfp4" for m in model.modules() if hasattr(m, "fp8_enabled"))
+
+
+def test_mxfp8_rceil_variants_change_only_the_scale_rounding():
+    _, options = fidelity.variant_options("O2-mxfp8-rceil")
+    assert options["recipe"] == fp8lm.Recipe.from_name("mxfp8").replace(mx_rounding="rceil")
+    _, head = fidelity.variant_options("O2-mxfp8-rceil-head-fp8")
+    assert head["recipe"] == options["recipe"] and head["policy"] == fp8lm.policy.preset("O2", output_head=False)
