@@ -213,16 +213,21 @@ def summarize(per_layer: dict, base: dict) -> dict:
     return out
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def training_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `train_bf16` (and ``--results``), for the benchmarks that start from it."""
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=200, help="BF16 training steps before the tensors are taken")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timing-steps", type=int, default=5, help="O2 steps timed per recipe (0: no timing)")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "fp8lm" / "tokens"))
     parser.add_argument("--results", default="", help="also write the JSON here")
+    return parser
+
+
+def main(argv=None) -> dict:
+    parser = training_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--timing-steps", type=int, default=5, help="O2 steps timed per recipe (0: no timing)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, sampler = train_bf16(args)
