@@ -104,6 +104,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # GEMM weights), or its whole last block (25 %)
     "O2-nvfp4-last-mlp-bf16": ("O2", {"recipe": "nvfp4", "policy": {"blocks.3.mlp.*": {"fp8_gemm": False}}}),
     "O2-nvfp4-last-block-bf16": ("O2", {"recipe": "nvfp4", "policy": {"blocks.3.*": {"fp8_gemm": False}}}),
+    # where nvfp4's cost sits: one kind of layer's GEMMs in BF16 (the attention projections, or the
+    # MLP's), or every layer's weight-gradient GEMM in BF16 (its forward and input-gradient GEMMs 4-bit)
+    "O2-nvfp4-attn-bf16": ("O2", {"recipe": "nvfp4", "policy": {"*.attn.*": {"fp8_gemm": False}}}),
+    "O2-nvfp4-mlp-bf16": ("O2", {"recipe": "nvfp4", "policy": {"*.mlp.*": {"fp8_gemm": False}}}),
+    "O2-nvfp4-wgrad-bf16": ("O2", {"recipe": {"name": "nvfp4", "weight_grad_gemm": "bf16"}}),
     # mxfp8 with cuBLAS's scale rounding (RCEIL: no block's amax saturates) instead of the OCP spec's
     # floor, which clips a block's amax by up to 12.5 % (docs/measurements/recipes.md)
     "O2-mxfp8-rceil": ("O2", {"recipe": {"name": "mxfp8", "mx_rounding": "rceil"}}),

@@ -142,3 +142,20 @@ def test_mxfp8_rceil_variants_change_only_the_scale_rounding():
     assert options["recipe"] == fp8lm.Recipe.from_name("mxfp8").replace(mx_rounding="rceil")
     _, head = fidelity.variant_options("O2-mxfp8-rceil-head-fp8")
     assert head["recipe"] == options["recipe"] and head["policy"] == fp8lm.policy.preset("O2", output_head=False)
+
+
+@pytest.mark.parametrize(("variant", "kind"), [("O2-nvfp4-attn-bf16", ".attn."), ("O2-nvfp4-mlp-bf16", ".mlp.")])
+def test_nvfp4_layer_kind_probes_keep_that_kinds_gemms_in_bf16_and_the_rest_4_bit(variant, kind):
+    level, options = fidelity.variant_options(variant)
+    model, _ = fp8lm.initialize(GPT(preset("small")), None, level, **options)
+    blocks = {
+        n: m.fp8_enabled for n, m in model.named_modules() if n.startswith("blocks.") and hasattr(m, "fp8_enabled")
+    }
+    assert len(blocks) == 16 and all(on == (kind not in n) for n, on in blocks.items())
+    assert all(m.recipe.name == "nvfp4" for m in model.modules() if hasattr(m, "fp8_enabled"))
+
+
+def test_nvfp4_wgrad_probe_changes_only_the_weight_gradient_gemm():
+    _, options = fidelity.variant_options("O2-nvfp4-wgrad-bf16")
+    assert options["recipe"] == fp8lm.Recipe.from_name("nvfp4").replace(weight_grad_gemm="bf16")
+    assert "policy" not in options
