@@ -20,6 +20,7 @@ of a mixture) each level's gap to bf16 and the router's load balance; printed as
   (``summary.json``'s ``moe``: busiest expert over the mean, coefficient of variation).
 
     python benchmarks/moe.py [--preset small] [--experts 8] [--tokens 8192] [--compare runs/moe]
+    python benchmarks/moe.py --compare-only --compare runs/moe   # the summary alone, no timing
 """
 
 from __future__ import annotations
@@ -246,7 +247,16 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, default=None, help="an fp8lm compare --seeds output folder")
     parser.add_argument("--results", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--trace-only", action="store_true", help="only the fake-CUDA trace (no CPU timing)")
+    parser.add_argument("--compare-only", action="store_true", help="only --compare's summary (no CPU timing)")
     args = parser.parse_args()
+    if args.compare_only:
+        if args.compare is None:
+            parser.error("--compare-only needs --compare DIR (an fp8lm compare --seeds output folder)")
+        text = json.dumps({"machine": machine(), "compare": compare_summary(args.compare)}, indent=1)
+        print(text)
+        if args.results is not None:
+            args.results.write_text(text + "\n")
+        return
     if args.trace_only:
         e, t, w, h = (int(v) for v in args.trace_shape.split("x"))
         text = json.dumps({"machine": machine(), "cuda_trace": cuda_trace(e, t, w, h)}, indent=1)
