@@ -330,6 +330,39 @@ def test_telemetry_records_block_stats_of_fine_grained_layers():
     assert all(r["amax_spread"] >= 0 for r in records.values() if r["kind"] != "weight_grad")
 
 
+def test_telemetry_of_nvfp4_leaves_the_training_rounding_noise_alone():
+    """nvfp4 rounds output gradients stochastically from torch's global generator: telemetry's
+    own stochastic rounding draws from a generator of its own, so a run with telemetry takes the
+    same rounding noise, and the same steps, as one without."""
+    from fp8lm.telemetry import Telemetry, block_stats
+
+    g = torch.randn(8, 64)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    first = block_stats(g, fp8lm.Recipe.from_name("nvfp4"), "grad_output")
+    assert torch.equal(torch.get_rng_state(), before)
+    assert block_stats(g, fp8lm.Recipe.from_name("nvfp4"), "grad_output") == first  # reproducible
+
+    def train(telemetry_every: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(FP8Linear(64, 32, recipe="nvfp4"), FP8Linear(32, 16, recipe="nvfp4"))
+        telemetry = Telemetry(model, every=telemetry_every) if telemetry_every else None
+        grads = []
+        for step in range(3):
+            x = torch.randn(16, 64)
+            if telemetry is None:
+                model(x).square().sum().backward()
+            else:
+                with telemetry.step(step):
+                    model(x).square().sum().backward()
+                telemetry.after_backward()
+            grads.append(model[0].weight.grad.detach().float().clone())
+            model.zero_grad()
+        return grads
+
+    assert all(torch.equal(a, b) for a, b in zip(train(0), train(1)))
+
+
 def test_block_amax_spread_is_the_binades_between_block_amaxes():
     from fp8lm.telemetry import block_amax_spread
 

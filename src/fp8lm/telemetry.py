@@ -72,7 +72,12 @@ def block_stats(x: torch.Tensor, recipe: Recipe, role: str) -> TensorStats:
     that quantize to zero, ``saturation`` the values beyond the elements' max (6 for nvfp4's E2M1)
     after their block's scale, ``scale`` that of the block holding the amax."""
     x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
-    operand = quantize_operand(x2, recipe, role)
+    # nvfp4 rounds output gradients stochastically: its noise comes from a generator of this call,
+    # so that observing a run does not move torch's global generator, which the training GEMMs draw on
+    generator = None
+    if recipe.granularity == "nvfp4" and role == "grad_output":
+        generator = torch.Generator(device=x2.device).manual_seed(0)
+    operand = quantize_operand(x2, recipe, role, generator=generator)
     nonzero = int(torch.count_nonzero(x2))
     lost = int(torch.count_nonzero((operand.dequantize() == 0) & (x2 != 0)))
     fmt = {"input": recipe.input_format, "weight": recipe.weight_format, "grad_output": recipe.grad_output_format}
