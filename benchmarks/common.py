@@ -1,11 +1,14 @@
-"""Helpers shared by the benchmark scripts: timing and a description of the machine."""
+"""Helpers shared by the benchmark scripts: timing, a description of the machine, and the result's
+JSON printed and written."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,6 +27,14 @@ def machine() -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["gpu_capability"] = list(torch.cuda.get_device_capability())
     return info
+
+
+def emit(result: dict, path: str | Path | None = None) -> None:
+    """Print ``result`` as JSON and, given ``path``, write the same text there."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")
 
 
 def median_time(fn, reps: int = 7, warmup: int = 2, sync=None) -> float:

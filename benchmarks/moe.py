@@ -31,7 +31,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from common import machine, median_time
+from common import emit, machine, median_time
 from torch import nn
 
 import fp8lm
@@ -252,17 +252,11 @@ def main() -> None:
     if args.compare_only:
         if args.compare is None:
             parser.error("--compare-only needs --compare DIR (an fp8lm compare --seeds output folder)")
-        text = json.dumps({"machine": machine(), "compare": compare_summary(args.compare)}, indent=1)
-        print(text)
-        if args.results is not None:
-            args.results.write_text(text + "\n")
+        emit({"machine": machine(), "compare": compare_summary(args.compare)}, args.results)
         return
     if args.trace_only:
         e, t, w, h = (int(v) for v in args.trace_shape.split("x"))
-        text = json.dumps({"machine": machine(), "cuda_trace": cuda_trace(e, t, w, h)}, indent=1)
-        print(text)
-        if args.results is not None:
-            args.results.write_text(text + "\n")
+        emit({"machine": machine(), "cuda_trace": cuda_trace(e, t, w, h)}, args.results)
         return
     out = {
         "machine": machine(),
@@ -275,10 +269,7 @@ def main() -> None:
         out["cuda_trace"] = cuda_trace(e, t, w, h)
     if args.compare is not None:
         out["compare"] = compare_summary(args.compare)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.results is not None:
-        args.results.write_text(text + "\n")
+    emit(out, args.results)
 
 
 if __name__ == "__main__":

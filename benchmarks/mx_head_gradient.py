@@ -19,12 +19,10 @@ rounding: SQNR, the share of tokens whose target gradient the quantization shrin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
-from common import machine
+from common import emit, machine
 from recipes import capture, sqnr_db, train_bf16, training_arguments
 
 import fp8lm
@@ -69,10 +67,7 @@ def main(argv=None) -> dict:
         "share_p_target_below_0.125": round((p < 0.125).float().mean().item(), 4),
         "head_grad_output": {name: target_changes(grad, targets, r) for name, r in recipes.items()},
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.results:
-        Path(args.results).write_text(text + "\n")
+    emit(result, args.results)
     return result
 
 

@@ -26,7 +26,6 @@ zero but the exact one is not. Mean over the layers / worst layer, and the outpu
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -34,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from common import machine
+from common import emit, machine
 
 import fp8lm
 from fp8lm.formats import E4M3, FP32
@@ -196,10 +195,7 @@ def main(argv=None) -> dict:
             name: {k: {m: round(v, 6) for m, v in e.items()} for k, e in d.items()} for name, d in per_layer.items()
         },
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.results:
-        Path(args.results).write_text(text + "\n")
+    emit(result, args.results)
     return result
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import statistics
 import sys
@@ -40,7 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from common import machine
+from common import emit, machine
 from torch import nn
 
 import fp8lm
@@ -252,10 +251,7 @@ def main(argv=None) -> dict:
         result["step_ms"] = {
             name: round(step_ms(model, sampler, name, args), 1) for name in ("tensorwise-delayed", *RECIPES)
         }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.results:
-        Path(args.results).write_text(text + "\n")
+    emit(result, args.results)
     return result
 
 
