@@ -34,6 +34,7 @@ def emit(result: dict, path: str | Path | None = None) -> None:
     text = json.dumps(result, indent=1)
     print(text)
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text + "\n")
 
 

@@ -124,7 +124,7 @@ def main() -> None:
             row["hf_over_builtin"] = row["hf"]["tokens_per_s"] / row["builtin"]["tokens_per_s"]
             row["same_num_params"] = row["hf"]["num_params"] == row["builtin"]["num_params"]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import machine
+    from common import emit, machine
 
     result = {
         "benchmark": "hf_model_speed",
@@ -136,11 +136,7 @@ def main() -> None:
         "device": args.device,
         "results": results,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.results:
-        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.results).write_text(text + "\n")
+    emit(result, args.results)
 
 
 if __name__ == "__main__":

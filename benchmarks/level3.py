@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
+from common import emit, machine  # noqa: E402
 
 LEVELS = ("bf16", "fp32", "O1", "O2", "O3")
 FP8_LEVELS = ("O1", "O2", "O3")
@@ -183,10 +183,7 @@ def main() -> None:
         known = saved["layouts"]
     result = {"benchmark": "level3", "preset": args.preset, "steps": args.steps, "layouts": gather(out, known)}
     result["machine"] = machine()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.results:
-        Path(args.results).write_text(text + "\n")
+    emit(result, args.results)
 
 
 if __name__ == "__main__":

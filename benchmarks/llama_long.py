@@ -191,7 +191,7 @@ def main() -> None:
         amax[str(seed)], sat = swiglu_amax(run_dir(out, args.preset, args.steps, "O2", seed))
         saturation = {k: max(saturation[k], sat[k]) for k in saturation}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import machine
+    from common import emit, machine
 
     result = {
         "benchmark": "llama_long",
@@ -214,11 +214,7 @@ def main() -> None:
         "fp8_saturation_max": saturation,
         "swiglu_amax": amax,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.results:
-        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.results).write_text(text + "\n")
+    emit(result, args.results)
 
 
 if __name__ == "__main__":

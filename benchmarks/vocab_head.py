@@ -181,7 +181,7 @@ def main() -> None:
             "skipped_steps": {f"{names[(lv, h)]}_seed{s}": runs[(lv, h, s)]["skipped_steps"] for lv, h, s in runs},
         }
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import machine
+    from common import emit, machine
 
     result = {
         "benchmark": "vocab_head",
@@ -195,11 +195,7 @@ def main() -> None:
         "telemetry_every": args.telemetry_every,
         "vocabularies": results,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.results:
-        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.results).write_text(text + "\n")
+    emit(result, args.results)
 
 
 if __name__ == "__main__":
