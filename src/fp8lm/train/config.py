@@ -661,15 +661,23 @@ class TrainConfig:
     def _memory_fix(self) -> str:
         return "lower --batch-size (use --grad-accum for as many sequences per step) or --eval-batches"
 
+    def _fp8_level_option(self, flag: str, what: str, amp_key: str) -> None:
+        """Refuse ``flag`` (it sets ``what``) at a level without FP8 layers, or given twice: as the flag
+        and as the fp8lm.initialize option ``amp_key``."""
+        if self.opt_level not in FP8_LEVELS:
+            raise RunError(
+                f"{flag} sets {what} ({'/'.join(FP8_LEVELS)}); this run is {self.opt_level}: drop it or pick an "
+                "FP8 level"
+            )
+        if amp_key in self.amp_options:
+            raise RunError(f"{flag} and the fp8lm.initialize option {amp_key}: pass one of them")
+
     def _check_recipe(self) -> None:
         if self.recipe not in RECIPE_NAMES:
             raise RunError(f"unknown --recipe {self.recipe!r}: use one of {', '.join(RECIPE_NAMES)}")
         if self.recipe == DEFAULT_RECIPE:
             return
-        if self.opt_level not in FP8_LEVELS:
-            raise RunError(f"--recipe sets the FP8 layers of {'/'.join(FP8_LEVELS)} (this run is {self.opt_level})")
-        if "recipe" in self.amp_options:
-            raise RunError(f"--recipe {self.recipe} and the fp8lm.initialize option recipe: pass one of them")
+        self._fp8_level_option("--recipe", "the FP8 layers' scaling", "recipe")
         if self.moe_experts and self.recipe == "nvfp4":
             raise RunError(
                 "--recipe nvfp4 is not built for the experts' grouped GEMMs of --moe-experts (FP4 experts): use "
@@ -686,24 +694,12 @@ class TrainConfig:
             )
         if self.activations is None or self.activations == "bf16":
             return
-        if self.opt_level not in FP8_LEVELS:
-            raise RunError(
-                f"--activations fp8 sets how the FP8 levels ({'/'.join(FP8_LEVELS)}) save activations (this run is "
-                f"{self.opt_level}); drop it or pick an FP8 level"
-            )
-        if "activations" in self.amp_options:
-            raise RunError("--activations fp8 and the fp8lm.initialize option activations: pass one of them")
+        self._fp8_level_option("--activations fp8", "how the FP8 levels save activations", "activations")
 
     def _check_policy(self) -> None:
         if self.policy is None:
             return
-        if self.opt_level not in FP8_LEVELS:
-            raise RunError(
-                f"--policy sets the precision policy of the FP8 levels ({'/'.join(FP8_LEVELS)}); this run is "
-                f"{self.opt_level}: drop it or pick an FP8 level"
-            )
-        if "policy" in self.amp_options:
-            raise RunError("--policy and the fp8lm.initialize option policy: pass one of them")
+        self._fp8_level_option("--policy", "the precision policy of the FP8 levels", "policy")
         from ..policy import preset
 
         resolved = preset(self.opt_level)
