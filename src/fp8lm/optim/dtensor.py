@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 __all__ = ["local_tensor", "sharded_like", "mesh_reduce"]
 
@@ -26,6 +26,11 @@ def sharded_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def mesh_reduce(values: torch.Tensor, mesh: DeviceMesh, op: str) -> torch.Tensor:
     """``values`` reduced elementwise (``op``: "max" or "min") over every rank of ``mesh``, as a
     plain tensor: one all-reduce per mesh dimension, through DTensor's collectives."""
-    placements = [Partial(op)] * mesh.ndim
     on_mesh = values.to(mesh.device_type)  # NCCL meshes reduce device tensors
-    return DTensor.from_local(on_mesh, mesh, placements, run_check=False).full_tensor().to(values.device)
+    t = DTensor.from_local(on_mesh, mesh, [Partial(op)] * mesh.ndim, run_check=False)
+    # One dimension per redistribute: max and min are exact in any order, so reducing dimension by
+    # dimension is what one reduction over the flattened mesh gives (and DTensor warns about
+    # reduction order only when one redistribute reduces several dimensions).
+    for dim in range(mesh.ndim):
+        t = t.redistribute(mesh, [Replicate()] * (dim + 1) + [Partial(op)] * (mesh.ndim - dim - 1))
+    return t.to_local().to(values.device)
