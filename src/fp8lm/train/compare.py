@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -176,7 +177,10 @@ def _compare(cfg: TrainConfig, levels: list[str], seeds: list[int] | None, ranks
 def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
     """Rows of several seeds' comparisons -> one row per level: ``rel_gap_vs_bf16`` and
     ``val_loss`` are means over the seeds, ``gaps_vs_bf16`` each seed's gap, ``gap_std`` their
-    sample standard deviation (0 for one seed), ``gap_min``/``gap_max`` their range."""
+    sample standard deviation (0 for one seed), ``gap_min``/``gap_max`` their range. Where fp32
+    ran too, ``minus_fp32`` is the level's gap minus fp32's, paired seed by seed (`paired_difference`):
+    how far the level trails full precision, with the standard error that says how well the
+    seeds measure it."""
     levels = next(iter(per_seed.values())).keys()
     rows = {}
     for level in levels:
@@ -207,7 +211,24 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
         for key in ("moe_load_max_over_mean", "moe_load_cv"):
             if all(key in r for r in seed_rows.values()):
                 rows[level][key] = statistics.fmean(r[key] for r in seed_rows.values())
+    if "fp32" in rows:
+        for row in rows.values():
+            row["minus_fp32"] = paired_difference(row["gaps_vs_bf16"], rows["fp32"]["gaps_vs_bf16"])
     return rows
+
+
+def paired_difference(gaps: dict[str, float | None], reference: dict[str, float | None]) -> dict:
+    """``gaps`` minus ``reference``'s at the same seeds (keys): ``mean``, sample ``std`` and
+    standard error ``stderr`` of the per-seed differences (None below two seeds), and ``seeds``,
+    how many both have. Pairing removes what a seed's data and initialization add to both."""
+    diffs = [g - r for s, g in gaps.items() if g is not None and (r := reference.get(s)) is not None]
+    std = statistics.stdev(diffs) if len(diffs) > 1 else None
+    return {
+        "mean": statistics.fmean(diffs) if diffs else None,
+        "std": std,
+        "stderr": None if std is None else std / math.sqrt(len(diffs)),
+        "seeds": len(diffs),
+    }
 
 
 def _write(out: Path, rows: dict, summaries: dict, run_dirs: dict[str, Path], seeds: list[int] | None = None) -> dict:

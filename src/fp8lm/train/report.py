@@ -163,18 +163,31 @@ def format_table(rows: dict[str, dict]) -> str:
 
 
 def format_seed_table(rows: dict[str, dict], seeds: list[int]) -> str:
-    """The table of a comparison over seeds: each level's gap to bf16 per seed, mean and spread."""
+    """The table of a comparison over seeds: each level's gap to bf16 per seed, mean and spread;
+    with fp32 among the levels, each gap minus fp32's paired by seed, +- its standard error."""
     seed_cols = "".join(f" {'seed ' + str(s):>8}" for s in seeds)
-    header = f"{'level':<6}{seed_cols} {'mean':>8} {'std':>7} {'val_loss':>9} {'bytes/param':>11} {'tokens/s':>9}"
+    paired = all("minus_fp32" in r for r in rows.values())
+    fp32_col = f" {'- fp32 (+- se)':>17}" if paired else ""
+    header = (
+        f"{'level':<6}{seed_cols} {'mean':>8} {'std':>7}{fp32_col} {'val_loss':>9} {'bytes/param':>11} {'tokens/s':>9}"
+    )
     lines = [header, "-" * len(header)]
     for level, r in rows.items():
         gaps = "".join(f" {_pct(r['gaps_vs_bf16'].get(str(s))):>8}" for s in seeds)
         std = "-" if r["gap_std"] is None else f"{r['gap_std']:.2%}"
+        minus = f" {_paired(r['minus_fp32']):>17}" if paired else ""
         lines.append(
-            f"{level:<6}{gaps} {_pct(r['rel_gap_vs_bf16']):>8} {std:>7} {_fmt(r['val_loss'], '.4f'):>9} "
+            f"{level:<6}{gaps} {_pct(r['rel_gap_vs_bf16']):>8} {std:>7}{minus} {_fmt(r['val_loss'], '.4f'):>9} "
             f"{_fmt(r['bytes_per_param'], '.2f'):>11} {_fmt(r['tokens_per_s'], ',.0f'):>9}"
         )
     return "\n".join(lines)
+
+
+def _paired(diff: dict) -> str:
+    """A paired difference (`fp8lm.train.compare.paired_difference`) as ``mean +- stderr``."""
+    if diff["mean"] is None:
+        return "-"
+    return _pct(diff["mean"]) + ("" if diff["stderr"] is None else f" +- {diff['stderr']:.2%}")
 
 
 def _pct(value: float | None) -> str:
