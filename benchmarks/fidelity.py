@@ -312,13 +312,13 @@ def summarize(rows: dict[tuple, dict], variants: list[str], seeds: list[int], st
 def _paired(gaps: dict[str, float], floor: dict[str, float]) -> dict:
     """A variant's gap minus fp32's, seed by seed, over the seeds both ran: the comparison that
     the seeds' shared data order and initialization do not blur (``above_fp32_pct`` subtracts
-    means, which may cover different seeds while a run is incomplete)."""
-    diffs = [gaps[s] - floor[s] for s in gaps if s in floor]
-    return {
-        "mean_pct": round(statistics.mean(diffs), 3) if diffs else None,
-        "std_pct": round(statistics.stdev(diffs), 3) if len(diffs) > 1 else None,
-        "seeds": len(diffs),
-    }
+    means, which may cover different seeds while a run is incomplete). What ``fp8lm compare
+    --seeds`` reports as ``minus_fp32`` (`paired_difference`), in percent."""
+    from fp8lm.train.compare import paired_difference
+
+    d = paired_difference(gaps, floor)  # type: ignore[arg-type]
+    pct = {key: None if d[key] is None else round(d[key], 3) for key in ("mean", "std", "stderr")}
+    return {"mean_pct": pct["mean"], "std_pct": pct["std"], "stderr_pct": pct["stderr"], "seeds": d["seeds"]}
 
 
 def parser() -> argparse.ArgumentParser:

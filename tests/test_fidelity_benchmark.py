@@ -88,7 +88,7 @@ def test_summary_gaps_means_and_the_fp32_floor():
     assert table["O2"]["mean_pct"] == 1.5 and table["O2"]["std_pct"] == round(statistics.stdev([2.0, 1.0]), 3)
     assert table["O2"]["above_fp32_pct"] == 1.0
     assert torch.tensor(table["fp32"]["above_fp32_pct"]) == 0
-    assert table["O2"]["paired_above_fp32"] == {"mean_pct": 1.0, "std_pct": 0.0, "seeds": 2}
+    assert table["O2"]["paired_above_fp32"] == {"mean_pct": 1.0, "std_pct": 0.0, "stderr_pct": 0.0, "seeds": 2}
 
 
 def test_paired_difference_to_fp32_uses_the_seeds_both_ran():
@@ -100,6 +100,7 @@ def test_paired_difference_to_fp32_uses_the_seeds_both_ran():
     assert table["O2"]["paired_above_fp32"] == {
         "mean_pct": 0.5,
         "std_pct": round(statistics.stdev([1.0, 0.0]), 3),
+        "stderr_pct": round(statistics.stdev([1.0, 0.0]) / 2**0.5, 3),
         "seeds": 2,
     }
 
