@@ -225,6 +225,9 @@ def compare_summary(folder: Path) -> dict:
     return {
         "gap_vs_bf16": {level: row["rel_gap_vs_bf16"] for level, row in levels.items()},
         "gap_std": {level: row.get("gap_std") for level, row in levels.items()},
+        "gaps_vs_bf16": {level: row.get("gaps_vs_bf16") for level, row in levels.items()},
+        # each level's gap minus fp32's, paired by seed (fp8lm compare's; only with fp32 among the levels)
+        "minus_fp32": {level: row["minus_fp32"] for level, row in levels.items() if "minus_fp32" in row},
         "bytes_per_param": {level: row["bytes_per_param"] for level, row in levels.items()},
         "load_balance_mean": means,
         "load_balance_per_seed": balance,
