@@ -316,7 +316,7 @@ def _paired(gaps: dict[str, float], floor: dict[str, float]) -> dict:
     --seeds`` reports as ``minus_fp32`` (`paired_difference`), in percent."""
     from fp8lm.train.compare import paired_difference
 
-    d = paired_difference(gaps, floor)  # type: ignore[arg-type]
+    d = paired_difference(gaps, floor)
     pct = {key: None if d[key] is None else round(d[key], 3) for key in ("mean", "std", "stderr")}
     return {"mean_pct": pct["mean"], "std_pct": pct["std"], "stderr_pct": pct["stderr"], "seeds": d["seeds"]}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -217,7 +218,7 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
     return rows
 
 
-def paired_difference(gaps: dict[str, float | None], reference: dict[str, float | None]) -> dict:
+def paired_difference(gaps: Mapping[str, float | None], reference: Mapping[str, float | None]) -> dict:
     """``gaps`` minus ``reference``'s at the same seeds (keys): ``mean``, sample ``std`` and
     standard error ``stderr`` of the per-seed differences (None below two seeds), and ``seeds``,
     how many both have. Pairing removes what a seed's data and initialization add to both."""
