@@ -26,8 +26,8 @@ tokens per second of one process over the layout's, all ranks sharing this machi
 A layout's result is kept in ``OUT/<layout>/``; a later run with other ``--levels`` and the same
 ``OUT`` adds its levels to the layouts (the results name both commands); with ``--results FILE`` the layouts found in
 ``OUT`` are gathered into one JSON file (the single-process one is the reference of the gaps);
-``--merge`` keeps the layouts FILE already holds that ``OUT`` lacks (its one-process reference
-too), so one layout can be added to a table::
+``--merge`` keeps the layouts and levels FILE already holds that ``OUT`` lacks (its one-process
+reference too), so one layout, or one level of a layout, can be added to or retrained in a table::
 
     python benchmarks/level3.py --layout tp-o3 --levels O3 --results FILE --merge
 """
@@ -115,17 +115,18 @@ def level_result(summary: dict) -> dict:
 def gather(out: Path, known: dict | None = None) -> dict:
     """Every trained layout in ``out`` (and in ``known``, those ``out`` lacks): levels, gaps to one
     process, byte ratios."""
-    layouts = dict(known or {})
+    layouts = {layout: {**result, "levels": dict(result["levels"])} for layout, result in (known or {}).items()}
     for layout in LAYOUTS:
         folder = out / layout
         done = [level for level in LEVELS if (folder / level / "summary.json").exists()]
         if not done:
             continue
         levels = {level: level_result(json.loads((folder / level / "summary.json").read_text())) for level in done}
-        layouts[layout] = {
-            "command": " && ".join("python " + " ".join(c) for c in commands_of(folder)),
-            "levels": levels,
-        }
+        commands = [" && ".join("python " + " ".join(c) for c in commands_of(folder))]
+        if layout in layouts:  # levels out lacks stay as known has them, with the command that trained them
+            levels = {**layouts[layout]["levels"], **levels}
+            commands.insert(0, layouts[layout]["command"])
+        layouts[layout] = {"command": " && ".join(commands), "levels": levels}
     single = layouts.get("single")
     for layout, result in layouts.items():
         levels = result["levels"]
@@ -168,7 +169,9 @@ def main() -> None:
     )
     ap.add_argument("--out", default="runs/level3")
     ap.add_argument("--results", help="write the gathered layouts to this JSON file too")
-    ap.add_argument("--merge", action="store_true", help="keep the layouts --results already holds that OUT lacks")
+    ap.add_argument(
+        "--merge", action="store_true", help="keep the layouts and levels --results already holds that OUT lacks"
+    )
     args = ap.parse_args()
     out = Path(args.out)
     for layout in LAYOUTS if args.layout == "all" else [args.layout] if args.layout else []:
