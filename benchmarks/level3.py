@@ -27,7 +27,8 @@ A layout's result is kept in ``OUT/<layout>/``; a later run with other ``--level
 ``OUT`` adds its levels to the layouts (the results name both commands); with ``--results FILE`` the layouts found in
 ``OUT`` are gathered into one JSON file (the single-process one is the reference of the gaps);
 ``--merge`` keeps the layouts and levels FILE already holds that ``OUT`` lacks (its one-process
-reference too), so one layout, or one level of a layout, can be added to or retrained in a table::
+reference too), each with the gap and step time to one process it was saved with, so one layout,
+or one level of a layout, can be added to or retrained in a table::
 
     python benchmarks/level3.py --layout tp-o3 --levels O3 --results FILE --merge
 """
@@ -133,7 +134,8 @@ def gather(out: Path, known: dict | None = None) -> dict:
         if single is not None and layout != "single":
             for level, r in levels.items():
                 one = single["levels"].get(level)
-                if one is not None:
+                # a level kept from the table keeps its gap to the one-process run of its own time
+                if one is not None and "val_loss_vs_one_process" not in r:
                     r["val_loss_vs_one_process"] = r["val_loss"] / one["val_loss"] - 1
                     r["time_vs_one_process"] = one["tokens_per_s"] / r["tokens_per_s"]
         base = levels.get("bf16", {}).get("comm_bytes_per_step")

@@ -40,7 +40,10 @@ def test_merge_retrains_one_level_and_keeps_the_others(tmp_path):
             "command": "python old-fsdp",
             "levels": {"bf16": _summary(2.0, 100.0), "O1": _summary(2.2, 140.0), "O2": _summary(2.0, 60.0)},
         },
-        "tp": {"command": "python old-tp", "levels": {"bf16": _summary(2.0, 50.0)}},
+        "tp": {
+            "command": "python old-tp",
+            "levels": {"bf16": {**_summary(2.0, 50.0), "val_loss_vs_one_process": -0.5, "time_vs_one_process": 3.0}},
+        },
     }
     _write_run(tmp_path, "single", "O1", _summary(2.0, 0), ["new-single"])
     _write_run(tmp_path, "fsdp", "O1", _summary(2.02, 70.0), ["new-fsdp"])
@@ -58,6 +61,9 @@ def test_merge_retrains_one_level_and_keeps_the_others(tmp_path):
     assert fsdp["command"] == "python old-fsdp && python new-fsdp"  # both commands are named
     assert layouts["tp"]["command"] == "python old-tp"  # a layout the run folder lacks stays as the table has it
     assert layouts["tp"]["levels"]["bf16"]["comm_bytes_per_step"] == 50.0
+    # its gap and step time were measured against the one-process run of their time: kept as saved
+    assert layouts["tp"]["levels"]["bf16"]["val_loss_vs_one_process"] == -0.5
+    assert layouts["tp"]["levels"]["bf16"]["time_vs_one_process"] == 3.0
 
 
 def test_gather_without_a_table_reads_the_run_folder_alone(tmp_path):
