@@ -113,11 +113,16 @@ def block_amax_spread(x: torch.Tensor, recipe: Recipe | str, role: str) -> float
     return float(torch.log2(amaxes.amax().double() / smallest.double()))
 
 
-def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's part of a gradient: the local shard of a DTensor's (FSDP2, tensor parallel),
-    an FP8 `ScalingTensor` where the gradient is stored in FP8. Its records describe the shard: a
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor (FSDP2, tensor parallel), an FP8
+    `ScalingTensor` where a gradient or moment is stored in FP8. Its records describe the shard: a
     training loop merges those of one layer's shards (the app takes each figure's worst)."""
-    return grad._local_tensor if isinstance(grad, DTensor) else grad
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a gradient (`_shard`), or None."""
+    return None if grad is None else _shard(grad)
 
 
 def stored_stats(t: ScalingTensor) -> TensorStats:
@@ -308,7 +313,9 @@ class Telemetry:
             state = self.optimizer.state.get(weight, {})
             for kind in ("exp_avg", "exp_avg_sq"):
                 if kind + "_scale" in state:
-                    stored = ScalingTensor(state[kind], state[kind + "_scale"])
+                    # this rank's shard, as for the gradients: a DTensor's stats would reduce over
+                    # its whole mesh (a collective per figure, and a host sync) on every rank
+                    stored = ScalingTensor(_shard(state[kind]), _shard(state[kind + "_scale"]))
                     self._record(name, kind, stored.fmt, stored_stats(stored))
         self._step = None
         return self._flush()
