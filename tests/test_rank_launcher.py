@@ -19,9 +19,16 @@ import os, sys, time
 rank = int(os.environ["RANK"])
 print(f"rank {rank} of {os.environ['WORLD_SIZE']} in {os.getcwd()} sees {os.environ.get('PROBE')}", flush=True)
 open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+open(os.path.join(sys.argv[1], f"printed{rank}-{os.environ.get('PROBE')}"), "w").close()
 if sys.argv[2] == "sleep":
     time.sleep(600)
-sys.exit(3 if sys.argv[2] == "fail" and rank == 1 else 0)
+if sys.argv[2] == "fail" and rank == 1:
+    # a failing rank stops the others (as torchrun): fail only once rank 0 has printed its line
+    printed = os.path.join(sys.argv[1], f"printed0-{os.environ.get('PROBE')}")
+    deadline = time.time() + 60
+    while not os.path.exists(printed) and time.time() < deadline:
+        time.sleep(0.01)
+    sys.exit(3)
 """
 
 
