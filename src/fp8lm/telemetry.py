@@ -23,6 +23,7 @@ from .nn.grouped import group_counts
 from .ops.blocks import block_amax, from_blocks, per_block, to_blocks
 from .ops.cast import amax
 from .ops.finegrained import operand_block, quantize_operand
+from .optim.dtensor import local_tensor
 from .recipe import Recipe, recipe_from
 from .scaling import compute_scale
 from .tensor import ScalingTensor
@@ -113,16 +114,11 @@ def block_amax_spread(x: torch.Tensor, recipe: Recipe | str, role: str) -> float
     return float(torch.log2(amaxes.amax().double() / smallest.double()))
 
 
-def _shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor (FSDP2, tensor parallel), an FP8
-    `ScalingTensor` where a gradient or moment is stored in FP8. Its records describe the shard: a
-    training loop merges those of one layer's shards (the app takes each figure's worst)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's part of a gradient (`_shard`), or None."""
-    return None if grad is None else _shard(grad)
+    """This rank's part of a gradient: the local shard of a DTensor's (FSDP2, tensor parallel),
+    an FP8 `ScalingTensor` where the gradient is stored in FP8. Its records describe the shard: a
+    training loop merges those of one layer's shards (the app takes each figure's worst)."""
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 def stored_stats(t: ScalingTensor) -> TensorStats:
@@ -315,7 +311,7 @@ class Telemetry:
                 if kind + "_scale" in state:
                     # this rank's shard, as for the gradients: a DTensor's stats would reduce over
                     # its whole mesh (a collective per figure, and a host sync) on every rank
-                    stored = ScalingTensor(_shard(state[kind]), _shard(state[kind + "_scale"]))
+                    stored = ScalingTensor(local_tensor(state[kind]), local_tensor(state[kind + "_scale"]))
                     self._record(name, kind, stored.fmt, stored_stats(stored))
         self._step = None
         return self._flush()
