@@ -123,10 +123,11 @@ def gather(out: Path, known: dict | None = None) -> dict:
         if not done:
             continue
         levels = {level: level_result(json.loads((folder / level / "summary.json").read_text())) for level in done}
-        commands = [" && ".join("python " + " ".join(c) for c in commands_of(folder))]
+        commands = ["python " + " ".join(c) for c in commands_of(folder)]
         if layout in layouts:  # levels out lacks stay as known has them, with the command that trained them
             levels = {**layouts[layout]["levels"], **levels}
-            commands.insert(0, layouts[layout]["command"])
+            kept = layouts[layout]["command"].split(" && ")
+            commands = kept + [c for c in commands if c not in kept]  # a folder merged again is named once
         layouts[layout] = {"command": " && ".join(commands), "levels": levels}
     single = layouts.get("single")
     for layout, result in layouts.items():

@@ -66,6 +66,17 @@ def test_merge_retrains_one_level_and_keeps_the_others(tmp_path):
     assert layouts["tp"]["levels"]["bf16"]["time_vs_one_process"] == 3.0
 
 
+def test_merging_a_folder_again_names_its_commands_once(tmp_path):
+    level3 = _level3()
+    _write_run(tmp_path, "single", "O1", _summary(2.0, 0), ["single"])
+    _write_run(tmp_path, "fsdp", "O1", _summary(2.02, 70.0), ["fsdp"])
+    known = {"fsdp": {"command": "python old-fsdp", "levels": {"bf16": _summary(2.0, 100.0)}}}
+    once = level3.gather(tmp_path, json.loads(json.dumps(known)))
+    twice = level3.gather(tmp_path, json.loads(json.dumps(once)))
+    assert once["fsdp"]["command"] == twice["fsdp"]["command"] == "python old-fsdp && python fsdp"
+    assert twice["single"]["command"] == "python single"
+
+
 def test_gather_without_a_table_reads_the_run_folder_alone(tmp_path):
     level3 = _level3()
     _write_run(tmp_path, "fsdp", "bf16", _summary(2.0, 100.0), ["fsdp"])
