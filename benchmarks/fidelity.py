@@ -109,6 +109,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O2-nvfp4-attn-bf16": ("O2", {"recipe": "nvfp4", "policy": {"*.attn.*": {"fp8_gemm": False}}}),
     "O2-nvfp4-mlp-bf16": ("O2", {"recipe": "nvfp4", "policy": {"*.mlp.*": {"fp8_gemm": False}}}),
     "O2-nvfp4-wgrad-bf16": ("O2", {"recipe": {"name": "nvfp4", "weight_grad_gemm": "bf16"}}),
+    # Four Over Six: each nvfp4 block scaled to 6 or to 4, whichever rounds it closer
+    "O2-nvfp4-4over6": ("O2", {"recipe": {"name": "nvfp4", "nvfp4_scale_rule": "4over6"}}),
+    "O2-nvfp4-4over6-attn-bf16": (
+        "O2",
+        {"recipe": {"name": "nvfp4", "nvfp4_scale_rule": "4over6"}, "policy": {"*.attn.*": {"fp8_gemm": False}}},
+    ),
     # mxfp8 with cuBLAS's scale rounding (RCEIL: no block's amax saturates) instead of the OCP spec's
     # floor, which clips a block's amax by up to 12.5 % (docs/measurements/recipes.md)
     "O2-mxfp8-rceil": ("O2", {"recipe": {"name": "mxfp8", "mx_rounding": "rceil"}}),

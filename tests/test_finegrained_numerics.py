@@ -93,22 +93,39 @@ def blockwise_ref(x: torch.Tensor, block: tuple[int, int], rule, fmt: str) -> to
     return out
 
 
-def nvfp4_ref(x: torch.Tensor, block: tuple[int, int], noise: torch.Tensor | None = None) -> torch.Tensor:
+def nvfp4_ref(
+    x: torch.Tensor, block: tuple[int, int], noise: torch.Tensor | None = None, four_over_six: bool = False
+) -> torch.Tensor:
+    """NVIDIA's NVFP4 (each block's amax to 6) or, with ``four_over_six``, arXiv 2512.02010's: the
+    tensor scale from 6 * 256, each block's amax to 6 or to 4, whichever rounds the block (to
+    nearest) with the smaller squared error, ties to 6; then ``noise``'s rounding with that scale."""
     x = x.double()
     amax = float(x.abs().max())
     if not math.isfinite(amax):
         return torch.full_like(x, math.nan)
-    s_enc = 1.0 if amax == 0 else min(float(to_f32(torch.tensor(2688.0 / amax))), 3.4028234663852886e38)
+    base = 6.0 * (256.0 if four_over_six else 448.0)
+    s_enc = 1.0 if amax == 0 else min(float(to_f32(torch.tensor(base / amax))), 3.4028234663852886e38)
     s_dec = float(to_f32(torch.tensor(1.0 / s_enc)))
+
+    def scale(part: torch.Tensor, element_max: float) -> float:
+        sb = to_f32(to_f32(torch.tensor(float(part.abs().max()) / element_max)) * s_enc)
+        return float(to_f32(round_to(sb, "E4M3") * s_dec))
+
+    def values(part: torch.Tensor, d: float, n: torch.Tensor | None = None) -> torch.Tensor:
+        v = torch.zeros_like(part) if d == 0 else to_f32(part / d)
+        return to_f32(round_to(v, "E2M1", n) * d)
+
     out = torch.empty_like(x)
     for i in range(0, x.shape[0], block[0]):
         for j in range(0, x.shape[1], block[1]):
             part = x[i : i + block[0], j : j + block[1]]
-            sb = to_f32(to_f32(torch.tensor(float(part.abs().max()) / 6.0)) * s_enc)
-            d = float(to_f32(round_to(sb, "E4M3") * s_dec))
-            v = torch.zeros_like(part) if d == 0 else to_f32(part / d)
+            d = scale(part, 6.0)
+            if four_over_six:
+                d4 = scale(part, 4.0)
+                if float((values(part, d4) - part).square().sum()) < float((values(part, d) - part).square().sum()):
+                    d = d4
             n = None if noise is None else noise[i : i + block[0], j : j + block[1]]
-            out[i : i + block[0], j : j + block[1]] = to_f32(round_to(v, "E2M1", n) * d)
+            out[i : i + block[0], j : j + block[1]] = values(part, d, n)
     return out
 
 
@@ -192,6 +209,36 @@ def test_nvfp4_stochastic_rounding_of_gradients_matches_the_reference():
     assert_bits_equal(got, nvfp4_ref(x, (1, 16), noise))
     nearest = nvfp4_ref(x, (1, 16))
     assert not torch.equal(got.double().nan_to_num(), nearest.nan_to_num())  # the noise does something
+
+
+FOUR_OVER_SIX = fp8lm.Recipe.from_name("nvfp4").replace(nvfp4_scale_rule="4over6")
+
+
+@pytest.mark.parametrize("role, block", [("input", (1, 16)), ("weight", (16, 16))])
+@pytest.mark.parametrize("rows", [48, 37])
+def test_four_over_six_matches_the_reference(role, block, rows):
+    x = hostile(rows, 200, seed=7)
+    x[4:7] = 1.0
+    got = fp8lm.fake_quantize(x, FOUR_OVER_SIX, role)
+    assert_bits_equal(got, nvfp4_ref(x, block, four_over_six=True))
+    assert not torch.equal(got.double(), nvfp4_ref(x, block))  # it is not NVIDIA's rule
+
+
+def test_four_over_six_stochastic_rounding_matches_the_reference():
+    x = hostile(37, 200, seed=8)
+    x[4:7] = 1.0
+    got = fp8lm.fake_quantize(x, FOUR_OVER_SIX, "grad_output", generator=torch.Generator().manual_seed(12))
+    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(12))
+    assert_bits_equal(got, nvfp4_ref(x, (1, 16), noise, four_over_six=True))
+
+
+def test_four_over_six_scales_each_block_to_whichever_of_4_and_6_holds_it():
+    # amax 1.5: s_enc = 6 * 256 / 1.5 = 1024, so d = 256 / 1024 = 0.25 (to 6) or 384 / 1024 = 0.375 (to 4)
+    x = torch.tensor([[1.5] + [1.125] * 15, [1.5] + [0.5] * 15])
+    # row 0: 1.125 / 0.375 = 3 is on E2M1's grid, 1.125 / 0.25 = 4.5 is not (it rounds to 4: 1.0);
+    # row 1: 0.5 / 0.25 = 2 is on it, 0.5 / 0.375 = 1.33 is not. Each row keeps the exact scale.
+    assert torch.equal(fp8lm.fake_quantize(x, FOUR_OVER_SIX, "input"), x)
+    assert fp8lm.fake_quantize(x, "nvfp4", "input")[0, 1] == 1.0  # NVIDIA's rule: always to 6
 
 
 def test_stochastic_rounding_is_unbiased():

@@ -49,6 +49,12 @@ def test_named_fine_grained_recipes_are_frozen_hashable_values():
         ({"mx_rounding": "rceil"}, "applies to granularity='mxfp8' only"),
         ({"granularity": "mxfp8", "scaling": "current", "mx_rounding": "up"}, "unknown mx_rounding 'up'"),
         ({"pow2_scales": True}, "applies to granularity='blockwise'"),
+        ({"nvfp4_scale_rule": "4over6"}, "applies to granularity='nvfp4' only"),
+        ({"granularity": "rowwise", "scaling": "current", "nvfp4_scale_rule": "4over6"}, "granularity='nvfp4' only"),
+        (
+            {"granularity": "nvfp4", "scaling": "current", "grad_output_format": "e4m3", "nvfp4_scale_rule": "6"},
+            "unknown nvfp4_scale_rule '6'",
+        ),
         ({"weight_grad_gemm": "bf16"}, "fine-grained granularities only"),
         ({"granularity": "nvfp4", "scaling": "current"}, "keep the formats E4M3"),
     ],

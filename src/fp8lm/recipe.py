@@ -31,6 +31,7 @@ __all__ = [
     "BACKENDS",
     "GRANULARITIES",
     "MX_ROUNDINGS",
+    "NVFP4_SCALE_RULES",
     "WEIGHT_GRAD_GEMMS",
     "recipe_from",
 ]
@@ -48,6 +49,7 @@ DEFAULT_BLOCKS: dict[str, int | None] = {
     "nvfp4": 16,
 }
 MX_ROUNDINGS = ("floor", "rceil")
+NVFP4_SCALE_RULES = ("max6", "4over6")  # fp8lm.ops.nvfp4.SCALE_RULES
 WEIGHT_GRAD_GEMMS = ("fp8", "bf16")
 
 
@@ -63,8 +65,10 @@ class Recipe:
     Fine-grained scaling (see the module doc): ``granularity``, ``block`` (its block size; None
     takes the granularity's: 128, 32, 16), ``pow2_scales`` (blockwise: power-of-two block scales),
     ``mx_rounding`` (mxfp8: ``"floor"``, the OCP scale, or ``"rceil"``, cuBLAS's round-up),
-    ``weight_grad_gemm`` (``"bf16"`` keeps the weight-gradient GEMM in BF16) and
-    ``hadamard_seed`` (nvfp4: the signs of the random Hadamard transform).
+    ``weight_grad_gemm`` (``"bf16"`` keeps the weight-gradient GEMM in BF16),
+    ``hadamard_seed`` (nvfp4: the signs of the random Hadamard transform) and
+    ``nvfp4_scale_rule`` (nvfp4: ``"max6"``, each block's amax to E2M1's 6 as NVIDIA's recipe, or
+    ``"4over6"``, Four Over Six: each block to 6 or to 4, whichever rounds it closer).
     """
 
     input_format: Format = E4M3
@@ -80,6 +84,7 @@ class Recipe:
     mx_rounding: str = "floor"
     weight_grad_gemm: str = "fp8"
     hadamard_seed: int = 0
+    nvfp4_scale_rule: str = "max6"
 
     def __post_init__(self) -> None:
         for name in ("input_format", "weight_format", "grad_output_format"):
@@ -111,11 +116,14 @@ class Recipe:
         for field, value, choices in (
             ("mx_rounding", self.mx_rounding, MX_ROUNDINGS),
             ("weight_grad_gemm", self.weight_grad_gemm, WEIGHT_GRAD_GEMMS),
+            ("nvfp4_scale_rule", self.nvfp4_scale_rule, NVFP4_SCALE_RULES),
         ):
             if value not in choices:
                 raise ValueError(f"unknown {field} {value!r}: use one of {', '.join(choices)}")
         if self.mx_rounding != "floor" and self.granularity != "mxfp8":
             raise ValueError("mx_rounding applies to granularity='mxfp8' only")
+        if self.nvfp4_scale_rule != "max6" and self.granularity != "nvfp4":
+            raise ValueError("nvfp4_scale_rule applies to granularity='nvfp4' only")
         if isinstance(self.hadamard_seed, bool) or not isinstance(self.hadamard_seed, int):
             raise ValueError(f"hadamard_seed must be an int, got {self.hadamard_seed!r}")
         if self.pow2_scales and self.granularity != "blockwise":

@@ -12,7 +12,7 @@ partial):
 | rowwise | a row along ``dim`` | the same | `pow2_ceil` |
 | blockwise | 1 x 128 along ``dim`` | 128 x 128 | `amax_over_max` (`pow2_ceil` with ``pow2_scales``) |
 | mxfp8 | 1 x 32 along ``dim`` | the same | `pow2_floor` (`pow2_ceil` with ``mx_rounding="rceil"``) |
-| nvfp4 | 1 x 16 along ``dim`` | 16 x 16 | two levels, `fp8lm.ops.nvfp4` |
+| nvfp4 | 1 x 16 along ``dim`` | 16 x 16 | two levels, `fp8lm.ops.nvfp4` (Four Over Six with ``nvfp4_scale_rule="4over6"``) |
 
 Elements are the role's format of the recipe (``input_format``, ``weight_format``,
 ``grad_output_format``), ``cast(x / d)`` rounded to nearest even and saturating; nvfp4's are E2M1,
@@ -179,7 +179,8 @@ def _quantize(
     amax = block_amax(xb)
     if recipe.granularity == "nvfp4":
         whole = amax.amax() if tensor_amax is None else tensor_amax.to(torch.float32)
-        return _nvfp4_operand(x, xb, amax, whole, block, role == "grad_output", generator)
+        stochastic = role == "grad_output"
+        return _nvfp4_operand(x, xb, amax, whole, block, recipe.nvfp4_scale_rule, stochastic, generator)
     fmt = _role_format(recipe, role)
     d = _scale_rule(recipe)(amax, fmt.max)
     q = (xb.to(torch.float32) / per_block(d)).clamp(-fmt.max, fmt.max).to(fmt.dtype)
@@ -192,11 +193,14 @@ def _nvfp4_operand(
     amax: torch.Tensor,
     tensor_amax: torch.Tensor,
     block: Block,
+    scale_rule: str,
     stochastic: bool,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    s_enc, s_dec = nvfp4.tensor_scales(tensor_amax)
+    s_enc, s_dec = nvfp4.tensor_scales(tensor_amax, scale_rule)
     d = nvfp4.block_scales(amax, s_enc, s_dec)
+    if scale_rule == "4over6":
+        d = nvfp4.four_over_six(xb, d, nvfp4.block_scales(amax, s_enc, s_dec, element_max=4.0))
     v = xb.to(torch.float32) / per_block(d)
     v = torch.where(per_block(d) == 0, torch.zeros_like(v), v)
     noise = None

@@ -14,17 +14,38 @@ E2M1 holds 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. With ``amax_t`` the t
 
 The values the GEMM sees are ``q * d``. Elements are kept in an E4M3 payload (every E2M1 value is
 an E4M3 value): one byte each here, not the half byte of the packed format.
+
+Four Over Six (``scale_rule="4over6"``, arXiv 2512.02010): E2M1 has no value between 4 and 6, so
+a block scaled to 6 rounds its values in (4, 6) by up to a sixth. Each block is also scaled to 4
+(``sb = e4m3(amax_b / 4 * s_enc)``, its largest value then lands on 4 and the grid above 4 is not
+used) and keeps whichever of the two scales gives the smaller squared error of its values,
+rounded to nearest (ties keep 6). The tensor scale is ``s_enc = 6 * 256 / amax_t`` so that the
+largest block's scale to 4, 384, still fits E4M3. The choice depends on the values alone;
+stochastic rounding then rounds with the chosen scale, so it stays unbiased.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["E2M1_MAX", "round_e2m1", "tensor_scales", "block_scales", "TENSOR_SCALE_BASE"]
+from .blocks import per_block
+
+__all__ = [
+    "E2M1_MAX",
+    "SCALE_RULES",
+    "round_e2m1",
+    "tensor_scales",
+    "block_scales",
+    "four_over_six",
+    "TENSOR_SCALE_BASE",
+]
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 TENSOR_SCALE_BASE = E2M1_MAX * E4M3_MAX
+SCALE_RULES = ("max6", "4over6")
+# 4over6: the largest block scale to 6 is 256, to 4 is 384 (<= 448)
+FOUR_OVER_SIX_TENSOR_SCALE_BASE = E2M1_MAX * 256.0
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -52,17 +73,38 @@ def _e2m1_spacing(a: torch.Tensor) -> torch.Tensor:
     return (field.clamp(126, 128) << 23).view(torch.float32)
 
 
-def tensor_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s_enc, s_dec)`` of a tensor of amax ``amax`` (float32; see the module doc)."""
+def tensor_scales(amax: torch.Tensor, scale_rule: str = "max6") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s_enc, s_dec)`` of a tensor of amax ``amax`` (float32) under ``scale_rule`` (see the
+    module doc)."""
+    base = TENSOR_SCALE_BASE if scale_rule == "max6" else FOUR_OVER_SIX_TENSOR_SCALE_BASE
     # A tensor divided, not a number: torch computes ``number / tensor`` as a product with the
     # reciprocal, rounded twice.
-    s_enc = (torch.full_like(amax, TENSOR_SCALE_BASE) / amax).clamp(max=_FLOAT32_MAX)
+    s_enc = (torch.full_like(amax, base) / amax).clamp(max=_FLOAT32_MAX)
     s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
     s_enc = torch.where(torch.isfinite(amax), s_enc, torch.full_like(s_enc, float("nan")))
     return s_enc, s_enc.reciprocal()
 
 
-def block_scales(amax: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
-    """``d`` of each block of amax ``amax`` (float32) under the tensor scales ``s_enc``, ``s_dec``."""
-    stored = (amax / E2M1_MAX * s_enc).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+def block_scales(
+    amax: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor, element_max: float = E2M1_MAX
+) -> torch.Tensor:
+    """``d`` of each block of amax ``amax`` (float32) under the tensor scales ``s_enc``, ``s_dec``:
+    the block's amax mapped to ``element_max`` (6, or 4 for Four Over Six's other candidate)."""
+    stored = (amax / element_max * s_enc).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     return stored.to(torch.float32) * s_dec
+
+
+def four_over_six(xb: torch.Tensor, d6: torch.Tensor, d4: torch.Tensor) -> torch.Tensor:
+    """Four Over Six's ``d`` per block: of a `fp8lm.ops.blocks.to_blocks` view ``xb`` and its
+    candidate scales ``d6`` (amax to 6) and ``d4`` (amax to 4), the one whose nearest-rounded
+    values ``e2m1(x / d) * d`` (float32, as the GEMM sees them) are closer to ``x``: the sum of
+    squared errors in float64 (exact enough that the choice is the float64 one), ties to ``d6``."""
+    x = xb.to(torch.float32)
+    x64 = x.to(torch.float64)
+
+    def squared_error(d: torch.Tensor) -> torch.Tensor:
+        d_b = per_block(d)
+        values = round_e2m1(torch.where(d_b == 0, torch.zeros_like(x), x / d_b)) * d_b
+        return (values.to(torch.float64) - x64).square().sum(dim=(1, 3))
+
+    return torch.where(squared_error(d4) < squared_error(d6), d4, d6)
