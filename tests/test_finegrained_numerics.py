@@ -241,6 +241,16 @@ def test_four_over_six_scales_each_block_to_whichever_of_4_and_6_holds_it():
     assert fp8lm.fake_quantize(x, "nvfp4", "input")[0, 1] == 1.0  # NVIDIA's rule: always to 6
 
 
+def test_four_over_six_shards_quantize_as_the_whole_weight():
+    """What FSDP2 relies on: a shard of whole 16 x 16 blocks, quantized with the whole tensor's
+    amax, gets the whole weight's scales and values (each block chooses from its own values)."""
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.01, 3, 48)
+    whole = quantize_operand(w, FOUR_OVER_SIX, "weight").dequantize()
+    for rows in (slice(0, 32), slice(32, 64)):
+        shard = quantize_operand(w[rows], FOUR_OVER_SIX, "weight", tensor_amax=w.abs().amax())
+        assert torch.equal(shard.dequantize(), whole[rows])
+
+
 def test_stochastic_rounding_is_unbiased():
     x = torch.full((4000, 16), 0.7)
     x[:, 0] = 6.0  # block amax 6: d = 1 exactly, 0.7 lies between 0.5 and 1
@@ -323,14 +333,20 @@ def test_random_hadamard_is_exact_on_small_integers_and_keeps_products():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, role", [("blockwise", "weight"), ("nvfp4", "input")])
-def test_the_compiled_quantization_gives_the_eager_bits(name, role):
+@pytest.mark.parametrize(
+    "recipe, role",
+    [
+        (fp8lm.Recipe.from_name("blockwise"), "weight"),
+        (fp8lm.Recipe.from_name("nvfp4"), "input"),
+        (FOUR_OVER_SIX, "weight"),
+    ],
+)
+def test_the_compiled_quantization_gives_the_eager_bits(recipe, role):
     """What runs off the CPU (`FUSED_QUANTIZE`), compiled by inductor here for the CPU: the same
-    payload, scales and values as the eager ops. The two recipes whose scales divide by numbers
-    that are not powers of two (a minute each: one compile per function)."""
+    payload, scales and values as the eager ops. The recipes whose scales divide by numbers that
+    are not powers of two, and Four Over Six's choice (a minute each: one compile per function)."""
     from fp8lm.ops import finegrained
 
-    recipe = fp8lm.Recipe.from_name(name)
     x = hostile(150, 200, seed=9)
     x[4:7] = 1.0
     block = finegrained.operand_block(recipe, role, x.shape, 1)
