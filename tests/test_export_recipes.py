@@ -14,6 +14,7 @@ from fp8lm import Recipe, fake_quantize
 from fp8lm.export import (
     ExportError,
     WeightScheme,
+    activation_args,
     dequantize_weight,
     model_recipe,
     quantization_config,
@@ -258,3 +259,80 @@ def test_a_run_whose_recipe_has_no_exact_format_is_refused_in_one_line(
     assert not (tmp_path / "fp8").exists()
     rc, _, err = run_main(["export", str(run), "--out", str(tmp_path / "bf16"), "--format", "hf"], capsys)
     assert rc == 0, err
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("tensorwise-delayed", {"strategy": "tensor"}),
+        ("tensorwise-current", {"strategy": "tensor"}),
+        ("rowwise", {"strategy": "token"}),
+        ("blockwise", {"strategy": "group", "group_size": 128}),
+    ],
+)
+def test_fp8_input_activations_take_the_recipes_blocks(name, expected):
+    assert activation_args(Recipe.from_name(name)) == {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": True,
+        **expected,
+    }
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_fp8_input_activations_no_scheme_holds_are_refused(name):
+    with pytest.raises(ExportError, match="--input-activations bf16"):
+        activation_args(Recipe.from_name(name))
+
+
+def test_fp8_input_activations_are_refused_where_they_would_not_be_honoured(tmp_path):
+    gpt = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
+    llama = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, arch="llama", mlp="swiglu")
+    cases = [
+        (hf_model(GPT(gpt).state_dict(), gpt), "hf-fp8", "fp8", "Conv1D"),  # transformers would not quantize them
+        (hf_model(GPT(llama).state_dict(), llama), "hf", "fp8", "format 'hf-fp8'"),
+        (hf_model(GPT(llama).state_dict(), llama), "hf-fp8", "e4m3", "unknown input_activations"),
+    ]
+    for model, format, activations, message in cases:
+        with pytest.raises(ExportError, match=message):
+            save_pretrained(model, tmp_path / "out", format=format, input_activations=activations)
+        assert not (tmp_path / "out").exists()
+    out = save_pretrained(cases[1][0], tmp_path / "w8a8", format="hf-fp8", input_activations="fp8", recipe="rowwise")
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["input_activations"]["strategy"] == "token" and group["weights"]["strategy"] == "channel"
+
+
+@pytest.mark.slow
+def test_a_llama_run_exported_w8a8_runs_in_transformers_with_fp8_inputs(
+    tmp_path, email_corpus, token_cache, tiny_cli_args, capsys
+):
+    """``--input-activations fp8`` on a rowwise Llama run: transformers (compressed-tensors' runtime)
+    quantizes each linear layer's input to E4M3 per token, with the scale ``amax / 448``, which is
+    fp8lm's blockwise quantization with one block per row."""
+    run = trained(
+        tmp_path, ["--recipe", "rowwise", "--arch", "llama"], email_corpus, token_cache, tiny_cli_args, capsys
+    )
+    out = tmp_path / "w8a8"
+    args = ["export", str(run), "--out", str(out), "--format", "hf-fp8", "--input-activations", "fp8"]
+    rc, _, err = run_main(args, capsys)
+    assert rc == 0, err
+    assert "W8A8" in (out / "README.md").read_text()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    state = read_run_checkpoint(run)
+    weights = {k: v.bfloat16().float() for k, v in full_weights(state).items()}
+    reference_model = GPT(state["model_config"])
+    for name, module in reference_model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            weights[name + ".weight"] = fake_quantize(full_weights(state)[name + ".weight"], "rowwise", "weight")
+            per_token = Recipe.from_name("blockwise").replace(block=module.in_features)
+            module.register_forward_pre_hook(lambda m, a, r=per_token: (fake_quantize(a[0], r, "input"),))
+    reference_model.load_state_dict(weights)
+    with torch.no_grad():
+        reference = reference_model.eval()(ids)[0]
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        torch.testing.assert_close(model(ids).logits, reference, rtol=1e-4, atol=1e-4)
+        w8a16 = tmp_path / "w8a16"
+        assert run_main(["export", str(run), "--out", str(w8a16), "--format", "hf-fp8"], capsys)[0] == 0
+        unquantized_inputs = transformers.AutoModelForCausalLM.from_pretrained(w8a16, dtype=torch.float32)
+        assert (unquantized_inputs.eval()(ids).logits - reference).abs().max() > 1e-3

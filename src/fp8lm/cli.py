@@ -256,6 +256,13 @@ def _add_export(p: argparse.ArgumentParser) -> None:
         help="hf: BF16 weights; hf-fp8: the linear layers' weights in E4M3 with their scales "
         "(compressed-tensors) (default: %(default)s)",
     )
+    p.add_argument(
+        "--input-activations",
+        default="bf16",
+        choices=("bf16", "fp8"),
+        help="hf-fp8: fp8 also declares the linear layers' inputs E4M3, scaled per batch in the recipe's "
+        "blocks (W8A8, what serving engines' FP8 GEMMs run; --arch llama runs) (default: %(default)s)",
+    )
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
@@ -263,7 +270,7 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from .train.export import export_run
 
-    out = export_run(args.source, args.out, args.format, args.step, args.overwrite)
+    out = export_run(args.source, args.out, args.format, args.step, args.overwrite, args.input_activations)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"exported {args.source} as {args.format} to {out} ({size / 2**20:.2f} MiB)")
     return 0

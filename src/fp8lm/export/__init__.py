@@ -26,6 +26,7 @@ _LAZY = {
     "WeightScheme": "fp8",
     "dequantize_weight": "fp8",
     "quantization_config": "fp8",
+    "activation_args": "fp8",
 }
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "weight_scheme",
     "WeightScheme",
     "dequantize_weight",
+    "activation_args",
     "quantization_config",
 ]
 

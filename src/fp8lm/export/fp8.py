@@ -40,6 +40,7 @@ __all__ = [
     "quantize_weights",
     "dequantize_weight",
     "quantization_config",
+    "activation_args",
 ]
 
 # compressed-tensors' strategy of each recipe granularity it can hold exactly
@@ -210,10 +211,37 @@ def dequantize_weight(
     return (e4m3.float() * scale).to(dtype)
 
 
-def quantization_config(ignore: list[str], dequantize: bool, scheme: WeightScheme | None = None) -> dict:
+def activation_args(recipe: Recipe | None) -> dict:
+    """The ``input_activations`` entry of a ``compressed-tensors`` config group that quantizes the
+    linear layers' inputs to E4M3 in the blocks ``recipe``'s forward GEMM reads them in, with
+    scales computed from each batch at serving time (``dynamic``): one per tensor (tensorwise;
+    the delayed recipe's amax history is the training run's, not the server's), per token
+    (rowwise), per 1 x 128 group of a token (blockwise). One `ExportError` line for a recipe whose
+    inputs no ``compressed-tensors`` activation scheme holds."""
+    granularity = "tensorwise" if recipe is None else recipe.granularity
+    label = "the recipe" if recipe is None else f"recipe {recipe.name or 'custom'}"
+    if recipe is not None and recipe.input_format != E4M3:
+        raise ExportError(f"{label} has {recipe.input_format.name} inputs: export with --input-activations bf16")
+    args: dict[str, object] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+    if granularity == "tensorwise":
+        return args | {"strategy": "tensor"}
+    if granularity == "rowwise":
+        return args | {"strategy": "token"}
+    if granularity == "blockwise":
+        assert recipe is not None
+        return args | {"strategy": "group", "group_size": recipe.block}
+    raise ExportError(
+        f"{label} quantizes inputs in {granularity} blocks, which compressed-tensors' FP8 activations do not "
+        "hold here: export with --input-activations bf16 (E4M3 weights, BF16 inputs)"
+    )
+
+
+def quantization_config(
+    ignore: list[str], dequantize: bool, scheme: WeightScheme | None = None, input_activations: dict | None = None
+) -> dict:
     """The ``quantization_config`` entry of ``config.json``: FP8 (E4M3) weights of the linear layers,
-    static scales as ``scheme`` lays them out (default: per tensor), activations unquantized;
-    ``ignore``: module names kept in BF16. ``dequantize``: transformers reads the weights back
+    static scales as ``scheme`` lays them out (default: per tensor), activations unquantized or as
+    ``input_activations`` (`activation_args`); ``ignore``: module names kept in BF16. ``dequantize``: transformers reads the weights back
     into BF16 at load time, needed where the model's linear layers are GPT-2 ``Conv1D`` modules,
     which compressed-tensors' runtime does not quantize (serving engines such as vLLM build their
     own linear layers and ignore the flag)."""
@@ -223,7 +251,11 @@ def quantization_config(ignore: list[str], dequantize: bool, scheme: WeightSchem
         "format": scheme.format,
         "quantization_status": "compressed",
         "config_groups": {
-            "group_0": {"targets": ["Linear"], "weights": scheme.weights_args(), "input_activations": None}
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": scheme.weights_args(),
+                "input_activations": input_activations,
+            }
         },
         "ignore": ignore,
     }

@@ -17,7 +17,7 @@ from ..nn.linear import FP8Linear, is_conv1d
 from ..recipe import Recipe, recipe_from
 from .folder import ExportError, atomic_folder, check_destination
 from .formats import FORMATS
-from .fp8 import WeightScheme, quantization_config, quantize_weights, weight_scheme
+from .fp8 import WeightScheme, activation_args, quantization_config, quantize_weights, weight_scheme
 
 __all__ = ["save_pretrained", "model_recipe", "require_hf", "WEIGHTS_NAME"]
 
@@ -35,6 +35,7 @@ def save_pretrained(
     overwrite: bool = False,
     recipe: Recipe | str | None = None,
     fused: Sequence[Sequence[str]] = (),
+    input_activations: str = "bf16",
 ) -> Path:
     """Write ``model`` (a ``transformers`` causal LM, its linear layers plain or `FP8Linear`) to the
     folder ``out``: ``config.json``, ``model.safetensors``, ``generation_config.json``, the
@@ -48,8 +49,12 @@ def save_pretrained(
     `fp8lm.Recipe` or its name; None: per-tensor scales). ``fused``: groups of linear-layer
     names whose weights the trained model computed as one operand, stacked along the output rows
     in this order (fused k/v or gate/up projections split for the Hugging Face class): they are
-    quantized together, each getting its share of the operand's payload and scales. The folder
-    appears complete or not at all; an existing non-empty ``out`` is refused unless ``overwrite``.
+    quantized together, each getting its share of the operand's payload and scales.
+    ``input_activations="fp8"`` (``hf-fp8`` only): the folder also declares the linear layers'
+    inputs E4M3, scaled per batch in the recipe's blocks (`fp8lm.export.fp8.activation_args`:
+    W8A8, as the model trained; serving engines' FP8 GEMMs need it, and vLLM's CPU build has no
+    FP8 kernel without it); models with GPT-2 ``Conv1D`` layers are refused (transformers would
+    not quantize their inputs). The folder appears complete or not at all; an existing non-empty ``out`` is refused unless ``overwrite``.
     Returns ``out``."""
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r}: use one of {', '.join(FORMATS)}")
@@ -64,6 +69,7 @@ def save_pretrained(
     check_destination(out, overwrite)  # before the (possibly long) conversion
     fp8_recipe = model_recipe(model, recipe) if format == "hf-fp8" else None
     scheme = weight_scheme(fp8_recipe)
+    activations = _activations(model, format, fp8_recipe, input_activations)
     tensors, quantized = _weights(model, format == "hf-fp8", fp8_recipe, fused)
     config = copy.deepcopy(config)
     config.architectures = [type(model).__name__]
@@ -71,7 +77,7 @@ def save_pretrained(
     if format == "hf-fp8":
         head = _head_names(model)
         transposed = any(_transposed(m) for m in quantized)
-        config.quantization_config = quantization_config(head, dequantize=transposed, scheme=scheme)
+        config.quantization_config = quantization_config(head, transposed, scheme, activations)
     with atomic_folder(out, overwrite) as tmp:
         _save_tensors(tensors, tmp / WEIGHTS_NAME)
         config.save_pretrained(tmp)
@@ -81,6 +87,23 @@ def save_pretrained(
         default = _default_readme(type(model).__name__, format, scheme)
         (tmp / "README.md").write_text(readme if readme is not None else default)
     return out
+
+
+def _activations(model: nn.Module, format: str, recipe: Recipe | None, input_activations: str) -> dict | None:
+    """The ``input_activations`` entry an export declares (None: BF16 inputs); one `ExportError`
+    line for a request it cannot honour."""
+    if input_activations not in ("bf16", "fp8"):
+        raise ExportError(f"unknown input_activations {input_activations!r}: use bf16 or fp8")
+    if input_activations == "bf16":
+        return None
+    if format != "hf-fp8":
+        raise ExportError("FP8 input activations need FP8 weights: export with format 'hf-fp8'")
+    if any(_transposed(m) for m in _linear_layers(model).values()):
+        raise ExportError(
+            "the model has GPT-2 Conv1D layers, whose inputs transformers does not quantize: export with "
+            "--input-activations bf16, or train --arch llama (nn.Linear layers)"
+        )
+    return activation_args(recipe)
 
 
 def model_recipe(model: nn.Module, recipe: Recipe | str | None = None) -> Recipe | None:

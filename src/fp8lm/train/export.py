@@ -320,9 +320,11 @@ def export_run(
     format: str = "hf",
     step: int | None = None,
     overwrite: bool = False,
+    input_activations: str = "bf16",
 ) -> Path:
     """Export the checkpoint of a run (see `read_run_checkpoint`) to the folder ``out`` in
-    ``format`` (``"hf"`` or ``"hf-fp8"``, `fp8lm.export.save_pretrained`)."""
+    ``format`` (``"hf"`` or ``"hf-fp8"``, `fp8lm.export.save_pretrained`, as its
+    ``input_activations``)."""
     state = read_run_checkpoint(path, step)
     cfg = state["model_config"]
     recipe = run_recipe(state)
@@ -335,10 +337,11 @@ def export_run(
         out,
         format=format,
         tokenizer=tokenizer.hf,
-        readme=_readme(state, format),
+        readme=_readme(state, format, input_activations),
         overwrite=overwrite,
         recipe=recipe,
         fused=fused_layers(cfg),
+        input_activations=input_activations,
     )
 
 
@@ -365,7 +368,7 @@ def fused_layers(cfg: GPTConfig | HFModelConfig) -> list[tuple[str, ...]]:
     return groups
 
 
-def _readme(state: dict, format: str) -> str:
+def _readme(state: dict, format: str, input_activations: str = "bf16") -> str:
     cfg: GPTConfig | HFModelConfig = state["model_config"]
     checkpoint = Path(state["path"])
     run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
@@ -376,6 +379,8 @@ def _readme(state: dict, format: str) -> str:
             f"E4M3 weights of the linear layers, {scheme.describe()} (compressed-tensors {scheme.format}), "
             "output head and the rest in BF16"
         )
+        if input_activations == "fp8":
+            weights += "; the linear layers' inputs E4M3, scaled per batch in the recipe's blocks (W8A8)"
     recipe = (state.get("config") or {}).get("recipe") or DEFAULT_RECIPE
     if isinstance(cfg, HFModelConfig):
         architecture = ", ".join(cfg.hf_config.get("architectures") or [cfg.model_type])
