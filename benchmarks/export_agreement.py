@@ -14,6 +14,13 @@ perplexity as ``reference_perplexity``. The same GPT without FP8 GEMMs (FP32, th
 weights) is a second reference, ``vs_high_precision``: it separates what the export changes from
 what FP8 activations change (fp8lm's forward quantizes each linear layer's input to E4M3; the
 exports run their activations in BF16).
+
+``--input-activations fp8`` also measures, for runs whose model has ``nn.Linear`` layers
+(``--arch llama``), the ``hf-fp8`` export with FP8 inputs (W8A8, ``hf-fp8-w8a8``: transformers'
+compressed-tensors runtime quantizes each linear layer's input per batch). ``--serve-dir DIR``
+keeps each run's exports there (``DIR/NAME-hf``, ``DIR/NAME-hf-fp8``, ``DIR/NAME-hf-fp8-w8a8``)
+with ``DIR/NAME-reference.json``: the held-out windows, their targets, fp8lm's most likely next
+token at each position and its log-probability of the target, which ``benchmarks/vllm_serve.py`` compares a serving engine against.
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
     }
 
 
-def measure(run: Path, tokens: int, work: Path) -> dict:
+def measure(run: Path, tokens: int, work: Path, w8a8: bool = False, name: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     state = read_run_checkpoint(run)
@@ -95,16 +102,30 @@ def measure(run: Path, tokens: int, work: Path) -> dict:
         "high_precision_perplexity": compare(high_precision, high_precision, targets, tokens)["perplexity"],
         "high_precision": compare(reference, high_precision, targets, tokens),
     }
-    for fmt in FORMATS:
-        folder = export_run(run, work / f"{run.name}-{fmt}", fmt)
+    exports = {fmt: (fmt, "bf16") for fmt in FORMATS}
+    if w8a8 and getattr(state["model_config"], "arch", None) == "llama":
+        exports["hf-fp8-w8a8"] = ("hf-fp8", "fp8")
+    prefix = name or run.name
+    if name is not None:  # kept for a serving engine: the windows and fp8lm's predictions
+        reference_json = {
+            "run": name,
+            "checkpoint": result["checkpoint"],
+            "inputs": inputs.tolist(),
+            "targets": targets.tolist(),
+            "reference_argmax": reference.argmax(-1).tolist(),
+            "reference_target_logprob": F.log_softmax(reference, -1).gather(-1, targets[..., None])[..., 0].tolist(),
+        }
+        (work / f"{prefix}-reference.json").write_text(json.dumps(reference_json))
+    for key, (fmt, activations) in exports.items():
+        folder = export_run(run, work / f"{prefix}-{key}", fmt, input_activations=activations)
         model = AutoModelForCausalLM.from_pretrained(folder).eval()  # BF16, as config.json says
         logits = logits_of(model, inputs)
-        result[fmt] = compare(reference, logits, targets, tokens)
+        result[key] = compare(reference, logits, targets, tokens)
         hp = compare(high_precision, logits, targets, tokens)
-        result[fmt]["vs_high_precision"] = {"agreement": hp["agreement"], "mean_kl": hp["mean_kl"]}
-        result[fmt]["dtype"] = str(model.dtype).removeprefix("torch.")
-        result[fmt]["size_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
-        result[fmt]["weights_bytes"] = (folder / "model.safetensors").stat().st_size
+        result[key]["vs_high_precision"] = {"agreement": hp["agreement"], "mean_kl": hp["mean_kl"]}
+        result[key]["dtype"] = str(model.dtype).removeprefix("torch.")
+        result[key]["size_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
+        result[key]["weights_bytes"] = (folder / "model.safetensors").stat().st_size
     return result
 
 
@@ -112,10 +133,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, metavar="NAME=RUN_DIR", help="a run to export")
     parser.add_argument("--tokens", type=int, default=1000, help="held-out next-token predictions (default: 1000)")
+    parser.add_argument(
+        "--input-activations",
+        default="bf16",
+        choices=("bf16", "fp8"),
+        help="fp8: also the W8A8 hf-fp8 export of --arch llama runs (default: %(default)s)",
+    )
+    parser.add_argument("--serve-dir", help="keep the hf-fp8 exports and fp8lm's predictions here (a new folder)")
     args = parser.parse_args()
     runs = dict(spec.split("=", 1) for spec in args.run)
-    with tempfile.TemporaryDirectory() as work:
-        results = {name: measure(Path(path), args.tokens, Path(work)) for name, path in runs.items()}
+    w8a8 = args.input_activations == "fp8"
+    if args.serve_dir:
+        Path(args.serve_dir).mkdir(parents=True, exist_ok=False)
+        results = {
+            name: measure(Path(path), args.tokens, Path(args.serve_dir), w8a8, name) for name, path in runs.items()
+        }
+    else:
+        with tempfile.TemporaryDirectory() as work:
+            results = {name: measure(Path(path), args.tokens, Path(work), w8a8) for name, path in runs.items()}
     print(json.dumps({"machine": machine(), "runs": results}, indent=1))
 
 
