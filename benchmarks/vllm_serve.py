@@ -54,14 +54,19 @@ def agreement(llm, reference: dict, tokens: int) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     prompts = [TokensPrompt(prompt_token_ids=window[:-1]) for window in reference["inputs"]]
+    return score(reference, [out.prompt_logprobs for out in llm.generate(prompts, params)], tokens)
+
+
+def score(reference: dict, prompt_logprobs: list[list], tokens: int) -> dict:
+    """`agreement`'s figures from vLLM's ``prompt_logprobs`` of each window (entry ``p + 1``: the
+    distribution of token ``p + 1`` given tokens ``0..p``, a dict of token -> object with
+    ``logprob`` and ``rank``; entry 0 is None) and fp8lm's predictions in ``reference``."""
     same, nll, reference_nll, count = 0, 0.0, 0.0, 0
-    outs = llm.generate(prompts, params)
-    for w, (window, out) in enumerate(zip(reference["inputs"], outs)):
-        # prompt_logprobs[p + 1]: the distribution of token p + 1 given tokens 0..p (entry 0 is None)
+    for w, (window, logprobs_of) in enumerate(zip(reference["inputs"], prompt_logprobs)):
         for p in range(len(window) - 2):
             if count == tokens:
                 break
-            logprobs = out.prompt_logprobs[p + 1]
+            logprobs = logprobs_of[p + 1]
             top = next(t for t, lp in logprobs.items() if lp.rank == 1)
             same += int(top == reference["reference_argmax"][w][p])
             nll -= logprobs[window[p + 1]].logprob
