@@ -20,7 +20,8 @@ exports run their activations in BF16).
 compressed-tensors runtime quantizes each linear layer's input per batch). ``--serve-dir DIR``
 keeps each run's exports there (``DIR/NAME-hf``, ``DIR/NAME-hf-fp8``, ``DIR/NAME-hf-fp8-w8a8``)
 with ``DIR/NAME-reference.json``: the held-out windows, their targets, fp8lm's most likely next
-token at each position and its log-probability of the target, which ``benchmarks/vllm_serve.py`` compares a serving engine against.
+token at each position and its log-probability of the target, which
+``benchmarks/vllm_serve.py`` compares a serving engine against.
 """
 
 from __future__ import annotations

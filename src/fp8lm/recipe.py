@@ -49,7 +49,7 @@ DEFAULT_BLOCKS: dict[str, int | None] = {
     "nvfp4": 16,
 }
 MX_ROUNDINGS = ("floor", "rceil")
-NVFP4_SCALE_RULES = ("max6", "4over6")  # fp8lm.ops.nvfp4.SCALE_RULES
+NVFP4_SCALE_RULES = ("max6", "4over6")  # fp8lm.ops.nvfp4's block scales
 WEIGHT_GRAD_GEMMS = ("fp8", "bf16")
 
 

@@ -241,10 +241,10 @@ def quantization_config(
 ) -> dict:
     """The ``quantization_config`` entry of ``config.json``: FP8 (E4M3) weights of the linear layers,
     static scales as ``scheme`` lays them out (default: per tensor), activations unquantized or as
-    ``input_activations`` (`activation_args`); ``ignore``: module names kept in BF16. ``dequantize``: transformers reads the weights back
-    into BF16 at load time, needed where the model's linear layers are GPT-2 ``Conv1D`` modules,
-    which compressed-tensors' runtime does not quantize (serving engines such as vLLM build their
-    own linear layers and ignore the flag)."""
+    ``input_activations`` (`activation_args`); ``ignore``: module names kept in BF16.
+    ``dequantize``: transformers reads the weights back into BF16 at load time, needed where the
+    model's linear layers are GPT-2 ``Conv1D`` modules, which compressed-tensors' runtime does not
+    quantize (serving engines such as vLLM build their own linear layers and ignore the flag)."""
     scheme = scheme or WeightScheme()
     config: dict[str, object] = {
         "quant_method": "compressed-tensors",

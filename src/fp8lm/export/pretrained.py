@@ -54,8 +54,8 @@ def save_pretrained(
     inputs E4M3, scaled per batch in the recipe's blocks (`fp8lm.export.fp8.activation_args`:
     W8A8, as the model trained; serving engines' FP8 GEMMs need it, and vLLM's CPU build has no
     FP8 kernel without it); models with GPT-2 ``Conv1D`` layers are refused (transformers would
-    not quantize their inputs). The folder appears complete or not at all; an existing non-empty ``out`` is refused unless ``overwrite``.
-    Returns ``out``."""
+    not quantize their inputs). The folder appears complete or not at all; an existing non-empty
+    ``out`` is refused unless ``overwrite``. Returns ``out``."""
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r}: use one of {', '.join(FORMATS)}")
     require_hf("compressed_tensors" if format == "hf-fp8" else None)

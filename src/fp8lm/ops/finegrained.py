@@ -12,7 +12,7 @@ partial):
 | rowwise | a row along ``dim`` | the same | `pow2_ceil` |
 | blockwise | 1 x 128 along ``dim`` | 128 x 128 | `amax_over_max` (`pow2_ceil` with ``pow2_scales``) |
 | mxfp8 | 1 x 32 along ``dim`` | the same | `pow2_floor` (`pow2_ceil` with ``mx_rounding="rceil"``) |
-| nvfp4 | 1 x 16 along ``dim`` | 16 x 16 | two levels, `fp8lm.ops.nvfp4` (Four Over Six with ``nvfp4_scale_rule="4over6"``) |
+| nvfp4 | 1 x 16 along ``dim`` | 16 x 16 | two levels, `fp8lm.ops.nvfp4` (or Four Over Six, ``nvfp4_scale_rule``) |
 
 Elements are the role's format of the recipe (``input_format``, ``weight_format``,
 ``grad_output_format``), ``cast(x / d)`` rounded to nearest even and saturating; nvfp4's are E2M1,

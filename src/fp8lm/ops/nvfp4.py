@@ -32,7 +32,6 @@ from .blocks import per_block
 
 __all__ = [
     "E2M1_MAX",
-    "SCALE_RULES",
     "round_e2m1",
     "tensor_scales",
     "block_scales",
@@ -43,8 +42,7 @@ __all__ = [
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 TENSOR_SCALE_BASE = E2M1_MAX * E4M3_MAX
-SCALE_RULES = ("max6", "4over6")
-# 4over6: the largest block scale to 6 is 256, to 4 is 384 (<= 448)
+# 4over6 (`fp8lm.recipe.NVFP4_SCALE_RULES`): the largest block scale to 6 is 256, to 4 is 384
 FOUR_OVER_SIX_TENSOR_SCALE_BASE = E2M1_MAX * 256.0
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
