@@ -336,3 +336,15 @@ def test_a_llama_run_exported_w8a8_runs_in_transformers_with_fp8_inputs(
         assert run_main(["export", str(run), "--out", str(w8a16), "--format", "hf-fp8"], capsys)[0] == 0
         unquantized_inputs = transformers.AutoModelForCausalLM.from_pretrained(w8a16, dtype=torch.float32)
         assert (unquantized_inputs.eval()(ids).logits - reference).abs().max() > 1e-3
+
+
+def test_fp8_input_activations_of_a_gpt_run_are_refused_in_one_line(
+    tmp_path, email_corpus, token_cache, tiny_cli_args, capsys
+):
+    run = trained(tmp_path, [], email_corpus, token_cache, tiny_cli_args, capsys)
+    for format, named in (("hf-fp8", "Conv1D"), ("hf", "format 'hf-fp8'")):
+        out = tmp_path / format
+        args = ["export", str(run), "--out", str(out), "--format", format, "--input-activations", "fp8"]
+        rc, _, err = run_main(args, capsys)
+        assert rc == 2 and err.count("\n") == 1 and named in err, err
+        assert not out.exists()
