@@ -199,15 +199,15 @@ def _nvfp4_operand(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     s_enc, s_dec = nvfp4.tensor_scales(tensor_amax, scale_rule)
     d = nvfp4.block_scales(amax, s_enc, s_dec)
-    if scale_rule == "4over6":
-        d = nvfp4.four_over_six(xb, d, nvfp4.block_scales(amax, s_enc, s_dec, element_max=4.0))
-    v = xb.to(torch.float32) / per_block(d)
-    v = torch.where(per_block(d) == 0, torch.zeros_like(v), v)
-    noise = None
+    nearest = None
+    if scale_rule == "4over6":  # its choice already rounded the values to nearest
+        d, nearest = nvfp4.four_over_six(xb, d, nvfp4.block_scales(amax, s_enc, s_dec, element_max=4.0))
     if stochastic:
         noise = to_blocks(torch.rand(x.shape, generator=generator, device=x.device), block)
-    q = nvfp4.round_e2m1(v, noise).to(torch.float8_e4m3fn)
-    return from_blocks(q, x.shape), d
+        q = nvfp4.round_e2m1(nvfp4.scaled(xb, d), noise)
+    else:
+        q = nearest if nearest is not None else nvfp4.round_e2m1(nvfp4.scaled(xb, d))
+    return from_blocks(q.to(torch.float8_e4m3fn), x.shape), d
 
 
 def block_mm(

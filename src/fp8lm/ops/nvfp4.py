@@ -35,6 +35,7 @@ __all__ = [
     "round_e2m1",
     "tensor_scales",
     "block_scales",
+    "scaled",
     "four_over_six",
     "TENSOR_SCALE_BASE",
 ]
@@ -92,17 +93,26 @@ def block_scales(
     return stored.to(torch.float32) * s_dec
 
 
-def four_over_six(xb: torch.Tensor, d6: torch.Tensor, d4: torch.Tensor) -> torch.Tensor:
-    """Four Over Six's ``d`` per block: of a `fp8lm.ops.blocks.to_blocks` view ``xb`` and its
-    candidate scales ``d6`` (amax to 6) and ``d4`` (amax to 4), the one whose nearest-rounded
-    values ``e2m1(x / d) * d`` (float32, as the GEMM sees them) are closer to ``x``: the sum of
-    squared errors in float64 (exact enough that the choice is the float64 one), ties to ``d6``."""
-    x = xb.to(torch.float32)
-    x64 = x.to(torch.float64)
+def scaled(xb: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``x / d`` of a `fp8lm.ops.blocks.to_blocks` view ``xb`` and its blocks' ``d`` (float32; 0
+    where ``d`` is 0): what `round_e2m1` rounds."""
+    d_b = per_block(d)
+    v = xb.to(torch.float32) / d_b
+    return torch.where(d_b == 0, torch.zeros_like(v), v)
 
-    def squared_error(d: torch.Tensor) -> torch.Tensor:
-        d_b = per_block(d)
-        values = round_e2m1(torch.where(d_b == 0, torch.zeros_like(x), x / d_b)) * d_b
-        return (values.to(torch.float64) - x64).square().sum(dim=(1, 3))
 
-    return torch.where(squared_error(d4) < squared_error(d6), d4, d6)
+def four_over_six(xb: torch.Tensor, d6: torch.Tensor, d4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four Over Six's ``d`` per block, and the block's values rounded to nearest with it
+    (`round_e2m1` of `scaled`): of a `fp8lm.ops.blocks.to_blocks` view ``xb`` and its candidate
+    scales ``d6`` (amax to 6) and ``d4`` (amax to 4), the one whose nearest-rounded values
+    ``e2m1(x / d) * d`` (float32, as the GEMM sees them) are closer to ``x``: the sum of squared
+    errors in float64 (exact enough that the choice is the float64 one), ties to ``d6``."""
+    x64 = xb.to(torch.float64)
+
+    def candidate(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = round_e2m1(scaled(xb, d))
+        return q, ((q * per_block(d)).to(torch.float64) - x64).square().sum(dim=(1, 3))
+
+    (q6, error6), (q4, error4) = candidate(d6), candidate(d4)
+    four = error4 < error6
+    return torch.where(four, d4, d6), torch.where(per_block(four), q4, q6)
