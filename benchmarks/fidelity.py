@@ -115,6 +115,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "O2",
         {"recipe": {"name": "nvfp4", "nvfp4_scale_rule": "4over6"}, "policy": {"*.attn.*": {"fp8_gemm": False}}},
     ),
+    # precision annealing (arXiv 2509.25149): the last fifth of the steps (and so the final validation)
+    # with every FP8 layer's GEMMs in BF16 (TrainConfig.final_bf16_fraction, under "train")
+    "O2-nvfp4-final-bf16": ("O2", {"recipe": "nvfp4", "train": {"final_bf16_fraction": 0.2}}),
+    "O2-nvfp4-4over6-final-bf16": (
+        "O2",
+        {"recipe": {"name": "nvfp4", "nvfp4_scale_rule": "4over6"}, "train": {"final_bf16_fraction": 0.2}},
+    ),
     # mxfp8 with cuBLAS's scale rounding (RCEIL: no block's amax saturates) instead of the OCP spec's
     # floor, which clips a block's amax by up to 12.5 % (docs/measurements/recipes.md)
     "O2-mxfp8-rceil": ("O2", {"recipe": {"name": "mxfp8", "mx_rounding": "rceil"}}),
@@ -151,6 +158,7 @@ def _run(job: dict) -> dict:
         save_every=save_every,
         resume=save_every > 0 and (Path(job["out"]) / "checkpoints").is_dir(),
         **job.get("train", {}),
+        **variant_train_fields(job["variant"]),
     )
     start = time.perf_counter()
     summary = train(cfg)
@@ -188,6 +196,12 @@ def train_options(args) -> dict:
     return {**_continuation(args), **model}
 
 
+def variant_train_fields(variant: str) -> dict:
+    """The `fp8lm.train.config.TrainConfig` fields a `VARIANTS` entry sets (its ``"train"``), beyond
+    the opt level and fp8lm.initialize options."""
+    return dict(VARIANTS[variant][1].get("train", {}))
+
+
 def variant_options(variant: str) -> tuple[str, dict]:
     """``(level, fp8lm.initialize options)`` of a `VARIANTS` entry: a recipe is a name, or fields
     that change the default fp8lm.Recipe (formats by name), or the named one's with ``"name"``; ``"output_head": False`` becomes the
@@ -197,6 +211,7 @@ def variant_options(variant: str) -> tuple[str, dict]:
     from fp8lm.recipe import Recipe
 
     level, options = VARIANTS[variant]
+    options = {k: v for k, v in options.items() if k != "train"}  # TrainConfig fields: variant_train_fields
     if isinstance(options.get("recipe"), dict):
         fields = {k: format_of(v) if k.endswith("_format") else v for k, v in options["recipe"].items()}
         named = fields.pop("name", None)  # a named recipe with some fields changed

@@ -160,3 +160,16 @@ def test_nvfp4_wgrad_probe_changes_only_the_weight_gradient_gemm():
     _, options = fidelity.variant_options("O2-nvfp4-wgrad-bf16")
     assert options["recipe"] == fp8lm.Recipe.from_name("nvfp4").replace(weight_grad_gemm="bf16")
     assert "policy" not in options
+
+
+def test_a_variants_train_fields_reach_its_run_and_not_initialize():
+    from dataclasses import fields
+
+    from fp8lm.train.config import TrainConfig
+
+    names = {f.name for f in fields(TrainConfig)}
+    for variant in fidelity.VARIANTS:
+        assert set(fidelity.variant_train_fields(variant)) <= names, variant
+        assert "train" not in fidelity.variant_options(variant)[1], variant
+    assert fidelity.variant_train_fields("O2-nvfp4-final-bf16") == {"final_bf16_fraction": 0.2}
+    assert fidelity.variant_train_fields("O2-nvfp4") == {}

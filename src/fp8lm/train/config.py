@@ -75,6 +75,7 @@ _NUMBER_RANGES = {
     "beta2": (0.0, 1.0, (True, False)),
     "grad_clip": (0.0, math.inf, (True, False)),
     "val_fraction": (0.0, 1.0, (False, False)),
+    "final_bf16_fraction": (0.0, 1.0, (True, False)),
 }
 # --seed seeds torch's generators, with the rank added: within a signed 64-bit integer on any world size
 _SEEDS = range(0, 2**63 - 2**20)
@@ -384,6 +385,14 @@ class TrainConfig:
         "(fp8lm.fallback; switches logged to metrics.jsonl)",
         group=_NUMERICS,
     )
+    final_bf16_fraction: float = option(
+        0.0,
+        "FP8 levels: run the last FRACTION of the steps with every FP8 layer's GEMMs in BF16 and its weight "
+        "gradient in the weight's dtype (precision annealing, docs/recipes.md); 0: FP8 to the last step",
+        group=_NUMERICS,
+        metavar="FRACTION",
+        resume="free",
+    )
     amp_options: dict = field(default_factory=dict)  # extra keyword options of fp8lm.initialize
 
     def model_config(self) -> GPTConfig | HFModelConfig:
@@ -486,6 +495,7 @@ class TrainConfig:
                 f"--fallback acts on FP8 telemetry: it needs an FP8 level ({'/'.join(FP8_LEVELS)}, this run is "
                 f"{self.opt_level}) and --telemetry-every >= 1 (got {self.telemetry_every})"
             )
+        self._check_final_bf16()
         self._check_model_folder()
         try:
             model = self.model_config()
@@ -494,6 +504,22 @@ class TrainConfig:
         self._check_vocabulary(model)
         self._check_split(model)
         self._check_memory(model)
+
+    def _check_final_bf16(self) -> None:
+        if not self.final_bf16_fraction:
+            return
+        if self.opt_level not in FP8_LEVELS:
+            raise RunError(
+                f"--final-bf16-fraction moves the FP8 layers to BF16 ({'/'.join(FP8_LEVELS)}); this run is "
+                f"{self.opt_level}: drop it or pick an FP8 level"
+            )
+        if self.fallback:
+            raise RunError("--fallback and --final-bf16-fraction both switch layers to BF16: pass one of them")
+
+    def bf16_from_step(self) -> int | None:
+        """The first (0-based) step of ``--final-bf16-fraction``'s BF16 steps, None when there are none."""
+        tail = round(self.final_bf16_fraction * self.steps)
+        return self.steps - tail if tail > 0 else None
 
     def _check_tokenizer(self) -> None:
         from .tokenizer import check_tokenizer_options

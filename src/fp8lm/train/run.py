@@ -24,7 +24,7 @@ from torch import nn
 from ..distributed import ddp_bytes, reset_comm_stats
 from ..fallback import PrecisionFallback
 from ..memory import PeakMemory, memory_report
-from ..nn import MoE, load_scaling_state_dict, scaling_state_dict
+from ..nn import FP8GroupedLinear, FP8Linear, MoE, load_scaling_state_dict, scaling_state_dict
 from ..nn.moe import load_balance
 from ..ops.gemm import CPUBF16Linear
 from ..optim import SkipsNonFiniteSteps
@@ -161,6 +161,11 @@ class TrainingRun:
         self._check_tokenizer(resume)
         self.telemetry = self._telemetry()
         self.fallback = self._fallback() if cfg.fallback else None
+        # --final-bf16-fraction: the layers its BF16 steps switch (this rank's, computing in FP8)
+        self.bf16_from = cfg.bf16_from_step()
+        self.fp8_layers = [
+            m for m in self.core.modules() if isinstance(m, (FP8Linear, FP8GroupedLinear)) and m.fp8_enabled
+        ]
         self.start_step, self.torch_skipped_steps = 0, 0
         self.train_time, self.timed_steps = 0.0, 0  # the first step compiles and warms up: not timed
         self.memory: dict | None = None
@@ -244,6 +249,7 @@ class TrainingRun:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         reset_comm_stats()
+        bf16 = self.set_final_bf16(step)
         done = step + 1
         peak = self._peak_memory() if done == cfg.steps else None  # the last step's, measured
         with peak if peak is not None else contextlib.nullcontext():
@@ -274,6 +280,8 @@ class TrainingRun:
             "tokens": done * self.tokens_per_step,
         }
         record.update(self.moe_metrics())
+        if bf16:
+            record["bf16_gemms"] = True
         if self.ranks.distributed:
             record["comm_bytes"] = step_bytes
             record.update(counted or {})
@@ -282,6 +290,19 @@ class TrainingRun:
         if self.telemetry is not None and self.telemetry.sampled(step):
             self.log_telemetry(records, record)
         return record
+
+    def set_final_bf16(self, step: int) -> bool:
+        """Whether step ``step`` is one of ``--final-bf16-fraction``'s BF16 steps; the FP8 layers'
+        ``high_precision`` flags set to match (from the step number alone, so a resumed run agrees)."""
+        if self.bf16_from is None:
+            return False
+        bf16 = step >= self.bf16_from
+        switched = [m for m in self.fp8_layers if m.high_precision != bf16]
+        for m in switched:
+            m.high_precision = bf16
+        if switched and bf16 and self.ranks.main:
+            progress.say(f"step {step + 1}: the last {self.cfg.steps - step} steps run the FP8 layers' GEMMs in BF16")
+        return bf16
 
     def moe_metrics(self) -> dict:
         """A mixture of experts' step (none for a dense model): its load-balancing loss (the last
@@ -543,6 +564,7 @@ class TrainingRun:
             "ddp_fp32_bytes_per_step": ddp_bytes(self.num_params, 4, ranks.world),
             "ddp_bf16_bytes_per_step": ddp_bytes(self.num_params, 2, ranks.world),
             "fallback_events": self.fallback.events if self.fallback else [],
+            "bf16_from_step": self.bf16_from,  # --final-bf16-fraction's first BF16 step (0-based), or None
             **_moe_summary(records),
             "model_config": self.model_config.to_dict(),
             "data": self.data_info,
