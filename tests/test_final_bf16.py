@@ -76,3 +76,46 @@ def test_resume_into_and_within_the_bf16_steps_is_bit_identical(tmp_path, cache)
         resumed = train(cfg(tmp_path, cache, **options, out=str(resumed_out), resume=True))
         assert (resumed_out / "metrics.jsonl").read_bytes() == (out / "metrics.jsonl").read_bytes()
         assert resumed["val_loss"] == whole["val_loss"]
+
+
+@pytest.mark.parametrize(
+    "options, step, fallback, expected",
+    [
+        ({"steps": 10, "final_bf16_fraction": 0.2}, 8, None, set()),  # step 8 (0-based 7) computed in FP8
+        ({"steps": 10, "final_bf16_fraction": 0.2}, 9, None, True),
+        ({"steps": 10, "final_bf16_fraction": 0.0}, 10, None, set()),
+        ({"steps": 10}, 10, {"high_precision": {"blocks.0.mlp.c_fc": True, "lm_head": False}}, {"blocks.0.mlp.c_fc"}),
+    ],
+)
+def test_which_layers_a_checkpoints_last_step_computed_in_high_precision(options, step, fallback, expected):
+    from fp8lm.train.export import run_high_precision
+
+    assert run_high_precision({"options": options, "step": step, "fallback": fallback}) == expected
+
+
+def _logits(model, autocast, x):
+    with torch.no_grad(), autocast:
+        return model(x)[0].float()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.0])
+def test_run_model_computes_as_the_runs_last_step_did(tmp_path, cache, fraction):  # noqa: F811
+    from fp8lm.train.export import full_weights, read_run_checkpoint, run_autocast, run_model
+    from fp8lm.train.model import GPT
+
+    policy = '{"*.attn.c_proj": {"fp8_gemm": false}}'
+    train(cfg(tmp_path, cache, opt_level="O1", steps=2, final_bf16_fraction=fraction, policy=policy))
+    state = read_run_checkpoint(tmp_path / "run")
+    model = run_model(state)
+    layers = {n: m for n, m in model.named_modules() if hasattr(m, "high_precision")}
+    assert layers and all(m.high_precision == bool(fraction) for m in layers.values())
+    assert [n for n, m in layers.items() if not m.fp8_enabled] == [
+        "blocks.0.attn.c_proj",
+        "blocks.1.attn.c_proj",
+        "lm_head",
+    ]
+    plain = GPT(state["model_config"])
+    plain.load_state_dict(full_weights(state))
+    x = torch.randint(0, state["model_config"].vocab_size, (2, 16))
+    same = torch.equal(_logits(model, run_autocast(state), x), _logits(plain.eval(), run_autocast(state), x))
+    assert same == bool(fraction)  # BF16 GEMMs throughout, as the plain model under BF16 autocast

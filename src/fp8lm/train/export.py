@@ -24,11 +24,11 @@ from ..export.fp8 import weight_scheme
 from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..recipe import DEFAULT_RECIPE, Recipe
 from .checkpoint import CheckpointError, checkpoint_weights, list_checkpoints, load_checkpoint
-from .config import FP8_LEVELS
+from .config import FP8_LEVELS, TrainConfig
 from .hf_model import HFCausalLM, HFModelConfig, build_model, model_config_from_dict
 from .model import GPTConfig
 from .reshard import merged_scaling
-from .resume import CHECKPOINT_FORMAT, check_state_fits
+from .resume import CHECKPOINT_FORMAT, check_state_fits, saved_options
 from .tokenizer import RunTokenizer, byte_tokenizer, recorded_tokenizer
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "fused_layers",
     "export_run",
     "run_model",
+    "run_high_precision",
     "run_autocast",
 ]
 
@@ -410,8 +411,9 @@ def _readme(state: dict, format: str, input_activations: str = "bf16") -> str:
 
 def run_model(state: dict, weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """fp8lm's own model of checkpoint ``state`` as the run evaluates it: the GPT at the run's opt
-    level (FP8 layers with the run's recipe and its saved scaling state), in eval mode. Use it
-    under `run_autocast`."""
+    level (FP8 layers with the run's recipe, ``--policy`` and saved scaling state; in high
+    precision where the run's last step computed them so: `run_high_precision`), in eval mode.
+    Use it under `run_autocast`."""
     cfg = state["model_config"]
     model = build_model(cfg)
     model.load_state_dict(full_weights(state) if weights is None else weights)
@@ -419,10 +421,29 @@ def run_model(state: dict, weights: dict[str, torch.Tensor] | None = None) -> nn
     if level in FP8_LEVELS:
         from ..amp import initialize
 
-        model, _ = initialize(model, None, level, recipe=run_recipe(state))
+        policy = saved_options(state).get("policy")
+        options = {"policy": TrainConfig(policy=policy).policy_overrides()} if policy else {}
+        model, _ = initialize(model, None, level, recipe=run_recipe(state), **options)
         own = scaling_state_dict(model)
         load_scaling_state_dict(model, merged_scaling(state["ranks"], model, own))
+        high = run_high_precision(state)
+        for name, layer in model.named_modules():
+            if hasattr(layer, "high_precision") and (high is True or name in high):
+                layer.high_precision = True
     return model.eval()
+
+
+def run_high_precision(state: dict) -> bool | set[str]:
+    """The FP8 layers checkpoint ``state``'s last step computed in high precision: True for all
+    of them (a step of ``--final-bf16-fraction``'s last ones), else the names ``--fallback`` had
+    moved (none without it)."""
+    options = saved_options(state)
+    fraction, steps = options.get("final_bf16_fraction") or 0.0, options.get("steps") or 0
+    first = TrainConfig(steps=steps, final_bf16_fraction=fraction).bf16_from_step()
+    if first is not None and int(state["step"]) > first:  # the checkpoint's last step, 0-based, is step - 1
+        return True
+    fallback = state.get("fallback") or {}
+    return {name for name, on in (fallback.get("high_precision") or {}).items() if on}
 
 
 def run_autocast(state: dict):

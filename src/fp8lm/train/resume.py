@@ -206,7 +206,7 @@ def resume_options(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, list
     if not list_checkpoints(Path(cfg.out) / "checkpoints"):
         return cfg, []
     state = load_checkpoint(Path(cfg.out) / "checkpoints")
-    saved = _saved_options(state)
+    saved = saved_options(state)
     options = {f.name: f for f in option_fields(type(cfg))}
     known = {name for name in saved if hasattr(cfg, name)}
     for name in sorted(known & given & options.keys()):
@@ -228,7 +228,7 @@ def resume_options(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, list
     return resumed, _schedule_lines(saved, resumed, given, int(state["step"]))
 
 
-def _saved_options(state: dict) -> dict:
+def saved_options(state: dict) -> dict:
     """The options a checkpoint records; for one written before they were recorded, those it has
     (the options of `RESUME_KEYS`, the level and the model's sizes)."""
     if "options" in state:
