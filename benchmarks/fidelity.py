@@ -12,11 +12,14 @@ are kept in ``--out/results.jsonl`` and not rerun, so an interrupted ablation co
     python benchmarks/fidelity.py --init-from CKPT --lr 1e-3 --steps 300 --seeds 0 --variants bf16,O2,O2-m-fp16
     python benchmarks/fidelity.py --arch llama --init-from CKPT --lr 4e-4 --steps 300 --seeds 0,1 --variants bf16,O2
     python benchmarks/fidelity.py --model tiny --moe-experts 8 --moe-top-k 2 --seeds 0,1 --variants bf16,O2,O2-act-mlp-bf16
+    python benchmarks/fidelity.py --eval-bf16 --seeds 0,1,2 --variants bf16,fp32,O2-nvfp4
 
 The last is a continuation probe: every variant trains from the same checkpoint's weights (a
 fresh optimizer, constant lr), which measures a choice's cost at that point of a long run for a
 fraction of the run's time; with ``--lr 1e-12 --steps 1`` it measures the validation loss of the
-checkpoint's weights as each variant evaluates them (the FP8 forward's own cost).
+checkpoint's weights as each variant evaluates them (the FP8 forward's own cost). ``--eval-bf16``
+trains nothing: it validates the finished runs' final weights with every GEMM in BF16, which
+separates what a recipe costs the trained weights from what its forward costs the validation.
 
 Prints one JSON object: per variant, the gap at each seed, their mean and standard deviation,
 and the mean gap minus fp32's (the FP8 cost above the noise floor); for runs of 2,000 steps or
@@ -139,13 +142,29 @@ def _run(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from fp8lm.train.config import TrainConfig
     from fp8lm.train.loop import train
+
+    cfg = train_config(job)
+    start = time.perf_counter()
+    summary = train(cfg)
+    return {
+        **job,
+        "val_loss": summary["val_loss"],
+        "train_loss": summary["train_loss"],
+        "bytes_per_param": summary["bytes_per_param"],
+        "skipped_steps": summary["skipped_steps"],
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def train_config(job: dict):
+    """The `fp8lm.train.config.TrainConfig` of one job."""
+    from fp8lm.train.config import TrainConfig
 
     level, options = variant_options(job["variant"])
     # long runs checkpoint every 500 steps and continue from there (bit for bit) when restarted
     save_every = 500 if job["steps"] > 1000 else 0
-    cfg = TrainConfig(
+    return TrainConfig(
         opt_level=level,
         seed=job["seed"],
         steps=job["steps"],
@@ -160,16 +179,36 @@ def _run(job: dict) -> dict:
         **job.get("train", {}),
         **variant_train_fields(job["variant"]),
     )
-    start = time.perf_counter()
-    summary = train(cfg)
-    return {
-        **job,
-        "val_loss": summary["val_loss"],
-        "train_loss": summary["train_loss"],
-        "bytes_per_param": summary["bytes_per_param"],
-        "skipped_steps": summary["skipped_steps"],
-        "seconds": round(time.perf_counter() - start, 1),
-    }
+
+
+def bf16_validation(job: dict) -> float:
+    """A finished job's validation loss recomputed from its final checkpoint with every GEMM in
+    BF16: the plain GPT with the run's final weights under the run's BF16 autocast (what its FP8
+    layers compute in high precision, and what its ``hf`` export computes). For a bf16 job it is
+    the loss the run recorded."""
+    import torch
+
+    from fp8lm.train.data import eval_batches, pack, path_documents, stdlib_documents
+    from fp8lm.train.export import full_weights, read_run_checkpoint
+    from fp8lm.train.model import GPT
+    from fp8lm.train.run import BF16Autocast
+    from fp8lm.train.tokenizer import tokenize
+
+    cfg = train_config(job)
+    state = read_run_checkpoint(job["out"])
+    source, docs = path_documents(cfg.data) if cfg.data else stdlib_documents()
+    splits, _ = tokenize(
+        pack(source, docs, cfg.cache_dir, cfg.val_fraction), cfg.tokenizer_spec(), cfg.vocab_size, cfg.cache_dir
+    )
+    model = GPT(state["model_config"])
+    model.load_state_dict(full_weights(state))
+    batches = eval_batches(splits.val, cfg.eval_batches, cfg.batch_size, state["model_config"].block_size)
+    total = 0.0
+    with torch.no_grad():
+        for x, y in batches:
+            with BF16Autocast("cpu"):
+                total += model.eval()(x, y)[1].item()
+    return total / len(batches)
 
 
 def _continuation(args) -> dict:
@@ -342,6 +381,34 @@ def _paired(gaps: dict[str, float], floor: dict[str, float]) -> dict:
     return {"mean_pct": pct["mean"], "std_pct": pct["std"], "stderr_pct": pct["stderr"], "seeds": d["seeds"]}
 
 
+def eval_bf16(rows: dict[tuple, dict], variants: list[str], seeds: list[int], steps: int) -> dict:
+    """`summarize`'s table of the finished runs with each one's `bf16_validation` as its loss,
+    and each run's loss both ways (``val_loss``: as the run validated)."""
+    import torch
+
+    torch.set_num_threads(1)
+    missing = [(v, s) for v in variants for s in seeds if (v, s, steps) not in rows]
+    if missing:
+        raise SystemExit(f"--eval-bf16 needs finished runs; none yet of {missing}: train them first")
+    evaluated, losses = {}, {}
+    for v in variants:
+        for s in seeds:
+            row = rows[(v, s, steps)]
+            loss = bf16_validation(row)
+            if v == "bf16" and loss != row["val_loss"]:
+                raise SystemExit(f"bf16 seed {s}: recomputed {loss!r}, the run recorded {row['val_loss']!r}")
+            evaluated[(v, s, steps)] = {**row, "val_loss": loss}
+            losses[f"{v} seed {s}"] = {"val_loss": row["val_loss"], "bf16_gemms": loss}
+            print(f"{v} seed {s}: val_loss {row['val_loss']:.4f}, with BF16 GEMMs {loss:.4f}", file=sys.stderr)
+    return {
+        "steps": steps,
+        "seeds": seeds,
+        "eval": "bf16 GEMMs",
+        "losses": losses,
+        "variants": summarize(evaluated, variants, seeds, steps),
+    }
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="0,1,2,3,4")
@@ -363,6 +430,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lr", type=float, default=1e-3, help="--init-from: the constant learning rate (default: %(default)s)"
+    )
+    p.add_argument(
+        "--eval-bf16",
+        action="store_true",
+        help="instead of training: the finished runs' final weights validated with every GEMM in BF16 "
+        "(see bf16_validation), as the same table",
     )
     p.add_argument("--list", action="store_true", help="print the variants and exit")
     p.add_argument("--time", metavar="V,V,...", help="instead of training: time these variants' steps (see time_steps)")
@@ -392,6 +465,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     rows = _done(results)
+    if args.eval_bf16:
+        print(json.dumps(eval_bf16(rows, variants, seeds, args.steps), indent=1))
+        return 0
     jobs = [
         {
             "variant": v,

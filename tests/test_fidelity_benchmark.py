@@ -173,3 +173,27 @@ def test_a_variants_train_fields_reach_its_run_and_not_initialize():
         assert "train" not in fidelity.variant_options(variant)[1], variant
     assert fidelity.variant_train_fields("O2-nvfp4-final-bf16") == {"final_bf16_fraction": 0.2}
     assert fidelity.variant_train_fields("O2-nvfp4") == {}
+
+
+def test_eval_bf16_recomputes_the_runs_validation_with_bf16_gemms(tmp_path):
+    from test_train import EMAIL
+
+    rows = {}
+    for variant in ("bf16", "O1"):
+        job = {
+            "variant": variant,
+            "seed": 0,
+            "steps": 2,
+            "out": str(tmp_path / variant),
+            "cache_dir": str(tmp_path / "cache"),
+            "train": {"model": "tiny", "data": EMAIL, "batch_size": 4, "seq_len": 32, "eval_batches": 2},
+        }
+        rows[(variant, 0, 2)] = fidelity._run(job)
+    table = fidelity.eval_bf16(rows, ["bf16", "O1"], [0], 2)
+    # the bf16 run's own validation, recomputed exactly (eval_bf16 refuses a mismatch)
+    assert table["losses"]["bf16 seed 0"]["bf16_gemms"] == rows[("bf16", 0, 2)]["val_loss"]
+    o1 = table["losses"]["O1 seed 0"]
+    assert o1["val_loss"] == rows[("O1", 0, 2)]["val_loss"] and o1["bf16_gemms"] != o1["val_loss"]
+    assert table["variants"]["O1"]["gaps_pct"]["0"] == round(
+        100 * (o1["bf16_gemms"] / rows[("bf16", 0, 2)]["val_loss"] - 1), 3
+    )
