@@ -119,3 +119,24 @@ def test_run_model_computes_as_the_runs_last_step_did(tmp_path, cache, fraction)
     x = torch.randint(0, state["model_config"].vocab_size, (2, 16))
     same = torch.equal(_logits(model, run_autocast(state), x), _logits(plain.eval(), run_autocast(state), x))
     assert same == bool(fraction)  # BF16 GEMMs throughout, as the plain model under BF16 autocast
+
+
+def test_compare_gives_the_bf16_steps_and_the_fallback_to_the_fp8_levels_alone(tmp_path):
+    from fp8lm.train.compare import _level_config
+    from fp8lm.train.config import TrainConfig
+
+    for options, field in [
+        (dict(final_bf16_fraction=0.2), "final_bf16_fraction"),
+        (dict(fallback=True, telemetry_every=5), "fallback"),
+    ]:
+        cfg = TrainConfig(**options)
+        runs = {level: _level_config(cfg, level, tmp_path) for level in ("fp32", "bf16", "O1", "O2", "O3")}
+        assert {level: bool(getattr(r, field)) for level, r in runs.items()} == {
+            "fp32": False,
+            "bf16": False,
+            "O1": True,
+            "O2": True,
+            "O3": True,
+        }
+        for run in runs.values():
+            run.validate()  # each level's run is one that trains

@@ -53,6 +53,9 @@ def _level_config(cfg: TrainConfig, level: str, out: Path) -> TrainConfig:
         # and so do FP8-saved activations
         activations=cfg.activations if level in FP8_LEVELS else None,
         policy=cfg.policy if level in FP8_LEVELS else None,
+        # and what switches FP8 layers to BF16
+        fallback=cfg.fallback and level in FP8_LEVELS,
+        final_bf16_fraction=cfg.final_bf16_fraction if level in FP8_LEVELS else 0.0,
     )
     if cfg.resume:  # a level that had not started yet when the comparison stopped starts now
         run.resume = bool(list_checkpoints(Path(run.out) / "checkpoints"))
