@@ -79,8 +79,9 @@ def drop_last_checkpoint(run) -> None:
         (2, ("--opt-level", "O3")),
         (4, ("--tp", "2", "--opt-level", "O3")),
         (4, ("--tp", "2", "--pp", "2", "--opt-level", "O3", "--pp-microbatches", "2")),
+        (2, ("--fsdp", "--final-bf16-fraction", "0.5")),  # resumed at the first of the BF16 steps
     ],
-    ids=["tp2", "pp2", "pp2_fsdp", "tp2_pp2", "3d", "pp2_o3", "dp", "zero", "tp2_o3", "tp2_pp2_o3"],
+    ids=["tp2", "pp2", "pp2_fsdp", "tp2_pp2", "3d", "pp2_o3", "dp", "zero", "tp2_o3", "tp2_pp2_o3", "fsdp_bf16_tail"],
 )
 def test_a_resumed_run_continues_byte_for_byte(tmp_path, request, ranks, flags):
     if flags == TP2_PP2:  # the module's uninterrupted --tp 2 --pp 2 run (the reshard tests' too)
@@ -103,6 +104,9 @@ def test_a_resumed_run_continues_byte_for_byte(tmp_path, request, ranks, flags):
             name for name in layers if name.startswith(("blocks", "lm"))
         }
         assert {"blocks.0.attn.c_attn", "blocks.1.mlp.c_proj"} <= layers  # both stages' layers, under --pp
+    if "--final-bf16-fraction" in flags:
+        metrics = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+        assert [m.get("bf16_gemms", False) for m in metrics] == [False] * 3 + [True] * 3
     records = [json.loads(line) for line in (whole / "telemetry.jsonl").read_text().splitlines()]
     # every FP8 layer's weight gradient is judged, from whichever rank holds it or its shards
     blocks = {r["layer"] for r in records if r["layer"].startswith("blocks")}
