@@ -211,6 +211,17 @@ def test_grouped_expert_gemms_take_the_fine_grained_recipes_but_nvfp4():
         FP8GroupedLinear(4, 32, 16, recipe="nvfp4")
     with pytest.raises(RunError, match="--recipe nvfp4 is not built for the experts' grouped GEMMs"):
         TrainConfig(opt_level="O2", recipe="nvfp4", moe_experts=4).validate()
+    with pytest.raises(RunError, match="--recipe nvfp4-4over6 is not built for the experts' grouped GEMMs"):
+        TrainConfig(opt_level="O2", recipe="nvfp4-4over6", moe_experts=4).validate()
+
+
+def test_nvfp4_4over6_is_nvfp4_with_four_over_six_by_name():
+    recipe = fp8lm.Recipe.from_name("nvfp4-4over6")
+    assert recipe == fp8lm.Recipe.from_name("nvfp4").replace(nvfp4_scale_rule="4over6")
+    assert recipe.name == "nvfp4-4over6" and fp8lm.Recipe.from_name("nvfp4").name == "nvfp4"
+    cfg = TrainConfig(opt_level="O2", recipe="nvfp4-4over6")
+    cfg.validate()
+    assert cfg.initialize_options() == {"recipe": recipe}
 
 
 @pytest.mark.parametrize("name", ["rowwise", "rowwise-wgrad-bf16"])

@@ -188,6 +188,7 @@ RECIPES: dict[str, Recipe] = {
     "blockwise": _fine("blockwise"),
     "mxfp8": _fine("mxfp8"),
     "nvfp4": _fine("nvfp4"),
+    "nvfp4-4over6": _fine("nvfp4").replace(nvfp4_scale_rule="4over6"),
 }
 
 

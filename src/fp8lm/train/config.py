@@ -53,6 +53,7 @@ RECIPE_NAMES = (  # fp8lm.recipe.RECIPES
     "blockwise",
     "mxfp8",
     "nvfp4",
+    "nvfp4-4over6",
 )
 DEFAULT_RECIPE = "tensorwise-delayed"  # fp8lm.recipe.DEFAULT_RECIPE
 MODEL_PRESETS = ("tiny", "small", "base", "gpt2")  # fp8lm.train.model.PRESETS
@@ -704,9 +705,9 @@ class TrainConfig:
         if self.recipe == DEFAULT_RECIPE:
             return
         self._fp8_level_option("--recipe", "the FP8 layers' scaling", "recipe")
-        if self.moe_experts and self.recipe == "nvfp4":
+        if self.moe_experts and self.recipe.startswith("nvfp4"):
             raise RunError(
-                "--recipe nvfp4 is not built for the experts' grouped GEMMs of --moe-experts (FP4 experts): use "
+                f"--recipe {self.recipe} is not built for the experts' grouped GEMMs of --moe-experts (FP4 experts): use "
                 "tensorwise, rowwise, blockwise or mxfp8"
             )
 
