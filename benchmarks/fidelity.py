@@ -119,12 +119,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         {"recipe": {"name": "nvfp4", "nvfp4_scale_rule": "4over6"}, "policy": {"*.attn.*": {"fp8_gemm": False}}},
     ),
     # precision annealing (arXiv 2509.25149): the last fifth of the steps (and so the final validation)
-    # with every FP8 layer's GEMMs in BF16 (TrainConfig.final_bf16_fraction, under "train")
+    # with every FP8 layer's GEMMs in BF16 (TrainConfig.final_bf16_fraction, under "train"); "-10": the last tenth
     "O2-nvfp4-final-bf16": ("O2", {"recipe": "nvfp4", "train": {"final_bf16_fraction": 0.2}}),
     "O2-nvfp4-4over6-final-bf16": (
         "O2",
         {"recipe": {"name": "nvfp4", "nvfp4_scale_rule": "4over6"}, "train": {"final_bf16_fraction": 0.2}},
     ),
+    "O2-nvfp4-4over6-final-bf16-10": ("O2", {"recipe": "nvfp4-4over6", "train": {"final_bf16_fraction": 0.1}}),
     # mxfp8 with cuBLAS's scale rounding (RCEIL: no block's amax saturates) instead of the OCP spec's
     # floor, which clips a block's amax by up to 12.5 % (docs/measurements/recipes.md)
     "O2-mxfp8-rceil": ("O2", {"recipe": {"name": "mxfp8", "mx_rounding": "rceil"}}),
