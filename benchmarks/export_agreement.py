@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
 from fp8lm.export import FORMATS  # noqa: E402
-from fp8lm.train.data import pack, path_documents, stdlib_documents  # noqa: E402
+from fp8lm.train.data import pack, run_documents  # noqa: E402
 from fp8lm.train.export import (  # noqa: E402
     export_run,
     full_weights,
@@ -55,7 +55,7 @@ def held_out(run: Path, state: dict, tokens: int) -> tuple[torch.Tensor, torch.T
     """``(inputs, targets)``: windows of the run's context length, evenly spaced over its
     validation split, ``tokens`` predictions in all (the last window cut short)."""
     config = state.get("config") or {}
-    source, docs = path_documents(config["data"]) if config.get("data") else stdlib_documents()
+    source, docs = run_documents(config.get("data"))
     split = pack(source, docs, run / "cache", config.get("val_fraction", 0.05)).val
     block = state["model_config"].block_size
     count = math.ceil(tokens / block)

@@ -189,7 +189,7 @@ def bf16_validation(job: dict) -> float:
     the loss the run recorded."""
     import torch
 
-    from fp8lm.train.data import eval_batches, pack, path_documents, stdlib_documents
+    from fp8lm.train.data import eval_batches, pack, run_documents
     from fp8lm.train.export import full_weights, read_run_checkpoint
     from fp8lm.train.model import GPT
     from fp8lm.train.run import BF16Autocast
@@ -197,7 +197,7 @@ def bf16_validation(job: dict) -> float:
 
     cfg = train_config(job)
     state = read_run_checkpoint(job["out"])
-    source, docs = path_documents(cfg.data) if cfg.data else stdlib_documents()
+    source, docs = run_documents(cfg.data, cfg.hf_dataset)
     splits, _ = tokenize(
         pack(source, docs, cfg.cache_dir, cfg.val_fraction), cfg.tokenizer_spec(), cfg.vocab_size, cfg.cache_dir
     )

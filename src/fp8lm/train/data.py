@@ -33,6 +33,7 @@ __all__ = [
     "stdlib_documents",
     "path_documents",
     "hf_documents",
+    "run_documents",
     "TokenSplits",
     "pack",
     "BatchSampler",
@@ -113,6 +114,14 @@ def path_documents(path: str | os.PathLike) -> tuple[str, list[Document]]:
             f"data folder {str(p)!r} holds no non-empty text files; put text files in it or pass another --data"
         )
     return f"path:{p.resolve()}", [_file_document(f, p) for f in files]
+
+
+def run_documents(data: str | os.PathLike | None = None, hf_dataset: str | None = None) -> tuple[str, list[Document]]:
+    """The corpus a run reads: ``--hf-dataset``'s train split, else ``--data``, else the standard
+    library's sources (the main job's)."""
+    if hf_dataset:
+        return hf_documents(hf_dataset)
+    return path_documents(data) if data else stdlib_documents()
 
 
 def hf_documents(name: str, split: str = "train", column: str = "text") -> tuple[str, list[Document]]:

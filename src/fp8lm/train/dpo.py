@@ -26,7 +26,7 @@ from ..nn import freeze_fp8
 from . import progress
 from .checkpoint import CheckpointError, atomic_torch_save, checkpoint_weights, load_checkpoint
 from .config import FP8_LEVELS, DPOConfig, RunError
-from .data import is_packed, pack, path_documents, stdlib_documents
+from .data import is_packed, pack, run_documents
 from .dpo_loss import DPOTerms, dpo_loss, sequence_logprobs, token_kl
 from .hf_model import HFModelConfig, build_model
 from .model import GPTConfig
@@ -77,7 +77,7 @@ def _preferences(cfg: DPOConfig, mcfg: GPTConfig | HFModelConfig, out: Path, cor
         return train, held_out, {"source": f"jsonl:{Path(cfg.data).resolve()}"}
     origin = "the starting run's corpus" if corpus else "the default corpus"
     corpus = corpus or {"data": None, "val_fraction": 0.05, "caches": []}
-    source, docs = path_documents(corpus["data"]) if corpus["data"] else stdlib_documents()
+    source, docs = run_documents(corpus["data"])
     shared = [c for c in corpus["caches"] if is_packed(source, docs, c, corpus["val_fraction"])]
     cache = cfg.cache_dir or (shared[0] if shared else out / "cache")
     splits = pack(source, docs, cache, corpus["val_fraction"])

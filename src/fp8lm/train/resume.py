@@ -14,7 +14,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, list_checkpoints
 from .config import RunError, TrainConfig, option_fields, option_flag
-from .data import data_fingerprint, path_documents, stdlib_documents
+from .data import data_fingerprint, run_documents
 from .ranks import Ranks, broadcast_from_main, restarts_allowed
 
 __all__ = [
@@ -189,7 +189,7 @@ def _data_fingerprint(cfg: TrainConfig) -> str | None:
     whose own fingerprint names the packed cache."""
     if cfg.hf_dataset:
         return None
-    return data_fingerprint((path_documents(cfg.data) if cfg.data else stdlib_documents())[1])
+    return data_fingerprint(run_documents(cfg.data)[1])
 
 
 def resume_options(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, list[str]]:

@@ -39,7 +39,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import FP8_LEVELS, RunError, TrainConfig, default_device
-from .data import BatchSampler, describe, eval_batches, hf_documents, pack, path_documents, stdlib_documents
+from .data import BatchSampler, describe, eval_batches, pack, run_documents
 from .hf_model import build_model
 from .layouts import LayoutSpec, PipelineShape, parallelize
 from .logs import RunLogs, strict_json
@@ -207,7 +207,7 @@ class TrainingRun:
         (the fixed validation set), ``tokenizer`` (the run's `RunTokenizer`) and ``data_info``
         (for the summary)."""
         cfg, ranks = self.cfg, self.ranks
-        source, docs = _documents(cfg)
+        source, docs = run_documents(cfg.data, cfg.hf_dataset)
         if not ranks.main:
             barrier(ranks)  # rank 0 packs (and tokenizes) the token cache; the others then read it
         cache = cfg.cache_dir or self.out / "cache"
@@ -708,11 +708,3 @@ def _moe_summary(records: list[dict]) -> dict:
             "aux_loss": routed[-1]["moe_aux_loss"],
         }
     }
-
-
-def _documents(cfg: TrainConfig):
-    if cfg.hf_dataset:
-        return hf_documents(cfg.hf_dataset)
-    if cfg.data:
-        return path_documents(cfg.data)
-    return stdlib_documents()
