@@ -519,8 +519,7 @@ class TrainConfig:
 
     def bf16_from_step(self) -> int | None:
         """The first (0-based) step of ``--final-bf16-fraction``'s BF16 steps, None when there are none."""
-        tail = round(self.final_bf16_fraction * self.steps)
-        return self.steps - tail if tail > 0 else None
+        return first_bf16_step(self.steps, self.final_bf16_fraction)
 
     def _check_tokenizer(self) -> None:
         from .tokenizer import check_tokenizer_options
@@ -752,18 +751,8 @@ class TrainConfig:
                 )
 
     def policy_overrides(self) -> dict[str, dict]:
-        """``--policy`` parsed: ``{pattern: {field: value}}`` (empty without it). JSON only: the
-        option is data, never code, also when ``--resume`` reads it back from a checkpoint."""
-        if self.policy is None:
-            return {}
-        example = '\'{"*ln_*": {"activations": "bf16"}}\''
-        try:
-            rules = json.loads(self.policy)
-        except json.JSONDecodeError as e:
-            raise RunError(f"--policy is not JSON ({e.msg} at character {e.pos}): pass e.g. {example}") from None
-        if not isinstance(rules, dict) or not all(isinstance(c, dict) for c in rules.values()):
-            raise RunError(f"--policy takes a JSON object of {{pattern: {{field: value}}}}, e.g. {example}")
-        return rules
+        """``--policy`` parsed (`policy_rules`)."""
+        return policy_rules(self.policy)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -917,6 +906,28 @@ class DPOConfig(TrainConfig):
         if "model_config" not in state:
             raise CheckpointError(f"checkpoint {state['path']!r} has no model_config; pass one written by fp8lm train")
         return model_config_from_dict(state["model_config"])
+
+
+def first_bf16_step(steps: int, fraction: float) -> int | None:
+    """The first (0-based) of the last ``round(fraction * steps)`` steps (``--final-bf16-fraction``'s
+    BF16 steps), None when there are none."""
+    tail = round(fraction * steps)
+    return steps - tail if tail > 0 else None
+
+
+def policy_rules(policy: str | None) -> dict[str, dict]:
+    """``--policy`` parsed: ``{pattern: {field: value}}`` (empty without it). JSON only: the option
+    is data, never code, also when ``--resume`` or an export reads it back from a checkpoint."""
+    if policy is None:
+        return {}
+    example = '\'{"*ln_*": {"activations": "bf16"}}\''
+    try:
+        rules = json.loads(policy)
+    except json.JSONDecodeError as e:
+        raise RunError(f"--policy is not JSON ({e.msg} at character {e.pos}): pass e.g. {example}") from None
+    if not isinstance(rules, dict) or not all(isinstance(c, dict) for c in rules.values()):
+        raise RunError(f"--policy takes a JSON object of {{pattern: {{field: value}}}}, e.g. {example}")
+    return rules
 
 
 def _check_device(name: str) -> None:

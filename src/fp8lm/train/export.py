@@ -24,7 +24,7 @@ from ..export.fp8 import weight_scheme
 from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..recipe import DEFAULT_RECIPE, Recipe
 from .checkpoint import CheckpointError, checkpoint_weights, list_checkpoints, load_checkpoint
-from .config import FP8_LEVELS, TrainConfig
+from .config import FP8_LEVELS, first_bf16_step, policy_rules
 from .hf_model import HFCausalLM, HFModelConfig, build_model, model_config_from_dict
 from .model import GPTConfig
 from .reshard import merged_scaling
@@ -421,9 +421,8 @@ def run_model(state: dict, weights: dict[str, torch.Tensor] | None = None) -> nn
     if level in FP8_LEVELS:
         from ..amp import initialize
 
-        policy = saved_options(state).get("policy")
-        options = {"policy": TrainConfig(policy=policy).policy_overrides()} if policy else {}
-        model, _ = initialize(model, None, level, recipe=run_recipe(state), **options)
+        rules = policy_rules(saved_options(state).get("policy"))
+        model, _ = initialize(model, None, level, recipe=run_recipe(state), **({"policy": rules} if rules else {}))
         own = scaling_state_dict(model)
         load_scaling_state_dict(model, merged_scaling(state["ranks"], model, own))
         high = run_high_precision(state)
@@ -439,7 +438,7 @@ def run_high_precision(state: dict) -> bool | set[str]:
     moved (none without it)."""
     options = saved_options(state)
     fraction, steps = options.get("final_bf16_fraction") or 0.0, options.get("steps") or 0
-    first = TrainConfig(steps=steps, final_bf16_fraction=fraction).bf16_from_step()
+    first = first_bf16_step(steps, fraction)
     if first is not None and int(state["step"]) > first:  # the checkpoint's last step, 0-based, is step - 1
         return True
     fallback = state.get("fallback") or {}
