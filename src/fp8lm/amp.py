@@ -26,7 +26,7 @@ from .nn import (
     replace_parameters,
 )
 from .nn.saved import saving_counterpart
-from .policy import FP8_LEVELS, ParamPrecision, Policy, preset
+from .policy import FP8_LEVELS, ParamPrecision, Policy, resolve_policy
 from .recipe import Recipe, recipe_from
 from .tensor import ScalingTensor, quantize
 
@@ -78,7 +78,7 @@ def initialize(
     """
     _check_arguments(model, optimizer, opt_level, optimizer_options)
     recipe = recipe_from(recipe, "initialize")
-    policy = _resolve_policy(policy, opt_level)
+    policy = resolve_policy(policy, opt_level)
     if activations is not None:
         policy = policy.with_activations(activations)
     layer_options = {"recipe": recipe}
@@ -208,23 +208,6 @@ def _apply(model: nn.Module, plan: _Plan) -> nn.Module:
         if prec.scaled_grad and param.requires_grad:
             param.register_post_accumulate_grad_hook(QuantizeGrad(prec.grad, owner.get(id(param))))
     return model
-
-
-def _resolve_policy(policy: Policy | dict | None, opt_level: str) -> Policy:
-    if policy is None:
-        return preset(opt_level)
-    if isinstance(policy, Policy):
-        if policy.opt_level != opt_level:
-            raise ValueError(f"the policy is for {policy.opt_level} but opt_level is {opt_level}; pass matching ones")
-        return policy
-    if isinstance(policy, dict):
-        resolved = preset(opt_level)
-        for pattern, changes in policy.items():
-            if not isinstance(changes, dict):
-                raise ValueError(f"policy override for {pattern!r} must be a dict of fields, got {changes!r}")
-            resolved = resolved.override(pattern, **changes)
-        return resolved
-    raise TypeError(f"policy must be an fp8lm.policy.Policy or a dict of overrides, got {type(policy).__name__}")
 
 
 def _stored_param(param: nn.Parameter, prec: ParamPrecision) -> nn.Parameter:

@@ -53,7 +53,7 @@ import torch
 
 from .formats import BF16, E4M3, FP16, FP32, Format, format_of
 
-__all__ = ["ParamPrecision", "Override", "Policy", "preset", "FP8_LEVELS", "ACTIVATIONS"]
+__all__ = ["ParamPrecision", "Override", "Policy", "preset", "resolve_policy", "FP8_LEVELS", "ACTIVATIONS"]
 
 # The FP8-LM optimization levels: the opt_level values of fp8lm.initialize.
 FP8_LEVELS = ("O1", "O2", "O3")
@@ -196,6 +196,69 @@ class Policy:
             base = replace(base, **changes)
         return base
 
+    def to_dict(self) -> dict:
+        """This policy as plain values (formats by name), for JSON and checkpoints: `from_dict`
+        builds it back."""
+        return {
+            "opt_level": self.opt_level,
+            "linear": _precision_dict(self.linear),
+            "matrix": _precision_dict(self.matrix),
+            "vector": _precision_dict(self.vector),
+            "fp8_gemm": self.fp8_gemm,
+            "overrides": [_override_dict(o) for o in self.overrides],
+            "output_head": None if self.output_head is None else _override_dict(self.output_head),
+            "activations": self.activations,
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Policy:
+        """The policy `to_dict` wrote (formats and settings validated as `override` does)."""
+        try:
+            head = values["output_head"]
+            policy = cls(
+                opt_level=values["opt_level"],
+                linear=_precision_from(values["linear"]),
+                matrix=_precision_from(values["matrix"]),
+                vector=_precision_from(values["vector"]),
+                fp8_gemm=values["fp8_gemm"],
+                output_head=None if head is None else _override_from(head),
+                activations=values["activations"],
+            )
+            overrides = [_override_from(o) for o in values["overrides"]]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a policy as Policy.to_dict writes it ({type(e).__name__}: {e})") from None
+        if policy.opt_level not in FP8_LEVELS or policy.activations not in ACTIVATIONS:
+            raise ValueError(f"a policy's opt_level is one of {FP8_LEVELS} and its activations one of {ACTIVATIONS}")
+        if not isinstance(policy.fp8_gemm, bool):
+            raise ValueError(f"fp8_gemm must be True or False, got {policy.fp8_gemm!r}")
+        for o in overrides:  # validated as new overrides
+            policy = policy.override(o.pattern, fp8_gemm=o.fp8_gemm, activations=o.activations, **dict(o.formats))
+        return policy
+
+
+def _precision_dict(precision: ParamPrecision) -> dict:
+    return {name: None if value is None else value.name for name, value in vars(precision).items()}
+
+
+def _precision_from(values: dict) -> ParamPrecision:
+    formats: dict[str, Any] = dict(_parse_formats(values, ""))  # master may be None
+    return ParamPrecision(**formats)
+
+
+def _override_dict(override: Override) -> dict:
+    formats = {name: None if value is None else value.name for name, value in override.formats}
+    return {
+        "pattern": override.pattern,
+        "fp8_gemm": override.fp8_gemm,
+        "formats": formats,
+        "activations": override.activations,
+    }
+
+
+def _override_from(values: dict) -> Override:
+    formats = _parse_formats(values["formats"], "")
+    return Override(values["pattern"], values["fp8_gemm"], formats, values["activations"])
+
 
 # The output head's GEMMs and weight gradient in BF16 (1 byte more per head parameter): see the
 # module docstring.
@@ -207,6 +270,26 @@ def preset(opt_level: str, output_head: bool = True) -> Policy:
     ``output_head`` (default) the output-head rule of the module docstring."""
     policy = _level_preset(opt_level)
     return replace(policy, output_head=_OUTPUT_HEAD) if output_head else policy
+
+
+def resolve_policy(policy: Policy | dict | None, opt_level: str) -> Policy:
+    """The policy `fp8lm.initialize` applies at ``opt_level`` for its ``policy`` option: the
+    level's preset (None), a `Policy` for that level, or ``{pattern: {field: value}}`` overrides
+    of the preset."""
+    if policy is None:
+        return preset(opt_level)
+    if isinstance(policy, Policy):
+        if policy.opt_level != opt_level:
+            raise ValueError(f"the policy is for {policy.opt_level} but opt_level is {opt_level}; pass matching ones")
+        return policy
+    if isinstance(policy, dict):
+        resolved = preset(opt_level)
+        for pattern, changes in policy.items():
+            if not isinstance(changes, dict):
+                raise ValueError(f"policy override for {pattern!r} must be a dict of fields, got {changes!r}")
+            resolved = resolved.override(pattern, **changes)
+        return resolved
+    raise TypeError(f"policy must be an fp8lm.policy.Policy or a dict of overrides, got {type(policy).__name__}")
 
 
 def _level_preset(opt_level: str) -> Policy:

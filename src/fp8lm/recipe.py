@@ -19,7 +19,7 @@ or ``block`` x ``block`` weight block and an FP32 scale per tensor). The numeric
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from .formats import E4M3, E5M2, Format, format_of
 
@@ -171,6 +171,25 @@ class Recipe:
     def replace(self, **changes) -> Recipe:
         """A copy with ``changes`` applied (validated like a new recipe)."""
         return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """This recipe as plain values (formats by name), for JSON and checkpoints: `from_dict`
+        builds it back."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Recipe:
+        """The recipe `to_dict` wrote (validated like a new one; a missing field takes its default)."""
+        if not isinstance(values, dict):
+            raise ValueError(f"a recipe is a dict of Recipe fields, got {type(values).__name__}")
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown Recipe field(s) {unknown}: use {', '.join(f.name for f in fields(cls))}")
+        return cls(**values)
+
+
+def _plain(value):
+    return value.name if isinstance(value, Format) else value
 
 
 def _fine(granularity: str, weight_grad_gemm: str = "fp8") -> Recipe:

@@ -23,6 +23,7 @@ from ..export import ExportError, require_hf, save_pretrained
 from ..export.fp8 import weight_scheme
 from ..nn import load_scaling_state_dict, scaling_state_dict
 from ..recipe import DEFAULT_RECIPE, Recipe
+from .amp_record import recorded_model_options
 from .checkpoint import CheckpointError, checkpoint_weights, list_checkpoints, load_checkpoint
 from .config import FP8_LEVELS, first_bf16_step, policy_rules
 from .hf_model import HFCausalLM, HFModelConfig, build_model, model_config_from_dict
@@ -43,6 +44,7 @@ __all__ = [
     "byte_tokenizer",
     "run_tokenizer",
     "run_recipe",
+    "run_initialize_options",
     "fused_layers",
     "export_run",
     "run_model",
@@ -351,7 +353,20 @@ def run_recipe(state: dict) -> Recipe | None:
     GEMMs: their weights were never FP8 operands)."""
     if state.get("opt_level") not in FP8_LEVELS:
         return None
-    return Recipe.from_name((state.get("config") or {}).get("recipe") or DEFAULT_RECIPE)
+    return run_initialize_options(state)["recipe"]
+
+
+def run_initialize_options(state: dict) -> dict:
+    """The `fp8lm.initialize` options that built checkpoint ``state``'s model (FP8 levels): its
+    ``--recipe`` and ``--policy``, or what the run passed from code (`TrainConfig.amp_options`,
+    as the checkpoint records them)."""
+    options = recorded_model_options(state)
+    if "recipe" not in options:
+        options["recipe"] = Recipe.from_name((state.get("config") or {}).get("recipe") or DEFAULT_RECIPE)
+    rules = policy_rules(saved_options(state).get("policy"))
+    if rules:  # a run has --policy or the policy option, never both (TrainConfig refuses it)
+        options["policy"] = rules
+    return options
 
 
 def fused_layers(cfg: GPTConfig | HFModelConfig) -> list[tuple[str, ...]]:
@@ -382,7 +397,7 @@ def _readme(state: dict, format: str, input_activations: str = "bf16") -> str:
         )
         if input_activations == "fp8":
             weights += "; the linear layers' inputs E4M3, scaled per batch in the recipe's blocks (W8A8)"
-    recipe = (state.get("config") or {}).get("recipe") or DEFAULT_RECIPE
+    recipe = _recipe_name(run_recipe(state))
     if isinstance(cfg, HFModelConfig):
         architecture = ", ".join(cfg.hf_config.get("architectures") or [cfg.model_type])
     else:
@@ -409,6 +424,12 @@ def _readme(state: dict, format: str, input_activations: str = "bf16") -> str:
     )
 
 
+def _recipe_name(recipe: Recipe | None) -> str:
+    if recipe is None:
+        return "none: no FP8 GEMMs"
+    return recipe.name or "custom: " + ", ".join(f"{k}={v}" for k, v in recipe.to_dict().items())
+
+
 def run_model(state: dict, weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """fp8lm's own model of checkpoint ``state`` as the run evaluates it: the GPT at the run's opt
     level (FP8 layers with the run's recipe, ``--policy`` and saved scaling state; in high
@@ -421,8 +442,7 @@ def run_model(state: dict, weights: dict[str, torch.Tensor] | None = None) -> nn
     if level in FP8_LEVELS:
         from ..amp import initialize
 
-        rules = policy_rules(saved_options(state).get("policy"))
-        model, _ = initialize(model, None, level, recipe=run_recipe(state), **({"policy": rules} if rules else {}))
+        model, _ = initialize(model, None, level, **run_initialize_options(state))
         own = scaling_state_dict(model)
         load_scaling_state_dict(model, merged_scaling(state["ranks"], model, own))
         high = run_high_precision(state)

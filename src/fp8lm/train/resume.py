@@ -12,6 +12,7 @@ from typing import IO
 
 from torch import nn
 
+from .amp_record import amp_options_change, record_amp_options
 from .checkpoint import CheckpointError, list_checkpoints
 from .config import RunError, TrainConfig, option_fields, option_flag
 from .data import data_fingerprint, run_documents
@@ -309,6 +310,7 @@ def check_resume(cfg: TrainConfig, state: dict, model: nn.Module, ranks: Ranks) 
             f"checkpoint {state['path']!r} has format {state.get('format')!r}, this version reads {CHECKPOINT_FORMAT!r}"
         )
     _check_same_options(cfg, state, model)
+    _check_same_amp_options(cfg, state)
     _check_same_data(cfg, state)
     check_state_fits(model, state, repr(state["path"]))
     saved_scaling = (state.get("data_parallel") or {}).get("scaling")
@@ -344,6 +346,18 @@ def _check_same_options(cfg: TrainConfig, state: dict, model: nn.Module) -> None
                 f"--resume: the run in {cfg.out!r} was trained with {theirs}, this command has "
                 f"{_as_option(flag, here[flag])}; {fix} to continue it (or choose another --out for a new run)"
             )
+
+
+def _check_same_amp_options(cfg: TrainConfig, state: dict) -> None:
+    """Refuse other `TrainConfig.amp_options` than the checkpoint's run passed from code (also
+    none, as the command line has, for a run that passed some)."""
+    changed = amp_options_change(state.get("amp_options"), record_amp_options(cfg.amp_options, cfg.opt_level))
+    if changed:
+        raise RunError(
+            f"--resume: the run in {cfg.out!r} was trained with other fp8lm.initialize options passed from code "
+            f"(TrainConfig.amp_options: {', '.join(changed)}); pass the ones it had to continue it (or choose "
+            "another --out for a new run)"
+        )
 
 
 def _check_same_data(cfg: TrainConfig, state: dict) -> None:

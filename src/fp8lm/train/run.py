@@ -30,6 +30,7 @@ from ..ops.gemm import CPUBF16Linear
 from ..optim import SkipsNonFiniteSteps
 from ..telemetry import Telemetry, worst
 from . import progress
+from .amp_record import record_amp_options
 from .checkpoint import (
     atomic_write_bytes,
     checkpoint_weights,
@@ -478,6 +479,7 @@ class TrainingRun:
             "config": resume_config(self.cfg),
             "tokenizer": self.tokenizer.record(),
             "options": self.cfg.options(),  # what --resume takes when the command does not say it
+            "amp_options": record_amp_options(self.cfg.amp_options, self.cfg.opt_level),  # set from code
             "layout": layout_options(self.cfg),
             # what the summary needs besides the logs, so that --resume can finish a run killed
             # between its final checkpoint and summary.json
@@ -569,7 +571,7 @@ class TrainingRun:
             "model_config": self.model_config.to_dict(),
             "data": self.data_info,
             "device": str(self.device),
-            "config": cfg.to_dict(),  # amp_options may hold callables: written as their repr
+            "config": {**cfg.to_dict(), "amp_options": record_amp_options(cfg.amp_options, cfg.opt_level)},
         }
 
     def activation_bytes_per_token(self) -> float:
