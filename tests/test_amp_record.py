@@ -75,6 +75,21 @@ def test_the_record_is_plain_data_and_names_what_it_cannot_hold():
     ]
 
 
+@pytest.mark.parametrize(
+    "record",
+    [[], "recipe", {"options": [], "unrecorded": []}, {"options": {}}, {"options": {1: 2}, "unrecorded": []}],
+)
+def test_a_record_in_an_unknown_form_is_one_clear_error(record):
+    state = {"amp_options": record, "path": "step_1.pt"}
+    with pytest.raises(CheckpointError, match="'step_1.pt' records its fp8lm.initialize options in an unknown form"):
+        recorded_model_options(state)
+    with pytest.raises(CheckpointError, match="unknown form"):
+        amp_options_change(record, record_amp_options({}, "O2"))
+    bad_recipe = {"options": {"recipe": {"granularity": "columnwise"}}, "unrecorded": []}
+    with pytest.raises(CheckpointError, match="records invalid fp8lm.initialize options: unknown granularity"):
+        recorded_model_options({"amp_options": bad_recipe, "path": "step_1.pt"})
+
+
 def test_export_and_generate_build_the_model_the_run_passed_from_code(tmp_path, cache):  # noqa: F811
     options = {"recipe": CUSTOM, "policy": {"*.attn.c_proj": {"fp8_gemm": False}}}
     train(cfg(tmp_path, cache, opt_level="O2", steps=2, amp_options=options))

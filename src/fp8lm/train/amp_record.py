@@ -51,16 +51,15 @@ def recorded_model_options(state: dict) -> dict:
     """The `fp8lm.initialize` options of `MODEL_OPTIONS` that checkpoint ``state``'s run passed
     from code (none for a checkpoint without a record); refuses one whose run passed such an
     option that it could not record."""
-    record = state.get("amp_options") or {}
-    missing = [key for key in record.get("unrecorded", []) if key in MODEL_OPTIONS]
     where = f"checkpoint {state.get('path', '?')!r}"
+    record = _checked_record(state.get("amp_options"), where)
+    missing = [key for key in record["unrecorded"] if key in MODEL_OPTIONS]
     if missing:
         raise CheckpointError(
             f"{where} was trained with the fp8lm.initialize option {', '.join(missing)} passed from code, which a "
             "checkpoint cannot record: build the model in code and export it with fp8lm.export.save_pretrained"
         )
-    saved = record.get("options") or {}
-    options = {key: saved[key] for key in MODEL_OPTIONS if key in saved}
+    options = {key: record["options"][key] for key in MODEL_OPTIONS if key in record["options"]}
     try:
         if "recipe" in options:
             options["recipe"] = Recipe.from_dict(options["recipe"])
@@ -71,12 +70,27 @@ def recorded_model_options(state: dict) -> dict:
     return options
 
 
+def _checked_record(record, where: str) -> dict:
+    """``record`` as `record_amp_options` writes it (None: an empty one, a checkpoint from before)."""
+    if record is None:
+        return {"options": {}, "unrecorded": []}
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("options"), dict)
+        or not isinstance(record.get("unrecorded"), list)
+        or not all(isinstance(key, str) for key in [*record["options"], *record["unrecorded"]])
+    ):
+        raise CheckpointError(f"{where} records its fp8lm.initialize options in an unknown form; pass one fp8lm wrote")
+    return record
+
+
 def amp_options_change(saved: dict | None, here: dict) -> list[str]:
     """The options whose record ``here`` differs from checkpoint record ``saved`` (none when the
     checkpoint has no record: written before they were recorded)."""
     if saved is None:
         return []
-    before, now = saved.get("options") or {}, here.get("options") or {}
+    saved = _checked_record(saved, "the checkpoint")
+    before, now = saved["options"], here["options"]
     changed = {key for key in before.keys() | now.keys() if before.get(key) != now.get(key)}
-    changed |= set(saved.get("unrecorded") or []) ^ set(here.get("unrecorded") or [])
+    changed |= set(saved["unrecorded"]) ^ set(here["unrecorded"])
     return sorted(changed)
