@@ -105,7 +105,7 @@ def test_export_and_generate_build_the_model_the_run_passed_from_code(tmp_path, 
         "lm_head",
     ]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["config"]["amp_options"]["options"]["recipe"] == CUSTOM.to_dict()
+    assert summary["amp_options"]["options"]["recipe"] == CUSTOM.to_dict()
 
 
 def test_a_run_with_an_unrecordable_layer_filter_is_not_exported_as_another_model(tmp_path, cache):  # noqa: F811

@@ -571,7 +571,8 @@ class TrainingRun:
             "model_config": self.model_config.to_dict(),
             "data": self.data_info,
             "device": str(self.device),
-            "config": {**cfg.to_dict(), "amp_options": record_amp_options(cfg.amp_options, cfg.opt_level)},
+            "config": cfg.to_dict(),  # amp_options may hold callables: written as their repr
+            "amp_options": record_amp_options(cfg.amp_options, cfg.opt_level),  # as checkpoints record them
         }
 
     def activation_bytes_per_token(self) -> float:
