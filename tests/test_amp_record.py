@@ -48,6 +48,12 @@ def test_a_policy_dict_with_bad_values_is_refused():
         Policy.from_dict({**values, "linear": {**values["linear"], "grad": "E9M9"}})
     with pytest.raises(ValueError, match="not a policy as Policy.to_dict writes it"):
         Policy.from_dict({k: v for k, v in values.items() if k != "vector"})
+    for broken in ({"overrides": 3}, {"overrides": ["*"]}, {"linear": 5}):
+        with pytest.raises(ValueError, match="not a policy as Policy.to_dict writes it"):
+            Policy.from_dict({**values, **broken})
+    head = {**values["output_head"], "fp8_gemm": "yes"}
+    with pytest.raises(ValueError, match="fp8_gemm must be True, False or None, got 'yes'"):
+        Policy.from_dict({**values, "output_head": head})
     with pytest.raises(ValueError, match="unknown activations"):
         Policy.from_dict(
             {**values, "overrides": [{"pattern": "x", "fp8_gemm": None, "formats": {}, "activations": "fp4"}]}

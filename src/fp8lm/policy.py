@@ -221,18 +221,16 @@ class Policy:
                 matrix=_precision_from(values["matrix"]),
                 vector=_precision_from(values["vector"]),
                 fp8_gemm=values["fp8_gemm"],
+                overrides=tuple(_override_from(o) for o in values["overrides"]),
                 output_head=None if head is None else _override_from(head),
                 activations=values["activations"],
             )
-            overrides = [_override_from(o) for o in values["overrides"]]
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a policy as Policy.to_dict writes it ({type(e).__name__}: {e})") from None
         if policy.opt_level not in FP8_LEVELS or policy.activations not in ACTIVATIONS:
             raise ValueError(f"a policy's opt_level is one of {FP8_LEVELS} and its activations one of {ACTIVATIONS}")
         if not isinstance(policy.fp8_gemm, bool):
             raise ValueError(f"fp8_gemm must be True or False, got {policy.fp8_gemm!r}")
-        for o in overrides:  # validated as new overrides
-            policy = policy.override(o.pattern, fp8_gemm=o.fp8_gemm, activations=o.activations, **dict(o.formats))
         return policy
 
 
@@ -256,8 +254,14 @@ def _override_dict(override: Override) -> dict:
 
 
 def _override_from(values: dict) -> Override:
-    formats = _parse_formats(values["formats"], "")
-    return Override(values["pattern"], values["fp8_gemm"], formats, values["activations"])
+    pattern, fp8_gemm, activations = values["pattern"], values["fp8_gemm"], values["activations"]
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"an override pattern is a non-empty module-name pattern, got {pattern!r}")
+    if fp8_gemm is not None and not isinstance(fp8_gemm, bool):
+        raise ValueError(f"fp8_gemm must be True, False or None, got {fp8_gemm!r}")
+    if activations is not None and activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activations {activations!r}: use one of {', '.join(ACTIVATIONS)}")
+    return Override(pattern, fp8_gemm, _parse_formats(values["formats"], ""), activations)
 
 
 # The output head's GEMMs and weight gradient in BF16 (1 byte more per head parameter): see the
