@@ -52,7 +52,7 @@ def test_a_policy_dict_with_bad_values_is_refused():
         with pytest.raises(ValueError, match="not a policy as Policy.to_dict writes it"):
             Policy.from_dict({**values, **broken})
     head = {**values["output_head"], "fp8_gemm": "yes"}
-    with pytest.raises(ValueError, match="fp8_gemm must be True, False or None, got 'yes'"):
+    with pytest.raises(ValueError, match="fp8_gemm must be True or False, got 'yes'"):
         Policy.from_dict({**values, "output_head": head})
     with pytest.raises(ValueError, match="unknown activations"):
         Policy.from_dict(
@@ -124,11 +124,13 @@ def test_a_run_with_an_unrecordable_layer_filter_is_not_exported_as_another_mode
 
 
 def test_resume_refuses_other_options_than_the_run_passed_from_code(tmp_path, cache):  # noqa: F811
-    whole = train(cfg(tmp_path, cache, opt_level="O2", steps=4, save_every=2, amp_options={"recipe": CUSTOM}))
+    run = dict(opt_level="O2", steps=4, save_every=2)
+    whole = train(cfg(tmp_path, cache, **run, amp_options={"recipe": CUSTOM}))
     out = tmp_path / "resumed"
     shutil.copytree(tmp_path / "run", out)
     (out / "summary.json").unlink()
     (out / "checkpoints" / "step_00000004.pt").unlink()
+    resume = dict(run, out=str(out), resume=True)
     for options, changed in (
         ({}, "recipe"),
         ({"recipe": "blockwise"}, "recipe"),
@@ -137,28 +139,6 @@ def test_resume_refuses_other_options_than_the_run_passed_from_code(tmp_path, ca
         with pytest.raises(
             RunError, match=f"other fp8lm.initialize options passed from code \\(TrainConfig.amp_options: {changed}\\)"
         ):
-            train(
-                cfg(
-                    tmp_path,
-                    cache,
-                    opt_level="O2",
-                    steps=4,
-                    save_every=2,
-                    out=str(out),
-                    resume=True,
-                    amp_options=options,
-                )
-            )
-    resumed = train(
-        cfg(
-            tmp_path,
-            cache,
-            opt_level="O2",
-            steps=4,
-            save_every=2,
-            out=str(out),
-            resume=True,
-            amp_options={"recipe": CUSTOM},
-        )
-    )
+            train(cfg(tmp_path, cache, **resume, amp_options=options))
+    resumed = train(cfg(tmp_path, cache, **resume, amp_options={"recipe": CUSTOM}))
     assert resumed["val_loss"] == whole["val_loss"]

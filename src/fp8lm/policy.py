@@ -132,14 +132,8 @@ class Policy:
         fields (``weight``, ``grad``, ``master``, ``exp_avg``, ``exp_avg_sq``); ``activations``
         (``"bf16"`` or ``"fp8"``) says how the matching norm, activation-function and attention
         modules save their inputs (`Policy.activations` for the rest)."""
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"an override pattern is a non-empty module-name pattern, got {pattern!r}")
-        if fp8_gemm is not None and not isinstance(fp8_gemm, bool):
-            raise ValueError(f"fp8_gemm must be True or False, got {fp8_gemm!r}")
-        if activations is not None and activations not in ACTIVATIONS:
-            raise ValueError(f"unknown activations {activations!r}: use one of {', '.join(ACTIVATIONS)}")
-        parsed = _parse_formats(formats, "or fp8_gemm, activations")
-        return replace(self, overrides=self.overrides + (Override(pattern, fp8_gemm, parsed, activations),))
+        override = _checked_override(pattern, fp8_gemm, formats, activations, "or fp8_gemm, activations")
+        return replace(self, overrides=self.overrides + (override,))
 
     def with_linear(self, **formats) -> Policy:
         """A copy of this policy whose converted linear layers' parameters default to ``formats``
@@ -254,14 +248,18 @@ def _override_dict(override: Override) -> dict:
 
 
 def _override_from(values: dict) -> Override:
-    pattern, fp8_gemm, activations = values["pattern"], values["fp8_gemm"], values["activations"]
+    return _checked_override(values["pattern"], values["fp8_gemm"], values["formats"], values["activations"], "")
+
+
+def _checked_override(pattern, fp8_gemm, formats: dict, activations, also: str) -> Override:
+    """An `Override` of these settings, each validated (``also``: the other fields, for the error)."""
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"an override pattern is a non-empty module-name pattern, got {pattern!r}")
     if fp8_gemm is not None and not isinstance(fp8_gemm, bool):
-        raise ValueError(f"fp8_gemm must be True, False or None, got {fp8_gemm!r}")
+        raise ValueError(f"fp8_gemm must be True or False, got {fp8_gemm!r}")
     if activations is not None and activations not in ACTIVATIONS:
         raise ValueError(f"unknown activations {activations!r}: use one of {', '.join(ACTIVATIONS)}")
-    return Override(pattern, fp8_gemm, _parse_formats(values["formats"], ""), activations)
+    return Override(pattern, fp8_gemm, _parse_formats(formats, also), activations)
 
 
 # The output head's GEMMs and weight gradient in BF16 (1 byte more per head parameter): see the
