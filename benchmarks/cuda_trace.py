@@ -90,7 +90,7 @@ STACK_CATEGORIES = {
     "to_fp8_saturated": "cast",
     "hp_tensor_and_scale_to_float8": "cast",
 }
-GEMM_OPS = {"mm", "addmm", "_scaled_mm", "bmm", "baddbmm", "_grouped_mm", "_scaled_grouped_mm"}
+GEMM_OPS = {"mm", "addmm", "_scaled_mm", "_scaled_mm_v2", "bmm", "baddbmm", "_grouped_mm", "_scaled_grouped_mm"}
 ATTENTION_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "lift_fresh"}
 TINY = 64  # elements: an op whose tensors are all this small is scale arithmetic on a few scalars
@@ -356,9 +356,11 @@ def split_reductions(ops: list) -> int:
 
 def gemm_flops(name: str, inputs: list[torch.Tensor]) -> tuple[float, bool]:
     """FLOPs of a GEMM or attention op and whether it runs in FP8."""
-    if name in ("mm", "_scaled_mm"):
+    if name in ("mm", "_scaled_mm", "_scaled_mm_v2"):
         (m, k), n = inputs[0].shape, inputs[1].shape[1]
-        return 2.0 * m * k * n, name == "_scaled_mm"
+        if inputs[0].dtype == torch.float4_e2m1fn_x2:  # two elements per byte along K
+            k *= 2
+        return 2.0 * m * k * n, name != "mm"
     if name == "addmm":
         (m, k), n = inputs[1].shape, inputs[2].shape[1]
         return 2.0 * m * k * n, False

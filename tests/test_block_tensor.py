@@ -63,3 +63,22 @@ def test_a_layer_in_high_precision_reads_its_values():
     assert torch.equal(y, F.linear(x, fp8lm.fake_quantize(w, "mxfp8", "weight")))
     y.sum().backward()
     assert weight.grad is not None and weight.grad.shape == (64, 96) and x.grad is not None
+
+
+def test_a_packed_nvfp4_weight_is_its_operand_and_survives_flattening():
+    """nvfp4 gathers its E2M1 elements packed two to a byte: the tensor presents the unpacked
+    shape, its operand is `quantize_operand`'s (tensor scale included), and it flattens with it."""
+    from fp8lm.ops import nvfp4
+
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    op = quantize_operand(w, fp8lm.Recipe.from_name("nvfp4"), "weight", dim=1)
+    t = BlockScaledTensor(nvfp4.pack_e2m1(op.payload), op.d, op.block, tensor_scale=op.tensor_scale)
+    assert t.shape == (64, 96) and t.stride() == (96, 1)
+    got = t.operand
+    assert torch.equal(got.payload.view(torch.uint8), op.payload.view(torch.uint8))
+    assert torch.equal(got.d, op.d) and got.block == op.block and torch.equal(got.tensor_scale, op.tensor_scale)
+    assert torch.equal(t.detach().dequantize(), fp8lm.fake_quantize(w, "nvfp4", "weight"))
+    names, meta = t.__tensor_flatten__()
+    assert names == ["_data", "_d", "_tensor_scale"]
+    back = BlockScaledTensor.__tensor_unflatten__({n: getattr(t, n) for n in names}, meta, t.shape, t.stride())
+    assert back.shape == (64, 96) and torch.equal(back.operand.tensor_scale, op.tensor_scale)

@@ -140,6 +140,18 @@ def test_fine_grained_recipes_trace_on_the_cuda_path(quick):
     assert quick["variants"]["fp8lm_rowwise"]["block"]["total"]["fp8_gemms"] == 12
 
 
+def test_nvfp4_multiplies_in_fp4_on_compute_capability_10():
+    """On a B200 (capability 10.0) nvfp4's three GEMMs are FP4 ``scaled_mm`` calls (the packed
+    elements, E4M3 block scales and tensor scales pass torch's shape checks), the Hadamard
+    transforms of the weight-gradient GEMM's inputs the other two; no host sync."""
+    proc = run("--quick", "--recipes", "nvfp4", "--capability", "10.0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    linear = json.loads(proc.stdout)["variants"]["fp8lm_nvfp4"]["linear"][0]
+    assert linear["total"]["gemms"] == 5 and linear["total"]["fp8_gemms"] == 3
+    assert linear["total"]["syncs"] == 0
+    assert "_scaled_mm_v2" in linear["forward"]["gemm"]["ops"] and "_scaled_mm_v2" in linear["backward"]["gemm"]["ops"]
+
+
 def test_fp8_saved_attention_runs_the_flash_kernels_on_the_cuda_path():
     """`FP8SavedAttention` on fake CUDA tensors: the flash kernel forward, and in the backward its
     forward again (at the dequantized q, k, v) and its backward; no host sync; CUDA gradients."""

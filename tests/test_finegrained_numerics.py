@@ -351,9 +351,13 @@ def test_the_compiled_quantization_gives_the_eager_bits(recipe, role):
     x[4:7] = 1.0
     block = finegrained.operand_block(recipe, role, x.shape, 1)
     torch._dynamo.reset()
-    payload, d = torch.compile(finegrained._quantize, dynamic=True)(x, recipe, role, block, None)
-    eager_payload, eager_d = finegrained._quantize(x, recipe, role, block, None)
+    payload, d, tensor_scale = torch.compile(finegrained._quantize, dynamic=True)(x, recipe, role, block, None)
+    eager_payload, eager_d, eager_tensor_scale = finegrained._quantize(x, recipe, role, block, None)
     assert torch.equal(payload.view(torch.uint8), eager_payload.view(torch.uint8))
     assert torch.equal(d.nan_to_num(), eager_d.nan_to_num())
+    if recipe.granularity == "nvfp4":  # its per-tensor decode scale, which the FP4 GEMM applies
+        assert torch.equal(tensor_scale, eager_tensor_scale)
+    else:
+        assert tensor_scale is None and eager_tensor_scale is None
     values = torch.compile(finegrained._dequantize, dynamic=True)(payload, d, block)
     assert torch.equal(values.nan_to_num(), finegrained._dequantize(eager_payload, eager_d, block).nan_to_num())

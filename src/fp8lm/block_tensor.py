@@ -7,7 +7,10 @@ all-gathered as its forward operand: each rank quantizes its own rows as
 per row, 1 x 32 or 128 x 128 or 16 x 16 blocks) and sends the E4M3 bytes with the scales of its
 rows or blocks (`gather_inputs`: E8M0 bytes where they are powers of two, else float32); the gathered payload and scales are the operand of the whole
 weight, bit for bit, as a `BlockScaledTensor` (`gathered`) that `FP8Linear` multiplies directly.
-nvfp4's per-tensor scale comes from the amax of the whole weight (a MAX all-reduce).
+nvfp4's per-tensor scale comes from the amax of the whole weight (a MAX all-reduce); its E2M1
+elements travel packed two to a byte (`fp8lm.ops.nvfp4.pack_e2m1`, for an even in_features) with
+one E4M3 byte per 16 x 16 block, its format's own scale bytes, and the gathered tensor keeps them
+packed (unpacked for each use of its `operand`).
 
 That needs every shard to hold whole blocks (`shards_whole_blocks`): FSDP2 shards dim 0 evenly,
 ``rows / ranks`` rows per rank, a multiple of the block's rows (1 for rowwise and mxfp8, 128 for
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from .ops import nvfp4
 from .ops.blocks import Block
 from .ops.finegrained import BlockOperand, operand_block, quantize_operand
 from .recipe import Recipe
@@ -47,28 +51,50 @@ _WHOLE_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.as_strided
 
 
 class BlockScaledTensor(torch.Tensor):
-    """A 2-D tensor stored as ``payload`` (float8) with one float32 ``d`` per ``block``:
-    ``value = payload * d`` blockwise (`fp8lm.ops.finegrained.BlockOperand`)."""
+    """A 2-D tensor stored as ``payload`` (float8, or nvfp4's E2M1 elements packed two to a byte
+    along rows as ``torch.float4_e2m1fn_x2``) with one float32 ``d`` per ``block``:
+    ``value = payload * d`` blockwise (`fp8lm.ops.finegrained.BlockOperand`); ``tensor_scale``:
+    nvfp4's per-tensor decode scale."""
 
     _data: torch.Tensor
     _d: torch.Tensor
     _block: Block
+    _tensor_scale: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, payload: torch.Tensor, d: torch.Tensor, block: Block, dtype: torch.dtype = torch.float32):
+    def __new__(
+        cls,
+        payload: torch.Tensor,
+        d: torch.Tensor,
+        block: Block,
+        dtype: torch.dtype = torch.float32,
+        tensor_scale: torch.Tensor | None = None,
+    ):
+        rows, cols = payload.shape[0], payload.shape[-1] * (2 if payload.dtype == torch.float4_e2m1fn_x2 else 1)
         return torch.Tensor._make_wrapper_subclass(
-            cls, payload.shape, strides=payload.stride(), dtype=dtype, device=payload.device, requires_grad=False
+            cls, (rows, cols), strides=(cols, 1), dtype=dtype, device=payload.device, requires_grad=False
         )
 
-    def __init__(self, payload: torch.Tensor, d: torch.Tensor, block: Block, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        payload: torch.Tensor,
+        d: torch.Tensor,
+        block: Block,
+        dtype: torch.dtype = torch.float32,
+        tensor_scale: torch.Tensor | None = None,
+    ):
         if payload.dim() != 2:
             raise ValueError(f"a BlockScaledTensor is 2-D, got payload shape {tuple(payload.shape)}")
         self._data, self._d, self._block = payload, d, (int(block[0]), int(block[1]))
+        self._tensor_scale = tensor_scale
 
     @property
     def operand(self) -> BlockOperand:
-        """The payload, scales and block as a GEMM operand."""
-        return BlockOperand(self._data, self._d, self._block)
+        """The payload, scales and block as a GEMM operand (a packed payload unpacked to E4M3 bytes)."""
+        payload = self._data
+        if payload.dtype == torch.float4_e2m1fn_x2:
+            payload = nvfp4.unpack_e2m1(payload).to(torch.float8_e4m3fn)
+        return BlockOperand(payload, self._d, self._block, self._tensor_scale)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values as a plain tensor of ``dtype``."""
@@ -81,12 +107,14 @@ class BlockScaledTensor(torch.Tensor):
         )
 
     def __tensor_flatten__(self):
-        return ["_data", "_d"], (self._block, self.dtype)
+        inner = ["_data", "_d"] + ([] if self._tensor_scale is None else ["_tensor_scale"])
+        return inner, (self._block, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
         block, dtype = meta
-        return BlockScaledTensor(inner_tensors["_data"], inner_tensors["_d"], block, dtype)
+        tensor_scale = inner_tensors.get("_tensor_scale")
+        return BlockScaledTensor(inner_tensors["_data"], inner_tensors["_d"], block, dtype, tensor_scale)
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -97,7 +125,7 @@ class BlockScaledTensor(torch.Tensor):
         if isinstance(src, BlockScaledTensor):
             whole = func in _WHOLE_VIEW_OPS and list(args[1]) == list(src.shape) and not kwargs.get("storage_offset")
             if func in _KEEP_OPS or whole:
-                return BlockScaledTensor(src._data.detach(), src._d, src._block, src.dtype)
+                return BlockScaledTensor(src._data.detach(), src._d, src._block, src.dtype, src._tensor_scale)
         if func._schema.is_mutable:
             raise NotImplementedError(
                 f"fp8lm: a BlockScaledTensor (a weight gathered by FSDP2 in a fine-grained recipe's blocks) "
@@ -125,17 +153,29 @@ def gather_inputs(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple]:
     """What this rank sends for a weight whose shard (a whole number of blocks) has ``values``
     (float32): its rows as the recipe's forward weight operand, the payload as bytes (no
-    backend carries float8) and the float32 scales of its blocks; and the metadata that
-    `gathered` reads. nvfp4: the per-tensor amax is agreed over ``group`` first."""
+    backend carries float8) and the scales of its blocks; and the metadata that `gathered`
+    reads. nvfp4: the per-tensor amax is agreed over ``group`` first, and the elements (for an
+    even in_features) travel packed with their E4M3 block scale bytes."""
     tensor_amax = None
     if recipe.granularity == "nvfp4":
         tensor_amax = values.abs().amax().to(torch.float32).reshape(1)
         dist.all_reduce(tensor_amax, dist.ReduceOp.MAX, group=group)
         tensor_amax = tensor_amax.reshape(())
     op = quantize_operand(values, recipe, "weight", dim=1, tensor_amax=tensor_amax)
+    if op.tensor_scale is not None and values.shape[1] % 2 == 0:
+        packed = nvfp4.pack_e2m1(op.payload).view(torch.uint8)
+        stored = (op.d / op.tensor_scale).to(torch.float8_e4m3fn)  # the E4M3 scales, exactly
+        metadata = (GATHER_TAG, torch.float4_e2m1fn_x2, op.block, torch.float8_e4m3fn, op.tensor_scale)
+        return (packed, stored.contiguous().view(torch.uint8)), metadata
     scale_dtype = torch.float8_e8m0fnu if pow2_scales(recipe) else torch.float32
     scales = op.d.to(scale_dtype).view(torch.uint8) if scale_dtype != torch.float32 else op.d.contiguous()
-    return (op.payload.view(torch.uint8), scales), (GATHER_TAG, op.payload.dtype, op.block, scale_dtype)
+    return (op.payload.view(torch.uint8), scales), (
+        GATHER_TAG,
+        op.payload.dtype,
+        op.block,
+        scale_dtype,
+        op.tensor_scale,
+    )
 
 
 def pow2_scales(recipe: Recipe) -> bool:
@@ -144,9 +184,13 @@ def pow2_scales(recipe: Recipe) -> bool:
     return recipe.granularity in ("rowwise", "mxfp8") or (recipe.granularity == "blockwise" and recipe.pow2_scales)
 
 
-def _scales(wire: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
-    """The float32 scales of gathered scale bytes (`gather_inputs`)."""
-    return wire if scale_dtype == torch.float32 else wire.view(scale_dtype).to(torch.float32)
+def _scales(wire: torch.Tensor, scale_dtype: torch.dtype, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+    """The float32 scales of gathered scale bytes (`gather_inputs`): nvfp4's E4M3 block scales
+    times its tensor scale, as `fp8lm.ops.nvfp4.block_scales` computes them."""
+    if scale_dtype == torch.float32:
+        return wire
+    d = wire.view(scale_dtype).to(torch.float32)
+    return d * tensor_scale if scale_dtype == torch.float8_e4m3fn and tensor_scale is not None else d
 
 
 def gathered(
@@ -156,14 +200,25 @@ def gathered(
     outputs of `gather_inputs`, and its inner tensors (which later all-gathers refill: then
     `refresh` it)."""
     wire, scales = outputs
-    _, payload_dtype, block, scale_dtype = metadata
+    _, payload_dtype, block, scale_dtype, tensor_scale = metadata
     payload = wire.view(payload_dtype)
-    return BlockScaledTensor(payload, _scales(scales, scale_dtype), block, dtype), (payload, scales)
+    d = _scales(scales, scale_dtype, tensor_scale)
+    return BlockScaledTensor(payload, d, block, dtype, tensor_scale), (payload, scales)
 
 
 def refresh(out: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: tuple) -> None:
     """After a later all-gather refilled the inner tensors of ``out`` (a `gathered` weight): its
-    float32 scales decoded again from E8M0 bytes (float32 scales are the gathered buffer itself)."""
-    scale_dtype = metadata[3]
-    if scale_dtype != torch.float32 and isinstance(out, BlockScaledTensor):
-        out._d.copy_(_scales(outputs[1], scale_dtype))
+    float32 scales decoded again from E8M0 or E4M3 bytes (float32 scales are the gathered buffer
+    itself) with this gather's nvfp4 tensor scale."""
+    scale_dtype, tensor_scale = metadata[3], metadata[4]
+    if not isinstance(out, BlockScaledTensor):
+        return
+    # As FSDP2 refills its own buffers: the backward's gather brings the values the forward saved
+    # (nvfp4's input-gradient GEMM saves the gathered operand itself), so autograd must not see a change.
+    if scale_dtype != torch.float32:
+        with torch.autograd._unsafe_preserve_version_counter(out._d):
+            out._d.copy_(_scales(outputs[1], scale_dtype, tensor_scale))
+    if tensor_scale is not None:
+        assert out._tensor_scale is not None  # gathered with one
+        with torch.autograd._unsafe_preserve_version_counter(out._tensor_scale):
+            out._tensor_scale.copy_(tensor_scale)

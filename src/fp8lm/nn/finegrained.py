@@ -43,17 +43,19 @@ def _save(ctx, name: str, operand: BlockOperand | torch.Tensor | None) -> list[t
     """The tensors of ``operand`` to save for backward; its block size kept on ``ctx``."""
     if isinstance(operand, BlockOperand):
         setattr(ctx, name, operand.block)
-        return [operand.payload, operand.d]
+        return [operand.payload, operand.d, operand.tensor_scale]
     setattr(ctx, name, None)
-    return [operand, None]
+    return [operand, None, None]
 
 
-def _restore(block, payload: torch.Tensor | None, d: torch.Tensor | None) -> BlockOperand | torch.Tensor | None:
+def _restore(
+    block, payload: torch.Tensor | None, d: torch.Tensor | None, tensor_scale: torch.Tensor | None
+) -> BlockOperand | torch.Tensor | None:
     """The operand `_save` saved."""
     if block is None:
         return payload
     assert payload is not None and d is not None  # saved together
-    return BlockOperand(payload, d, block)
+    return BlockOperand(payload, d, block, tensor_scale)
 
 
 def _weight_grad_input(x2: torch.Tensor, recipe: Recipe) -> BlockOperand | torch.Tensor:
@@ -115,19 +117,19 @@ class _FineGrainedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        w_payload, w_d, x_payload, x_d = ctx.saved_tensors
+        w_payload, w_d, w_scale, x_payload, x_d, x_scale = ctx.saved_tensors
         recipe, out_dtype, backend = ctx.recipe, ctx.out_dtype, ctx.backend
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                w_op = _restore(ctx.w_block, w_payload, w_d)
+                w_op = _restore(ctx.w_block, w_payload, w_d, w_scale)
                 assert isinstance(w_op, BlockOperand)  # the weight is always quantized
                 g_op = quantize_operand(g2, recipe, "grad_output", dim=1)
                 grad_x = block_mm(g_op, w_op, out_dtype, backend=backend, e8m0_scales=_e8m0(recipe))
                 grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                x_op = _restore(ctx.x_block, x_payload, x_d)
+                x_op = _restore(ctx.x_block, x_payload, x_d, x_scale)
                 assert x_op is not None  # saved when the weight needs a gradient
                 grad_w = _weight_grad(g2, x_op, recipe, out_dtype, backend).to(ctx.w_dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:

@@ -54,6 +54,9 @@ __all__ = [
     "takes_mx_scaled_mm",
     "mx_scaled_mm",
     "mx_blocked_scales",
+    "takes_nvfp4_scaled_mm",
+    "nvfp4_scaled_mm",
+    "nvfp4_blocked_scales",
     "fake_quantize",
 ]
 
@@ -66,11 +69,14 @@ _ONE = torch.ones(())  # `upcast`'s scale: the payload's own values
 
 
 class BlockOperand(NamedTuple):
-    """A quantized 2-D operand: a float8 ``payload`` and one float32 ``d`` per ``block`` of it."""
+    """A quantized 2-D operand: a float8 ``payload`` and one float32 ``d`` per ``block`` of it.
+    ``tensor_scale``: nvfp4's per-tensor decode scale ``s_dec`` (a 0-d float32 tensor), of which
+    each ``d`` is its block's E4M3 scale times (`fp8lm.ops.nvfp4`); None for the other recipes."""
 
     payload: torch.Tensor
     d: torch.Tensor
     block: Block
+    tensor_scale: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         """The values the GEMM sees, ``payload * d``, as float32 (compiled off the CPU, as
@@ -84,7 +90,7 @@ class BlockOperand(NamedTuple):
 
     def t(self) -> BlockOperand:
         """The transposed operand (a view of the payload)."""
-        return BlockOperand(self.payload.t(), self.d.t(), (self.block[1], self.block[0]))
+        return BlockOperand(self.payload.t(), self.d.t(), (self.block[1], self.block[0]), self.tensor_scale)
 
 
 def _dequantize(payload: torch.Tensor, d: torch.Tensor, block: Block) -> torch.Tensor:
@@ -155,15 +161,15 @@ def quantize_operand(
     block = operand_block(recipe, role, x.shape, dim)
     x = x.detach()
     if x.device.type == "cpu" or generator is not None or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-        payload, d = _quantize(x, recipe, role, block, generator, tensor_amax)
-        return BlockOperand(payload, d, block)
+        payload, d, tensor_scale = _quantize(x, recipe, role, block, generator, tensor_amax)
+        return BlockOperand(payload, d, block, tensor_scale)
 
-    def fused() -> tuple[torch.Tensor, torch.Tensor]:
+    def fused() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         with torch.no_grad():
             return _compiled_fn(_quantize, recipe, role, block)(x, recipe, role, block, None, tensor_amax)
 
-    payload, d = FUSED_QUANTIZE.run(fused, lambda: _quantize(x, recipe, role, block, None, tensor_amax))
-    return BlockOperand(payload, d, block)
+    payload, d, tensor_scale = FUSED_QUANTIZE.run(fused, lambda: _quantize(x, recipe, role, block, None, tensor_amax))
+    return BlockOperand(payload, d, block, tensor_scale)
 
 
 def _quantize(
@@ -173,8 +179,8 @@ def _quantize(
     block: Block,
     generator: torch.Generator | None,
     tensor_amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The payload and the scales of `quantize_operand`."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The payload, scales and (nvfp4) tensor scale of `quantize_operand`."""
     xb = to_blocks(x, block)
     amax = block_amax(xb)
     if recipe.granularity == "nvfp4":
@@ -184,7 +190,7 @@ def _quantize(
     fmt = _role_format(recipe, role)
     d = _scale_rule(recipe)(amax, fmt.max)
     q = (xb.to(torch.float32) / per_block(d)).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    return from_blocks(q, x.shape), d
+    return from_blocks(q, x.shape), d, None
 
 
 def _nvfp4_operand(
@@ -196,7 +202,7 @@ def _nvfp4_operand(
     scale_rule: str,
     stochastic: bool,
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s_enc, s_dec = nvfp4.tensor_scales(tensor_amax, scale_rule)
     d = nvfp4.block_scales(amax, s_enc, s_dec)
     nearest = None
@@ -207,7 +213,7 @@ def _nvfp4_operand(
         q = nvfp4.round_e2m1(nvfp4.scaled(xb, d), noise)
     else:
         q = nearest if nearest is not None else nvfp4.round_e2m1(nvfp4.scaled(xb, d))
-    return from_blocks(q.to(torch.float8_e4m3fn), x.shape), d
+    return from_blocks(q.to(torch.float8_e4m3fn), x.shape), d, s_dec
 
 
 def block_mm(
@@ -233,6 +239,8 @@ def block_mm(
         return block_scaled_mm(a, b, out_dtype, bias)
     if backend == "scaled_mm" and e8m0_scales and takes_mx_scaled_mm(a, b, out_dtype):
         return mx_scaled_mm(a, b, out_dtype, bias)
+    if backend == "scaled_mm" and takes_nvfp4_scaled_mm(a, b, out_dtype):
+        return nvfp4_scaled_mm(a, b, out_dtype, bias)
     a32, b32 = a.dequantize(), b.dequantize()
     out = torch.mm(a32, b32) if bias is None else torch.addmm(bias.to(torch.float32), a32, b32)
     return out.to(out_dtype)
@@ -344,9 +352,14 @@ def mx_blocked_scales(d: torch.Tensor) -> torch.Tensor:
 
 def _blocked_e8m0(d: torch.Tensor) -> torch.Tensor:
     """`mx_blocked_scales` as bytes (`e8m0_codes`)."""
-    rows, cols = d.shape
+    return _blocked(e8m0_codes(d))
+
+
+def _blocked(codes: torch.Tensor) -> torch.Tensor:
+    """One-byte scale codes (rows, K / block) in cuBLAS's blocked layout (`mx_blocked_scales`),
+    which MX and NVFP4 scales share."""
+    rows, cols = codes.shape
     tiles_r, tiles_c = -(-rows // 128), -(-cols // 4)
-    codes = e8m0_codes(d)
     padded = F.pad(codes, (0, tiles_c * 4 - cols, 0, tiles_r * 128 - rows))
     tiles = padded.view(tiles_r, 4, 32, tiles_c, 4).permute(0, 3, 2, 1, 4)  # (tr, tc, r % 32, r // 32, col)
     return tiles.reshape(-1)
@@ -366,6 +379,80 @@ def mx_scaled_mm(
         return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
     return (out + bias.to(torch.float32)).to(out_dtype)
+
+
+def takes_nvfp4_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies ``a`` and ``b`` as NVFP4 (cuBLAS's FP4 GEMM with
+    E4M3 scales per 16 elements; CUDA of compute capability 10.0 or more): `nvfp4_scales_fit` on
+    such a device."""
+    if a.payload.device.type != "cuda" or not nvfp4_scales_fit(a, b, out_dtype):
+        return False
+    return torch.cuda.get_device_capability(a.payload.device) >= (10, 0)
+
+
+def nvfp4_scales_fit(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
+    """Whether ``a`` (M, K) and ``b`` (K, N) are nvfp4 operands cuBLAS's FP4 GEMM takes: both with
+    a tensor scale, blocks of 16 along K (``a`` 1 x 16 or 16 x 16, ``b`` 16 x 1 or 16 x 16), K a
+    multiple of 32 (16 bytes packed), M and N multiples of 16, a BF16 or FP32 result."""
+    (m, k), n = a.payload.shape, b.payload.shape[1]
+    if a.tensor_scale is None or b.tensor_scale is None or out_dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if a.block not in ((1, 16), (16, 16)) or b.block not in ((16, 1), (16, 16)) or min(m, k, n) == 0:
+        return False
+    return not (k % 32 or m % 16 or n % 16)
+
+
+def nvfp4_blocked_scales(op: BlockOperand) -> torch.Tensor:
+    """The E4M3 block scales of ``op`` (rows, K), an nvfp4 operand blocked along K, one per row and
+    16 elements (a 16 x 16 block's repeated on its 16 rows), in cuBLAS's blocked layout
+    (`mx_blocked_scales`), flat: ``d / tensor_scale``, each an E4M3 value up to float32 rounding,
+    so the cast gives it back exactly."""
+    assert op.tensor_scale is not None  # nvfp4_scales_fit
+    stored = (op.d / op.tensor_scale).to(torch.float8_e4m3fn)
+    if op.block[0] > 1:
+        stored = stored.view(torch.uint8).repeat_interleave(op.block[0], dim=0)[: op.payload.shape[0]]
+    return _blocked(stored.view(torch.uint8)).view(torch.float8_e4m3fn)
+
+
+def _nvfp4_gemm_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor]:
+    """``op`` (rows, K) as cuBLAS reads an FP4 operand: the E2M1 elements packed along K
+    (row-major (rows, K / 2) bytes) and the blocked E4M3 scales."""
+    return nvfp4.pack_e2m1(op.payload).view(torch.uint8), nvfp4_blocked_scales(op).view(torch.uint8)
+
+
+def _laid_out_fp4(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_nvfp4_gemm_operand`, as one compiled function off the CPU (`FUSED_QUANTIZE`)."""
+    if op.payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
+        return _nvfp4_gemm_operand(op)
+    fn = _compiled_fn(_nvfp4_gemm_operand, op.block)
+    return FUSED_QUANTIZE.run(lambda: fn(op), lambda: _nvfp4_gemm_operand(op))
+
+
+def nvfp4_scaled_mm(
+    a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`block_mm` of nvfp4 operands (`takes_nvfp4_scaled_mm`) by ``torch.nn.functional.scaled_mm``
+    with NVIDIA's two-level scales: ``a`` and ``b`` packed two elements to a byte along K (``a``
+    row-major, ``b`` column-major), each with its E4M3 block scales in cuBLAS's blocked layout
+    (`nvfp4_blocked_scales`) and its per-tensor decode scale, which cuBLAS applies in the GEMM's
+    epilogue before the one rounding. A bias is added to the FP32 result before the rounding, as
+    in `block_scaled_mm`. Each operand is laid out in one compiled function (`FUSED_QUANTIZE`)."""
+    (a_fp4, blocks_a), (bt_fp4, blocks_b) = _laid_out_fp4(a), _laid_out_fp4(b.t())
+    assert a.tensor_scale is not None and b.tensor_scale is not None  # nvfp4_scales_fit
+    two_level = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
+    swizzle = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+    out = F.scaled_mm(
+        a_fp4.view(torch.float4_e2m1fn_x2),
+        bt_fp4.view(torch.float4_e2m1fn_x2).t(),
+        scale_a=[blocks_a.view(torch.float8_e4m3fn), a.tensor_scale.reshape(1)],
+        scale_recipe_a=two_level,
+        scale_b=[blocks_b.view(torch.float8_e4m3fn), b.tensor_scale.reshape(1)],
+        scale_recipe_b=two_level,
+        swizzle_a=swizzle,
+        swizzle_b=swizzle,
+        output_dtype=out_dtype if bias is None else torch.float32,
+    )
+    return out if bias is None else (out + bias.to(torch.float32)).to(out_dtype)
 
 
 def fake_quantize(

@@ -13,7 +13,9 @@ E2M1 holds 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. With ``amax_t`` the t
   from the grid point below, over the spacing.
 
 The values the GEMM sees are ``q * d``. Elements are kept in an E4M3 payload (every E2M1 value is
-an E4M3 value): one byte each here, not the half byte of the packed format.
+an E4M3 value), one byte each; `pack_e2m1` packs them two to a byte as ``torch.float4_e2m1fn_x2``
+holds them (the first of each pair in the low four bits), the form NVIDIA's FP4 GEMM reads, and
+`unpack_e2m1` reads them back.
 
 Four Over Six (``scale_rule="4over6"``, arXiv 2512.02010): E2M1 has no value between 4 and 6, so
 a block scaled to 6 rounds its values in (4, 6) by up to a sixth. Each block is also scaled to 4
@@ -38,6 +40,9 @@ __all__ = [
     "scaled",
     "four_over_six",
     "TENSOR_SCALE_BASE",
+    "e2m1_codes",
+    "pack_e2m1",
+    "unpack_e2m1",
 ]
 
 E2M1_MAX = 6.0
@@ -116,3 +121,37 @@ def four_over_six(xb: torch.Tensor, d6: torch.Tensor, d4: torch.Tensor) -> tuple
     (q6, error6), (q4, error4) = candidate(d6), candidate(d4)
     four = error4 < error6
     return torch.where(four, d4, d6), torch.where(per_block(four), q4, q6)
+
+
+def e2m1_codes(payload: torch.Tensor) -> torch.Tensor:
+    """The 4-bit E2M1 codes (uint8, 0-15: sign, two exponent bits, one mantissa bit) of a payload
+    holding E2M1 values (any float dtype; what `round_e2m1` gives). Magnitudes 0, 0.5, 1, 1.5 are
+    codes 0-3 (twice the value), 2, 3, 4 are 4-6 (the value plus 2), 6 is 7; the sign of zero is
+    kept. E2M1 has no NaN: a NaN element (only ever in a block whose scale is NaN too, so its
+    values stay NaN) packs as code 7."""
+    v = payload.to(torch.float32)
+    a = v.abs()
+    magnitude = torch.where(a < 2, a * 2, torch.where(a < E2M1_MAX, a + 2, torch.full_like(a, 7.0)))
+    return magnitude.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def pack_e2m1(payload: torch.Tensor) -> torch.Tensor:
+    """A payload of E2M1 values (..., K), K even, packed two to a byte along its last dim:
+    (..., K / 2) ``torch.float4_e2m1fn_x2``, contiguous, element ``2i`` in the low four bits of
+    byte ``i``."""
+    if payload.shape[-1] % 2:
+        raise ValueError(f"pack_e2m1: the last dim must be even, got shape {tuple(payload.shape)}")
+    codes = e2m1_codes(payload)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.float4_e2m1fn_x2)
+
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """The float32 values (..., 2 K) of ``packed`` (..., K), `pack_e2m1`'s result (its uint8 or
+    ``torch.float4_e2m1fn_x2`` bytes)."""
+    bytes_ = packed.view(torch.uint8)
+    codes = torch.stack((bytes_ & 15, bytes_ >> 4), dim=-1).flatten(-2).to(torch.int64)
+    values = torch.tensor(_E2M1_VALUES, device=packed.device)[codes & 7]
+    return torch.where(codes >= 8, -values, values)

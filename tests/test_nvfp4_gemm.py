@@ -1,0 +1,184 @@
+"""nvfp4's FP4 GEMM path (compute capability 10.0+): E2M1 elements packed two to a byte, E4M3
+block scales in cuBLAS's blocked layout, the per-tensor scales in the epilogue.
+
+No GPU runs here, so the call is checked the way cuBLAS reads it: a float64 kernel written from
+the formats' definitions (the E2M1 code table, the 128 x 4 tile layout of the scales) stands in
+for ``torch.nn.functional.scaled_mm`` and must give the emulation's result."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8lm
+from fp8lm.ops import finegrained, nvfp4
+from fp8lm.ops.finegrained import (
+    block_mm,
+    nvfp4_blocked_scales,
+    nvfp4_scales_fit,
+    quantize_operand,
+    takes_nvfp4_scaled_mm,
+)
+
+NVFP4 = fp8lm.Recipe.from_name("nvfp4")
+
+
+def e2m1_value(code: int) -> float:
+    """OCP MX v1.0's E2M1: sign, two exponent bits (bias 1), one mantissa bit; exponent 0 is
+    subnormal (0 or 0.5)."""
+    sign, exponent, mantissa = code >> 3, (code >> 1) & 3, code & 1
+    magnitude = mantissa * 0.5 if exponent == 0 else 2.0 ** (exponent - 1) * (1 + mantissa / 2)
+    return -magnitude if sign else magnitude
+
+
+def test_unpack_reads_every_byte_as_two_e2m1_codes_the_first_in_the_low_bits():
+    every = torch.arange(256, dtype=torch.uint8)
+    values = nvfp4.unpack_e2m1(every.view(torch.float4_e2m1fn_x2))
+    expected = torch.tensor([[e2m1_value(b & 15), e2m1_value(b >> 4)] for b in range(256)]).flatten()
+    assert torch.equal(values, expected)
+    assert torch.equal(torch.signbit(values), torch.signbit(expected))  # -0 is code 8
+    # Packing is its inverse: every byte comes back, negative zeros included.
+    assert torch.equal(nvfp4.pack_e2m1(values).view(torch.uint8), every)
+    assert torch.equal(nvfp4.pack_e2m1(values.to(torch.float8_e4m3fn)).view(torch.uint8), every)
+
+
+def test_pack_takes_a_quantized_payload_along_its_last_dim_and_refuses_an_odd_one():
+    x = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
+    op = quantize_operand(x, NVFP4, "input")
+    packed = nvfp4.pack_e2m1(op.payload)
+    assert packed.dtype == torch.float4_e2m1fn_x2 and packed.shape == (48, 32) and packed.is_contiguous()
+    assert torch.equal(nvfp4.unpack_e2m1(packed), op.payload.float())
+    transposed = nvfp4.pack_e2m1(op.payload.t())  # a view: packed along its own last dim
+    assert transposed.is_contiguous() and torch.equal(nvfp4.unpack_e2m1(transposed), op.payload.t().float())
+    with pytest.raises(ValueError, match="last dim must be even"):
+        nvfp4.pack_e2m1(torch.zeros(4, 3))
+
+
+def operand_pairs(m: int = 64, k: int = 96, n: int = 64, recipe=NVFP4, seed: int = 0):
+    """The three GEMMs of a (k -> n) layer on m tokens, as `fine_grained_linear` quantizes them."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w, g = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(m, n, generator=gen)
+    w_op = quantize_operand(w, recipe, "weight")
+    return {
+        "forward": (quantize_operand(x, recipe, "input"), w_op.t()),
+        "input_grad": (quantize_operand(g, recipe, "grad_output", generator=gen), w_op),
+        "weight_grad": (
+            quantize_operand(g, recipe, "grad_output", dim=0, generator=gen).t(),
+            quantize_operand(x, recipe, "input", dim=0),
+        ),
+    }
+
+
+def test_the_fp4_gemm_takes_the_three_gemms_of_nvfp4_and_nothing_else():
+    for name, (a, b) in operand_pairs().items():
+        assert a.tensor_scale is not None and b.tensor_scale is not None, name
+        assert nvfp4_scales_fit(a, b, torch.bfloat16) and nvfp4_scales_fit(a, b, torch.float32), name
+        assert not nvfp4_scales_fit(a, b, torch.float16), name
+        assert not takes_nvfp4_scaled_mm(a, b, torch.bfloat16), name  # a CPU tensor: no FP4 kernel
+    a, b = operand_pairs(k=80)["forward"]  # K = 80: 40 bytes packed, not a multiple of 16
+    assert not nvfp4_scales_fit(a, b, torch.bfloat16)
+    for other in ("rowwise", "blockwise", "mxfp8"):
+        a, b = operand_pairs(k=128, recipe=fp8lm.Recipe.from_name(other))["forward"]
+        assert a.tensor_scale is None and not nvfp4_scales_fit(a, b, torch.bfloat16), other
+
+
+def blocked_index(rows: int, cols: int) -> torch.Tensor:
+    """Where cuBLAS's blocked layout keeps the scale of row r, column c: a grid of 128 x 4 tiles,
+    row-major, each stored as 32 rows of 16 bytes (row r at r % 32, byte 4 * (r // 32 % 4) + c % 4)."""
+    tiles_c = -(-cols // 4)
+    return torch.tensor(
+        [
+            [((r // 128) * tiles_c + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4 for c in range(cols)]
+            for r in range(rows)
+        ]
+    )
+
+
+def unswizzle(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The (rows, cols) E4M3 scales of a blocked layout."""
+    return flat.view(torch.uint8)[blocked_index(rows, cols)].view(torch.float8_e4m3fn)
+
+
+def test_blocked_scales_are_the_stored_e4m3_scales_a_square_blocks_on_each_of_its_rows():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 64, generator=gen) * torch.logspace(-3, 3, 200).unsqueeze(1)
+    for role, block_rows in (("input", 1), ("weight", 16)):
+        op = quantize_operand(x, NVFP4, role)
+        s_enc, _ = nvfp4.tensor_scales(x.abs().amax())
+        padded = torch.cat((x, torch.zeros(8, 64)))  # 200 rows: the last 16-row block is partial
+        amax = padded.abs().reshape(208 // block_rows, block_rows, 4, 16).amax(dim=(1, 3))
+        stored = (amax / 6 * s_enc).clamp(max=448).to(torch.float8_e4m3fn)  # nvfp4's definition
+        flat = nvfp4_blocked_scales(op)
+        assert flat.dtype == torch.float8_e4m3fn and flat.numel() == 256 * 4  # padded to 128 x 4 tiles
+        expected = stored.repeat_interleave(block_rows, dim=0)[:200].view(torch.uint8)
+        assert torch.equal(unswizzle(flat, 200, 4).view(torch.uint8), expected), role
+        padding = torch.ones(flat.numel(), dtype=torch.bool)
+        padding[blocked_index(200, 4).flatten()] = False
+        assert not bool(flat.view(torch.uint8)[padding].any())
+
+
+def reference_fp4_gemm(calls: list):
+    """A float64 stand-in for ``F.scaled_mm`` with NVFP4 operands, from the formats' definitions."""
+
+    def scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, swizzle_a, swizzle_b, output_dtype):
+        two_level = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
+        assert scale_recipe_a == scale_recipe_b == two_level
+        assert swizzle_a == swizzle_b == [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+        assert mat_a.dtype == mat_b.dtype == torch.float4_e2m1fn_x2
+        assert mat_a.is_contiguous() and mat_b.t().is_contiguous()  # row-major times column-major
+        calls.append(output_dtype)
+
+        def values(packed: torch.Tensor, blocked: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+            rows, k = packed.shape[0], packed.shape[1] * 2
+            codes = torch.stack((packed.view(torch.uint8) & 15, packed.view(torch.uint8) >> 4), -1).reshape(rows, k)
+            elements = torch.tensor([e2m1_value(c) for c in range(16)], dtype=torch.float64)[codes.long()]
+            scales = unswizzle(blocked, rows, k // 16).to(torch.float64).repeat_interleave(16, dim=1)
+            return elements * scales * tensor_scale.to(torch.float64)
+
+        a = values(mat_a, scale_a[0], scale_a[1])
+        b = values(mat_b.t(), scale_b[0], scale_b[1]).t()
+        return (a @ b).to(output_dtype)
+
+    return scaled_mm
+
+
+@pytest.fixture
+def fp4_kernel(monkeypatch) -> list:
+    """The FP4 path taken on CPU operands, with `reference_fp4_gemm` as the kernel."""
+    calls: list = []
+    monkeypatch.setattr(finegrained, "takes_nvfp4_scaled_mm", nvfp4_scales_fit)
+    monkeypatch.setattr(F, "scaled_mm", reference_fp4_gemm(calls))
+    return calls
+
+
+@pytest.mark.parametrize("scale_rule", ["max6", "4over6"])
+def test_the_fp4_gemm_computes_the_emulations_product(fp4_kernel, scale_rule):
+    """Packing, the blocked scales and the tensor scales, as cuBLAS reads them, give the exact
+    emulation's product (FP32 rounding apart), with and without a bias added before the one rounding."""
+    recipe = NVFP4.replace(nvfp4_scale_rule=scale_rule)
+    bias = torch.randn(160)
+    for a, b in operand_pairs(m=160, k=96, n=64, recipe=recipe).values():
+        for out_dtype, add in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, bias)):
+            n_add = None if add is None else add[: b.payload.shape[1]]
+            exact = block_mm(a, b, out_dtype, n_add, backend="emulated")
+            fast = block_mm(a, b, out_dtype, n_add, backend="scaled_mm")
+            rtol = 2**-7 if out_dtype == torch.bfloat16 else 1e-5  # one BF16 ulp: rounded from float64 here
+            torch.testing.assert_close(fast, exact, rtol=rtol, atol=1e-5 * float(exact.abs().max()))
+    assert len(fp4_kernel) == 9 and torch.bfloat16 in fp4_kernel
+    assert fp4_kernel.count(torch.float32) == 6  # FP32 out where asked, and where a bias is added
+
+
+def test_a_layer_trained_on_the_fp4_gemm_matches_the_emulation(fp4_kernel):
+    """Forward, input and weight gradients of an nvfp4 FP8Linear through the FP4 GEMM (the
+    operands saved for backward keep their tensor scales) against the emulation."""
+    outs = []
+    for backend in ("emulated", "scaled_mm"):
+        torch.manual_seed(0)
+        layer = fp8lm.nn.FP8Linear(64, 32, recipe=NVFP4.replace(backend=backend))
+        x = torch.randn(2, 32, 64, requires_grad=True)  # 64 tokens: the weight gradient's K
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().pow(2).sum().backward()
+        outs.append((y.detach().float(), x.grad, layer.weight.grad.float()))
+    assert len(fp4_kernel) == 3  # forward, input gradient, weight gradient
+    for fast, exact in zip(outs[1], outs[0]):
+        torch.testing.assert_close(fast, exact, rtol=2**-7, atol=1e-3 * float(exact.abs().max()))
