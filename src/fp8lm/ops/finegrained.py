@@ -22,8 +22,9 @@ one float32 ``d`` per block; its values are ``payload * d``. `block_mm` multipli
 as an FP8 GEMM with FP32 accumulation does: ``torch._scaled_mm`` with row-wise scales where it
 takes them (the rowwise recipes on CUDA) or with 1 x 128 / 128 x 128 block scales (blockwise, on
 CUDA of compute capability 9.0: cuBLAS's block-scaled GEMM) or with MX scales (mxfp8, on compute
-capability 10.0+), else exactly, the dequantized operands in FP32 (nvfp4 has no kernel here
-yet).
+capability 10.0+) or as NVFP4 (nvfp4 on compute capability 10.0+: `nvfp4_scaled_mm`, the E2M1
+elements packed, the operands' ``tensor_scale`` in the epilogue), else exactly, the dequantized
+operands in FP32.
 """
 
 from __future__ import annotations
@@ -229,8 +230,9 @@ def block_mm(
     runs ``torch._scaled_mm`` with row-wise scales where it takes the operands (`rowwise_scaled_mm`)
     or with DeepSeek-V3's block scales (`block_scaled_mm`, CUDA of compute capability 9.0) or,
     where ``e8m0_scales`` says the scales are powers of two (mxfp8), with MX scales
-    (`mx_scaled_mm`, compute capability 10.0+); otherwise, and with ``"emulated"``, an FP32 GEMM
-    of the exact float32 values, rounded once."""
+    (`mx_scaled_mm`, compute capability 10.0+), or nvfp4 operands as NVFP4 (`nvfp4_scaled_mm`,
+    compute capability 10.0+); otherwise, and with ``"emulated"``, an FP32 GEMM of the exact
+    float32 values, rounded once."""
     if a.payload.shape[1] != b.payload.shape[0]:
         raise ValueError(f"block_mm: shapes {tuple(a.payload.shape)} and {tuple(b.payload.shape)} cannot be multiplied")
     if backend == "scaled_mm" and takes_rowwise_scaled_mm(a, b, out_dtype):
