@@ -30,7 +30,10 @@ How the CUDA path is reached without a GPU (all inside this process, never in th
   marker that runs the function's ops as one fused kernel (launches: 1, plus 1 when it reduces to
   a scalar, as Inductor splits a full reduction in two; bytes: the tensors it reads and writes);
 - ``scaled_dot_product_attention`` would take its math path (a CPU-only build cannot choose a
-  CUDA kernel): it is routed to the flash-attention ops, one kernel forward, one backward.
+  CUDA kernel): it is routed to the flash-attention ops, one kernel forward, one backward;
+- with Triton installed, nvfp4 on 9.0 takes fp8lm's Triton GEMM (`fp8lm.ops.triton_nvfp4`), a
+  custom op logged as one GEMM at BF16's rate (it multiplies on BF16 tensor cores); without it,
+  the emulation.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ from gemm import parse_shapes
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# Triton kernels are traced, never run: its interpreter would try to run them on the fake tensors.
+os.environ.pop("TRITON_INTERPRET", None)
 
 CATEGORIES = ("gemm", "cast", "amax_scale", "nonfinite", "transpose_copy", "bias", "attention", "other")
 # Ops that copy a value to the host and wait for it (``.item()``, ``bool(t)``, ``torch.equal``);
@@ -90,7 +96,17 @@ STACK_CATEGORIES = {
     "to_fp8_saturated": "cast",
     "hp_tensor_and_scale_to_float8": "cast",
 }
-GEMM_OPS = {"mm", "addmm", "_scaled_mm", "_scaled_mm_v2", "bmm", "baddbmm", "_grouped_mm", "_scaled_grouped_mm"}
+GEMM_OPS = {
+    "mm",
+    "addmm",
+    "_scaled_mm",
+    "_scaled_mm_v2",
+    "triton_nvfp4_mm",
+    "bmm",
+    "baddbmm",
+    "_grouped_mm",
+    "_scaled_grouped_mm",
+}
 ATTENTION_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "lift_fresh"}
 TINY = 64  # elements: an op whose tensors are all this small is scale arithmetic on a few scalars
@@ -361,6 +377,9 @@ def gemm_flops(name: str, inputs: list[torch.Tensor]) -> tuple[float, bool]:
         if inputs[0].dtype == torch.float4_e2m1fn_x2:  # two elements per byte along K
             k *= 2
         return 2.0 * m * k * n, name != "mm"
+    if name == "triton_nvfp4_mm":  # (M, K / 2) and (N, K / 2) packed E2M1, multiplied in BF16
+        (m, half_k), n = inputs[0].shape, inputs[2].shape[0]
+        return 2.0 * m * 2 * half_k * n, False
     if name == "addmm":
         (m, k), n = inputs[1].shape, inputs[2].shape[1]
         return 2.0 * m * k * n, False

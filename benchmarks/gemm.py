@@ -1,8 +1,13 @@
 """FP8 vs BF16 (and FP32) GEMM throughput in TFLOP/s, printed as JSON.
 
 FP8 runs `torch._scaled_mm` with E4M3 operands and per-tensor scales, output in BF16; BF16 and
-FP32 run `torch.matmul`. Shapes are (M, K, N) of ``A[M,K] @ B[K,N]``; the defaults are the
-GEMMs of a GPT block (tokens x width x 4*width), sized for the device.
+FP32 run `torch.matmul`; nvfp4 runs fp8lm's GEMM of two operands quantized in the ``nvfp4``
+recipe, as a layer runs it (`fp8lm.ops.finegrained.block_mm`: the operands packed and their scales
+laid out, then cuBLAS's FP4 GEMM on compute capability 10.0+, the Triton kernel on 8.9 / 9.0
+with Triton, else the emulation; ``nvfp4_path`` says which) and checks it against the emulation
+(``nvfp4_max_rel_err``, relative to the largest output). Shapes are (M, K, N) of
+``A[M,K] @ B[K,N]``; the defaults are the GEMMs of a GPT block (tokens x width x 4*width), sized
+for the device.
 
     python benchmarks/gemm.py [--device cuda] [--shapes 8192x4096x16384,...]
 """
@@ -47,7 +52,40 @@ def gemm_tflops(m: int, k: int, n: int, device: str, reps: int) -> dict:
             out[f"{name}_error"] = str(err).splitlines()[0]
     if out.get("fp8") and out.get("bf16"):
         out["fp8_over_bf16"] = out["fp8"] / out["bf16"]
+    out.update(nvfp4_gemm(a, b, reps))
+    if out.get("nvfp4") and out.get("bf16"):
+        out["nvfp4_over_bf16"] = out["nvfp4"] / out["bf16"]
     return out
+
+
+def nvfp4_gemm(a: torch.Tensor, b: torch.Tensor, reps: int) -> dict:
+    """TFLOP/s of fp8lm's nvfp4 GEMM of ``a @ b.t()`` (module doc), which path ran, and its
+    largest error against the emulation relative to the largest output."""
+    from fp8lm import Recipe
+    from fp8lm.ops import finegrained as fg
+
+    recipe = Recipe.from_name("nvfp4")
+    x, w = fg.quantize_operand(a, recipe, "input"), fg.quantize_operand(b, recipe, "weight").t()
+    bf16 = torch.bfloat16
+    path = (
+        "cuBLAS FP4"
+        if fg.takes_nvfp4_scaled_mm(x, w, bf16)
+        else "Triton"
+        if fg.takes_triton_nvfp4_mm(x, w, bf16)
+        else "emulated"
+    )
+    try:
+        got = fg.block_mm(x, w, bf16, backend="scaled_mm").float()
+        exact = fg.block_mm(x, w, bf16, backend="emulated").float()
+        seconds = median_time(lambda: fg.block_mm(x, w, bf16, backend="scaled_mm"), reps)
+    except RuntimeError as err:
+        return {"nvfp4": None, "nvfp4_path": path, "nvfp4_error": str(err).splitlines()[0]}
+    err = float((got - exact).abs().max() / exact.abs().max())
+    return {
+        "nvfp4": 2 * a.shape[0] * a.shape[1] * b.shape[0] / seconds / 1e12,
+        "nvfp4_path": path,
+        "nvfp4_max_rel_err": err,
+    }
 
 
 def main() -> None:

@@ -130,9 +130,10 @@ def test_host_synchronisations_are_counted():
 
 
 def test_fine_grained_recipes_trace_on_the_cuda_path(quick):
-    """rowwise multiplies with torch._scaled_mm (row-wise scales); nvfp4 is emulated: GEMMs of the
-    dequantized operands plus the Hadamard transforms of the weight-gradient GEMM's two inputs.
-    Both quantize each operand in one compiled function, with no host sync."""
+    """rowwise multiplies with torch._scaled_mm (row-wise scales); nvfp4 has no FP4 tensor cores on
+    9.0: GEMMs of the dequantized operands, or with Triton installed its Triton GEMM on BF16 tensor
+    cores, plus the Hadamard transforms of the weight-gradient GEMM's two inputs. Both quantize
+    each operand in one compiled function, with no host sync."""
     rowwise, nvfp4 = (quick["variants"][v]["linear"][0]["total"] for v in ("fp8lm_rowwise", "fp8lm_nvfp4"))
     assert rowwise["gemms"] == rowwise["fp8_gemms"] == 3
     assert nvfp4["gemms"] == 5 and nvfp4["fp8_gemms"] == 0
@@ -150,6 +151,16 @@ def test_nvfp4_multiplies_in_fp4_on_compute_capability_10():
     assert linear["total"]["gemms"] == 5 and linear["total"]["fp8_gemms"] == 3
     assert linear["total"]["syncs"] == 0
     assert "_scaled_mm_v2" in linear["forward"]["gemm"]["ops"] and "_scaled_mm_v2" in linear["backward"]["gemm"]["ops"]
+
+
+def test_nvfp4_takes_the_triton_gemm_on_compute_capability_9_with_triton():
+    pytest.importorskip("triton")
+    proc = run("--quick", "--recipes", "nvfp4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    linear = json.loads(proc.stdout)["variants"]["fp8lm_nvfp4"]["linear"][0]
+    assert linear["total"]["gemms"] == 5 and linear["total"]["syncs"] == 0
+    for phase in ("forward", "backward"):
+        assert "triton_nvfp4_mm" in linear[phase]["gemm"]["ops"], phase
 
 
 def test_fp8_saved_attention_runs_the_flash_kernels_on_the_cuda_path():

@@ -23,8 +23,9 @@ as an FP8 GEMM with FP32 accumulation does: ``torch._scaled_mm`` with row-wise s
 takes them (the rowwise recipes on CUDA) or with 1 x 128 / 128 x 128 block scales (blockwise, on
 CUDA of compute capability 9.0: cuBLAS's block-scaled GEMM) or with MX scales (mxfp8, on compute
 capability 10.0+) or as NVFP4 (nvfp4 on compute capability 10.0+: `nvfp4_scaled_mm`, the E2M1
-elements packed, the operands' ``tensor_scale`` in the epilogue), else exactly, the dequantized
-operands in FP32.
+elements packed, the operands' ``tensor_scale`` in the epilogue; on 8.9 and 9.0 with Triton
+installed, the Triton kernel of `fp8lm.ops.triton_nvfp4` on the same packed operands), else
+exactly, the dequantized operands in FP32.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ __all__ = [
     "takes_nvfp4_scaled_mm",
     "nvfp4_scaled_mm",
     "nvfp4_blocked_scales",
+    "takes_triton_nvfp4_mm",
+    "nvfp4_row_operand",
     "fake_quantize",
 ]
 
@@ -231,7 +234,7 @@ def block_mm(
     or with DeepSeek-V3's block scales (`block_scaled_mm`, CUDA of compute capability 9.0) or,
     where ``e8m0_scales`` says the scales are powers of two (mxfp8), with MX scales
     (`mx_scaled_mm`, compute capability 10.0+), or nvfp4 operands as NVFP4 (`nvfp4_scaled_mm`,
-    compute capability 10.0+); otherwise, and with ``"emulated"``, an FP32 GEMM of the exact
+    compute capability 10.0+; `fp8lm.ops.triton_nvfp4` on 8.9 and 9.0 with Triton); otherwise, and with ``"emulated"``, an FP32 GEMM of the exact
     float32 values, rounded once."""
     if a.payload.shape[1] != b.payload.shape[0]:
         raise ValueError(f"block_mm: shapes {tuple(a.payload.shape)} and {tuple(b.payload.shape)} cannot be multiplied")
@@ -243,6 +246,10 @@ def block_mm(
         return mx_scaled_mm(a, b, out_dtype, bias)
     if backend == "scaled_mm" and takes_nvfp4_scaled_mm(a, b, out_dtype):
         return nvfp4_scaled_mm(a, b, out_dtype, bias)
+    if backend == "scaled_mm" and takes_triton_nvfp4_mm(a, b, out_dtype):
+        from .triton_nvfp4 import triton_nvfp4_mm
+
+        return triton_nvfp4_mm(a, b, out_dtype, bias)
     a32, b32 = a.dequantize(), b.dequantize()
     out = torch.mm(a32, b32) if bias is None else torch.addmm(bias.to(torch.float32), a32, b32)
     return out.to(out_dtype)
@@ -392,6 +399,17 @@ def takes_nvfp4_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dty
     return torch.cuda.get_device_capability(a.payload.device) >= (10, 0)
 
 
+def takes_triton_nvfp4_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
+    """Whether the Triton GEMM of nvfp4 operands (`fp8lm.ops.triton_nvfp4`) multiplies ``a`` and
+    ``b``: `nvfp4_scales_fit` on a CUDA device without FP4 tensor cores (compute capability 8.9
+    up to 10.0, where `takes_nvfp4_scaled_mm` takes them) and Triton installed."""
+    if a.payload.device.type != "cuda" or not nvfp4_scales_fit(a, b, out_dtype):
+        return False
+    from .triton_nvfp4 import AVAILABLE
+
+    return AVAILABLE and (8, 9) <= torch.cuda.get_device_capability(a.payload.device) < (10, 0)
+
+
 def nvfp4_scales_fit(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
     """Whether ``a`` (M, K) and ``b`` (K, N) are nvfp4 operands cuBLAS's FP4 GEMM takes: both with
     a tensor scale, blocks of 16 along K (``a`` 1 x 16 or 16 x 16, ``b`` 16 x 1 or 16 x 16), K a
@@ -404,30 +422,45 @@ def nvfp4_scales_fit(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -
     return not (k % 32 or m % 16 or n % 16)
 
 
-def nvfp4_blocked_scales(op: BlockOperand) -> torch.Tensor:
-    """The E4M3 block scales of ``op`` (rows, K), an nvfp4 operand blocked along K, one per row and
-    16 elements (a 16 x 16 block's repeated on its 16 rows), in cuBLAS's blocked layout
-    (`mx_blocked_scales`), flat: ``d / tensor_scale``, each an E4M3 value up to float32 rounding,
-    so the cast gives it back exactly."""
+def _nvfp4_row_scales(op: BlockOperand) -> torch.Tensor:
+    """The E4M3 block scales of ``op`` (rows, K), an nvfp4 operand blocked along K, as bytes
+    (rows, K / 16), one per row and 16 elements (a 16 x 16 block's repeated on its 16 rows):
+    ``d / tensor_scale``, each an E4M3 value up to float32 rounding, so the cast gives it back
+    exactly."""
     assert op.tensor_scale is not None  # nvfp4_scales_fit
-    stored = (op.d / op.tensor_scale).to(torch.float8_e4m3fn)
+    stored = (op.d / op.tensor_scale).to(torch.float8_e4m3fn).view(torch.uint8)
     if op.block[0] > 1:
-        stored = stored.view(torch.uint8).repeat_interleave(op.block[0], dim=0)[: op.payload.shape[0]]
-    return _blocked(stored.view(torch.uint8)).view(torch.float8_e4m3fn)
+        stored = stored.repeat_interleave(op.block[0], dim=0)[: op.payload.shape[0]]
+    return stored.contiguous()
 
 
-def _nvfp4_gemm_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor]:
-    """``op`` (rows, K) as cuBLAS reads an FP4 operand: the E2M1 elements packed along K
-    (row-major (rows, K / 2) bytes) and the blocked E4M3 scales."""
-    return nvfp4.pack_e2m1(op.payload).view(torch.uint8), nvfp4_blocked_scales(op).view(torch.uint8)
+def nvfp4_blocked_scales(op: BlockOperand) -> torch.Tensor:
+    """`_nvfp4_row_scales` in cuBLAS's blocked layout (`mx_blocked_scales`), flat, as
+    ``torch.float8_e4m3fn``."""
+    return _blocked(_nvfp4_row_scales(op)).view(torch.float8_e4m3fn)
 
 
-def _laid_out_fp4(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor]:
+def _nvfp4_gemm_operand(op: BlockOperand, blocked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``op`` (rows, K) as an FP4 GEMM reads it: the E2M1 elements packed along K (row-major
+    (rows, K / 2) bytes) and the E4M3 scale bytes, in cuBLAS's blocked layout or row-major
+    (rows, K / 16)."""
+    scales = _nvfp4_row_scales(op)
+    return nvfp4.pack_e2m1(op.payload).view(torch.uint8), _blocked(scales) if blocked else scales
+
+
+def nvfp4_row_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor]:
+    """``op`` (rows, K), an nvfp4 operand blocked along K, as packed E2M1 bytes (rows, K / 2) and
+    row-major E4M3 scale bytes (rows, K / 16) (`fp8lm.ops.triton_nvfp4`'s operands), as one
+    compiled function off the CPU (`FUSED_QUANTIZE`)."""
+    return _laid_out_fp4(op, blocked=False)
+
+
+def _laid_out_fp4(op: BlockOperand, blocked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`_nvfp4_gemm_operand`, as one compiled function off the CPU (`FUSED_QUANTIZE`)."""
     if op.payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-        return _nvfp4_gemm_operand(op)
-    fn = _compiled_fn(_nvfp4_gemm_operand, op.block)
-    return FUSED_QUANTIZE.run(lambda: fn(op), lambda: _nvfp4_gemm_operand(op))
+        return _nvfp4_gemm_operand(op, blocked)
+    fn = _compiled_fn(_nvfp4_gemm_operand, op.block, blocked)
+    return FUSED_QUANTIZE.run(lambda: fn(op, blocked), lambda: _nvfp4_gemm_operand(op, blocked))
 
 
 def nvfp4_scaled_mm(

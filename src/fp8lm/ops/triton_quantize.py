@@ -42,8 +42,8 @@ def _rule(recipe: Recipe) -> int:
 
 
 if AVAILABLE:
-    import triton  # type: ignore[import-not-found,unused-ignore]
-    import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
+    import triton  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    import triton.language as tl  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
     @triton.jit
     def _pow2(e):
@@ -55,7 +55,9 @@ if AVAILABLE:
     def _scale(amax, RULE: tl.constexpr):
         """The block scale ``d`` of `fp8lm.ops.block_scales` (E4M3: max 448 = 0.875 * 2**9)."""
         if RULE == 0:
-            d = tl.maximum(tl.math.div_rn(amax, 448.0), 1.401298464324817e-45)
+            # float32 operands spelled out: Triton 3.8's interpreter takes Python floats as float64
+            d = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            d = tl.maximum(d, tl.full(amax.shape, 1.401298464324817e-45, tl.float32))
         else:
             bits = amax.to(tl.int32, bitcast=True)
             biased = (bits >> 23) & 0xFF
@@ -69,7 +71,7 @@ if AVAILABLE:
                 e = e + (frac > 0x600000).to(tl.int32)  # mantissa above 0.875: round up
             d = _pow2(tl.minimum(tl.maximum(e, -127), 127))
         d = tl.where(amax == 0.0, 1.0, d)
-        return tl.where((amax == amax) & (amax != float("inf")), d, float("nan"))
+        return tl.where((amax == amax) & (amax != float("inf")), d, float("nan")).to(tl.float32)
 
     @triton.jit
     def _leading_bit(v):
