@@ -18,6 +18,12 @@ from hypothesis import settings
 settings.register_profile("fp8lm", deadline=None)
 settings.load_profile("fp8lm")
 
+# Without a GPU, Triton's interpreter runs fp8lm's Triton kernels on CPU tensors. It must be on
+# before any @triton.jit decorator runs, and a worker may import those modules for another test
+# first: on for the whole session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 FORK_DIR_KEY = pytest.StashKey[str]()
 

@@ -1,5 +1,6 @@
 """nvfp4's FP4 GEMM path (compute capability 10.0+): E2M1 elements packed two to a byte, E4M3
-block scales in cuBLAS's blocked layout, the per-tensor scales in the epilogue.
+block scales in cuBLAS's blocked layout, the per-tensor scales in the epilogue; and the same
+packed form as the layers save nvfp4 operands for the backward.
 
 No GPU runs here, so the call is checked the way cuBLAS reads it: a float64 kernel written from
 the formats' definitions (the E2M1 code table, the 128 x 4 tile layout of the scales) stands in
@@ -200,3 +201,49 @@ def test_every_e2m1_value_times_every_e4m3_scale_is_exact_in_bf16():
     products = (elements[:, None] * scales[None, :]).flatten()
     products = products[~products.isnan()]
     assert torch.equal(products.to(torch.bfloat16).to(torch.float64), products)
+
+
+def test_a_stored_operand_comes_back_bit_for_bit():
+    """`pack_nvfp4_operand` / `unpack_nvfp4_operand` (how an nvfp4 layer saves its operands for the
+    backward): payload, scales and tensor scale as quantized, over outliers, zeros and an odd
+    last dim (kept unpacked); a tensor holding NaN stays NaN (E2M1 has no NaN: its NaN elements
+    come back as 6, and every scale of it is NaN)."""
+    from fp8lm.ops.finegrained import pack_nvfp4_operand, unpack_nvfp4_operand
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 96, generator=gen) * torch.logspace(-20, 20, 96)
+    x[:, :16] = 0.0
+    nan = torch.randn(32, 48, generator=gen)
+    nan[1, 2] = float("nan")
+    cases = [
+        quantize_operand(x, NVFP4, "input", dim=0),  # the weight gradient's input: 16 x 1 blocks
+        quantize_operand(x, NVFP4, "weight"),  # 16 x 16 blocks
+        quantize_operand(x[:, :33], NVFP4, "grad_output", generator=gen),  # an odd last dim
+        quantize_operand(torch.zeros(16, 32), NVFP4, "input"),
+    ]
+    with_nan = quantize_operand(nan, NVFP4, "input")
+    back = unpack_nvfp4_operand(*pack_nvfp4_operand(with_nan), with_nan.block)
+    assert bool(back.d.isnan().all()) and bool(back.dequantize().isnan().all())
+    for op in cases:
+        payload, scales, tensor_scale = pack_nvfp4_operand(op)
+        assert payload.dtype == (torch.float8_e4m3fn if op.payload.shape[1] % 2 else torch.float4_e2m1fn_x2)
+        assert scales.dtype == torch.float8_e4m3fn and scales.shape == op.d.shape
+        back = unpack_nvfp4_operand(payload, scales, tensor_scale, op.block)
+        assert torch.equal(back.payload.view(torch.uint8), op.payload.view(torch.uint8))
+        assert torch.equal(back.d.view(torch.int32), op.d.view(torch.int32))
+        assert back.block == op.block and back.tensor_scale is op.tensor_scale
+
+
+def test_a_layer_saves_its_nvfp4_operands_packed():
+    """An nvfp4 FP8Linear saves for the backward its input (along the tokens) and weight as NVFP4
+    stores them: half a byte per element and an E4M3 byte per block, 5,648 bytes here where E4M3
+    payload bytes with float32 scales took 12,328."""
+    from fp8lm.train.measure import saved_tensor_bytes
+
+    torch.manual_seed(0)
+    layer = fp8lm.nn.FP8Linear(64, 32, bias=False, recipe="nvfp4")
+    x = torch.randn(128, 64, requires_grad=True)
+    saved = saved_tensor_bytes(lambda: layer(x).sum(), exclude=layer.parameters())
+    input_bytes = 128 * 64 // 2 + 128 // 16 * 64 + 4  # packed, 16 x 1 block scales, tensor scale
+    weight_bytes = 32 * 64 // 2 + (32 // 16) * (64 // 16) + 4  # packed, 16 x 16 block scales
+    assert saved == input_bytes + weight_bytes == 5648

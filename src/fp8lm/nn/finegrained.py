@@ -10,8 +10,9 @@ Each GEMM quantizes its operands along its own reduction dimension (`fp8lm.ops.f
   this GEMM in BF16 (operands rounded to BF16, FP32 accumulation).
 
 What the backward needs is quantized in the forward and saved quantized (the input for the
-weight gradient, the weight for the input gradient), as Transformer Engine does; only BF16
-copies are saved where the weight-gradient GEMM is BF16. The GEMMs (`block_mm`) are
+weight gradient, the weight for the input gradient), as Transformer Engine does; nvfp4's packed
+two elements to a byte with E4M3 block scales; only BF16 copies are saved where the
+weight-gradient GEMM is BF16. The GEMMs (`block_mm`) are
 ``torch._scaled_mm`` with row-wise scales for the rowwise recipes where the recipe's backend
 resolves to it (CUDA of compute capability 9.0+, dims multiples of 16; ``backend="scaled_mm"``
 on CPU), else the exact emulation (FP32 GEMMs of the dequantized operands, one rounding to the
@@ -27,7 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.finegrained import BlockOperand, block_mm, quantize_operand
+from ..ops.finegrained import (
+    BlockOperand,
+    block_mm,
+    pack_nvfp4_operand,
+    quantize_operand,
+    unpack_nvfp4_operand,
+)
 from ..ops.gemm import choose_backend, emulation_dtype
 from ..ops.hadamard import random_hadamard
 from ..recipe import Recipe
@@ -41,10 +48,13 @@ def _e8m0(recipe: Recipe) -> bool:
 
 
 def _save(ctx, name: str, operand: BlockOperand | torch.Tensor | None) -> list[torch.Tensor | None]:
-    """The tensors of ``operand`` to save for backward; its block size kept on ``ctx``."""
+    """The tensors of ``operand`` to save for backward (an nvfp4 operand as NVFP4 stores it,
+    `pack_nvfp4_operand`); its block size kept on ``ctx``."""
     if isinstance(operand, BlockOperand):
         setattr(ctx, name, operand.block)
-        return [operand.payload, operand.d, operand.tensor_scale]
+        if operand.tensor_scale is not None:
+            return list(pack_nvfp4_operand(operand))
+        return [operand.payload, operand.d, None]
     setattr(ctx, name, None)
     return [operand, None, None]
 
@@ -56,7 +66,9 @@ def _restore(
     if block is None:
         return payload
     assert payload is not None and d is not None  # saved together
-    return BlockOperand(payload, d, block, tensor_scale)
+    if tensor_scale is not None:
+        return unpack_nvfp4_operand(payload, d, tensor_scale, block)
+    return BlockOperand(payload, d, block)
 
 
 def _weight_grad_input(x2: torch.Tensor, recipe: Recipe) -> BlockOperand | torch.Tensor:

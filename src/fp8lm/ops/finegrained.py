@@ -61,6 +61,8 @@ __all__ = [
     "nvfp4_blocked_scales",
     "takes_triton_nvfp4_mm",
     "nvfp4_row_operand",
+    "pack_nvfp4_operand",
+    "unpack_nvfp4_operand",
     "fake_quantize",
 ]
 
@@ -488,6 +490,48 @@ def nvfp4_scaled_mm(
         output_dtype=out_dtype if bias is None else torch.float32,
     )
     return out if bias is None else (out + bias.to(torch.float32)).to(out_dtype)
+
+
+def pack_nvfp4_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An nvfp4 operand as NVFP4 stores it, 0.5625 bytes per element instead of 1.25: its E2M1
+    elements packed two to a byte along its stored last dim (when even; else as they are), its
+    E4M3 block scales (``d / tensor_scale``: an E4M3 value up to float32 rounding, which the cast
+    undoes, as long as ``d`` is a normal float32, i.e. for a tensor amax above about 1e-32) and
+    its tensor scale. `unpack_nvfp4_operand` gives the operand back; off the CPU each is one
+    compiled function (`FUSED_QUANTIZE`)."""
+    if op.payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
+        return _pack_nvfp4(op)
+    fn = _compiled_fn(_pack_nvfp4, op.block)
+    return FUSED_QUANTIZE.run(lambda: fn(op), lambda: _pack_nvfp4(op))
+
+
+def _pack_nvfp4(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    assert op.tensor_scale is not None  # an nvfp4 operand
+    payload = op.payload if op.payload.shape[-1] % 2 else nvfp4.pack_e2m1(op.payload)
+    return payload, (op.d / op.tensor_scale).to(torch.float8_e4m3fn), op.tensor_scale
+
+
+def unpack_nvfp4_operand(
+    payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, block: Block
+) -> BlockOperand:
+    """The operand `pack_nvfp4_operand` stored, bit for bit (its ``d`` computed as
+    `fp8lm.ops.nvfp4.block_scales` computes it)."""
+    if payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
+        values, d = _unpack_nvfp4(payload, scales, tensor_scale)
+    else:
+        fn = _compiled_fn(_unpack_nvfp4)
+        values, d = FUSED_QUANTIZE.run(
+            lambda: fn(payload, scales, tensor_scale), lambda: _unpack_nvfp4(payload, scales, tensor_scale)
+        )
+    return BlockOperand(values, d, block, tensor_scale)
+
+
+def _unpack_nvfp4(
+    payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if payload.dtype == torch.float4_e2m1fn_x2:
+        payload = nvfp4.unpack_e2m1(payload).to(torch.float8_e4m3fn)
+    return payload, scales.to(torch.float32) * tensor_scale
 
 
 def fake_quantize(
