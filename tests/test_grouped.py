@@ -280,7 +280,28 @@ def test_fine_grained_recipe_is_fake_quantize_per_expert(recipe):
     assert not torch.equal(y, torch.cat([r @ w.dequantize().t() for r, w in zip(x.split(COUNTS), layer.weight)]))
 
 
-def test_nvfp4_experts_are_refused_in_one_line():
-    with pytest.raises(ValueError, match="does not take the nvfp4 recipe") as e:
-        FP8GroupedLinear(2, 32, 32, recipe="nvfp4")
-    assert "\n" not in str(e.value)
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4-4over6"])
+def test_nvfp4_experts_are_one_nvfp4_linear_per_expert(recipe):
+    """nvfp4 experts compute exactly what one nvfp4 FP8Linear per expert computes on its rows
+    (the same autograd graph shape, so the stochastic rounding of the output gradients draws the
+    same noise): outputs, input and weight gradients bit for bit, over an expert without tokens
+    and experts whose tokens are not whole 16-row groups."""
+    torch.manual_seed(8)
+    plain = GroupedLinear(len(COUNTS), 160, 48)
+    layer = FP8GroupedLinear.from_grouped(plain, recipe=recipe)
+    singles = []
+    for w in layer.weight:
+        single = fp8lm.nn.FP8Linear(160, 48, bias=False, recipe=recipe)
+        single.weight = nn.Parameter(w.detach().clone())
+        singles.append(single)
+    x, g = torch.randn(sum(COUNTS), 160), torch.randn(sum(COUNTS), 48)
+    torch.manual_seed(9)
+    y, dx = _run(layer, x, g)
+    xi = x.clone().requires_grad_()
+    torch.manual_seed(9)
+    y_ref = torch.cat([single(rows) for single, rows in zip(singles, xi.split(COUNTS))])
+    y_ref.backward(g)
+    assert torch.equal(y, y_ref.detach()) and torch.equal(dx, xi.grad)
+    for w, single in zip(layer.weight, singles):
+        assert torch.equal(w.grad.float(), single.weight.grad.float())
+    assert torch.equal(layer.weight[1].grad.float(), torch.zeros(48, 160))  # the expert without tokens

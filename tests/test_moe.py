@@ -178,7 +178,7 @@ def test_tiny_moe_trains_at_bf16_and_o2(tmp_path, cache, arch):
             assert any(r["kind"] == "weight_grad" for r in telemetry if ".expert" in r["layer"])
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8", "nvfp4"])
 def test_tiny_moe_trains_with_a_fine_grained_recipe(tmp_path, cache, recipe):
     s = train(cfg(tmp_path, cache, opt_level="O2", recipe=recipe, steps=8))
     losses = [r["train_loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
@@ -225,7 +225,6 @@ def test_moe_model_at_o2_is_near_6_bytes_per_param():
     [
         (dict(tp=2), "--moe-experts does not combine with --tp yet"),
         (dict(moe_top_k=5), "moe_top_k must be in \\[1, moe_experts=4\\]"),
-        (dict(opt_level="O2", recipe="nvfp4"), "--recipe nvfp4 is not built for the experts' grouped GEMMs"),
         (dict(ep=2, moe_experts=0), "--ep 2 spreads the experts of --moe-experts"),
         (dict(ep=3), "pass --moe-experts E with E a multiple of 3 \\(got 4\\)"),
         (dict(ep=2, opt_level="O3"), "--ep with O3"),

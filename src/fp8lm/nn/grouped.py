@@ -44,9 +44,10 @@ once (`_RowwiseGroupedFunction`): the input and output-gradient rows each with t
 each expert's weight rows (forward) and columns (input gradient), and, for the weight gradient,
 each expert's columns of both operands along its own tokens (one scale per expert and column,
 from a ``scatter_reduce`` of the column amaxes): E4M3 throughout, so on CUDA all three GEMMs are
-``torch._scaled_grouped_mm`` (row-wise scales are its native form). Blockwise and mxfp8 send each
-expert's rows through `fp8lm.nn.finegrained.fine_grained_linear` with that expert's weight. nvfp4
-is refused (`FP8GroupedLinear`).
+``torch._scaled_grouped_mm`` (row-wise scales are its native form). Blockwise, mxfp8 and nvfp4
+send each expert's rows through `fp8lm.nn.finegrained.fine_grained_linear` with that expert's
+weight (nvfp4: each expert with its own tensor scales, its tokens padded to whole 16-row groups
+for the Hadamard transform of its weight gradient, as one `FP8Linear` per expert would).
 """
 
 from __future__ import annotations
@@ -559,11 +560,6 @@ class FP8GroupedLinear(GroupedLinear):
         self.weight_format = format_of(weight_format)
         self.weight_grad_format = format_of(weight_grad_format)
         self.recipe = recipe_from(recipe, "FP8GroupedLinear")
-        if self.recipe.granularity == "nvfp4":
-            raise ValueError(
-                "FP8GroupedLinear does not take the nvfp4 recipe (FP4 experts: not built or checked here); "
-                "use a tensorwise, rowwise, blockwise or mxfp8 recipe for the experts"
-            )
         self.fp8_enabled = True
         self.high_precision = False
         super().__init__(num_experts, in_features, out_features, device, dtype)

@@ -704,11 +704,6 @@ class TrainConfig:
         if self.recipe == DEFAULT_RECIPE:
             return
         self._fp8_level_option("--recipe", "the FP8 layers' scaling", "recipe")
-        if self.moe_experts and self.recipe.startswith("nvfp4"):
-            raise RunError(
-                f"--recipe {self.recipe} is not built for the experts' grouped GEMMs of --moe-experts (FP4 experts): use "
-                "tensorwise, rowwise, blockwise or mxfp8"
-            )
 
     def _check_activations(self) -> None:
         if self.activations is not None and self.activations not in ACTIVATIONS:
