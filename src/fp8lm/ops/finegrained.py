@@ -236,8 +236,8 @@ def block_mm(
     or with DeepSeek-V3's block scales (`block_scaled_mm`, CUDA of compute capability 9.0) or,
     where ``e8m0_scales`` says the scales are powers of two (mxfp8), with MX scales
     (`mx_scaled_mm`, compute capability 10.0+), or nvfp4 operands as NVFP4 (`nvfp4_scaled_mm`,
-    compute capability 10.0+; `fp8lm.ops.triton_nvfp4` on 8.9 and 9.0 with Triton); otherwise, and with ``"emulated"``, an FP32 GEMM of the exact
-    float32 values, rounded once."""
+    compute capability 10.0+; `fp8lm.ops.triton_nvfp4` on 8.9 and 9.0 with Triton); otherwise,
+    and with ``"emulated"``, an FP32 GEMM of the exact float32 values, rounded once."""
     if a.payload.shape[1] != b.payload.shape[0]:
         raise ValueError(f"block_mm: shapes {tuple(a.payload.shape)} and {tuple(b.payload.shape)} cannot be multiplied")
     if backend == "scaled_mm" and takes_rowwise_scaled_mm(a, b, out_dtype):
