@@ -205,17 +205,13 @@ def test_train_config_takes_every_recipe_name():
         TrainConfig(opt_level="bf16", recipe="blockwise").validate()
 
 
-def test_grouped_expert_gemms_take_the_fine_grained_recipes_but_nvfp4():
+def test_grouped_expert_gemms_take_every_fine_grained_recipe():
     from fp8lm.nn import FP8GroupedLinear
 
-    assert FP8GroupedLinear(4, 32, 16, recipe="blockwise").recipe.granularity == "blockwise"
-    TrainConfig(opt_level="O2", recipe="mxfp8", moe_experts=4).validate()
-    with pytest.raises(ValueError, match="does not take the nvfp4 recipe"):
-        FP8GroupedLinear(4, 32, 16, recipe="nvfp4")
-    with pytest.raises(RunError, match="--recipe nvfp4 is not built for the experts' grouped GEMMs"):
-        TrainConfig(opt_level="O2", recipe="nvfp4", moe_experts=4).validate()
-    with pytest.raises(RunError, match="--recipe nvfp4-4over6 is not built for the experts' grouped GEMMs"):
-        TrainConfig(opt_level="O2", recipe="nvfp4-4over6", moe_experts=4).validate()
+    for name in ("blockwise", "mxfp8", "nvfp4", "nvfp4-4over6"):
+        recipe = fp8lm.Recipe.from_name(name)
+        assert FP8GroupedLinear(4, 32, 16, recipe=name).recipe == recipe
+        TrainConfig(opt_level="O2", recipe=name, moe_experts=4).validate()
 
 
 def test_nvfp4_4over6_is_nvfp4_with_four_over_six_by_name():
