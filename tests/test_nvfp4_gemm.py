@@ -37,9 +37,12 @@ def test_unpack_reads_every_byte_as_two_e2m1_codes_the_first_in_the_low_bits():
     expected = torch.tensor([[e2m1_value(b & 15), e2m1_value(b >> 4)] for b in range(256)]).flatten()
     assert torch.equal(values, expected)
     assert torch.equal(torch.signbit(values), torch.signbit(expected))  # -0 is code 8
-    # Packing is its inverse: every byte comes back, negative zeros included.
+    # Packing is its inverse: every byte comes back, negative zeros included, from float values
+    # or from E4M3 bytes (read by integer operations), and the E4M3 unpacking gives those bytes.
+    e4m3 = values.to(torch.float8_e4m3fn)
     assert torch.equal(nvfp4.pack_e2m1(values).view(torch.uint8), every)
-    assert torch.equal(nvfp4.pack_e2m1(values.to(torch.float8_e4m3fn)).view(torch.uint8), every)
+    assert torch.equal(nvfp4.pack_e2m1(e4m3).view(torch.uint8), every)
+    assert torch.equal(nvfp4.unpack_e2m1_as_e4m3(every).view(torch.uint8), e4m3.view(torch.uint8))
 
 
 def test_pack_takes_a_quantized_payload_along_its_last_dim_and_refuses_an_odd_one():
@@ -226,7 +229,7 @@ def test_a_stored_operand_comes_back_bit_for_bit():
     assert bool(back.d.isnan().all()) and bool(back.dequantize().isnan().all())
     for op in cases:
         payload, scales, tensor_scale = pack_nvfp4_operand(op)
-        assert payload.dtype == (torch.float8_e4m3fn if op.payload.shape[1] % 2 else torch.float4_e2m1fn_x2)
+        assert payload.dtype == (torch.float8_e4m3fn if op.payload.shape[1] % 2 else torch.uint8)
         assert scales.dtype == torch.float8_e4m3fn and scales.shape == op.d.shape
         back = unpack_nvfp4_operand(payload, scales, tensor_scale, op.block)
         assert torch.equal(back.payload.view(torch.uint8), op.payload.view(torch.uint8))
@@ -247,3 +250,26 @@ def test_a_layer_saves_its_nvfp4_operands_packed():
     input_bytes = 128 * 64 // 2 + 128 // 16 * 64 + 4  # packed, 16 x 1 block scales, tensor scale
     weight_bytes = 32 * 64 // 2 + (32 // 16) * (64 // 16) + 4  # packed, 16 x 16 block scales
     assert saved == input_bytes + weight_bytes == 5648
+
+
+@pytest.mark.slow
+def test_the_compiled_packing_gives_the_eager_bytes():
+    """What runs off the CPU as one compiled function each (`FUSED_QUANTIZE`): the packing and
+    unpacking of saved operands and the FP4 GEMM's operand layouts, compiled by inductor here for
+    the CPU, give the eager bytes (none of them returns a float4 buffer, for which inductor
+    generates no code)."""
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(5))
+    torch._dynamo.reset()
+    pack = torch.compile(finegrained._pack_nvfp4, dynamic=True)
+    unpack = torch.compile(finegrained._unpack_nvfp4, dynamic=True)
+    layout = torch.compile(finegrained._nvfp4_gemm_operand, dynamic=True)
+    for op in (quantize_operand(x, NVFP4, "input", dim=0), quantize_operand(x, NVFP4, "weight")):
+        packed, eager = pack(op), finegrained._pack_nvfp4(op)
+        assert torch.equal(packed[0], eager[0]) and torch.equal(packed[1].view(torch.uint8), eager[1].view(torch.uint8))
+        values, d = unpack(*eager)
+        eager_values, eager_d = finegrained._unpack_nvfp4(*eager)
+        assert torch.equal(values.view(torch.uint8), eager_values.view(torch.uint8)) and torch.equal(d, eager_d)
+        for blocked in (True, False):
+            assert all(
+                torch.equal(a, b) for a, b in zip(layout(op, blocked), finegrained._nvfp4_gemm_operand(op, blocked))
+            )

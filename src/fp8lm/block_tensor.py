@@ -93,7 +93,7 @@ class BlockScaledTensor(torch.Tensor):
         """The payload, scales and block as a GEMM operand (a packed payload unpacked to E4M3 bytes)."""
         payload = self._data
         if payload.dtype == torch.float4_e2m1fn_x2:
-            payload = nvfp4.unpack_e2m1(payload).to(torch.float8_e4m3fn)
+            payload = nvfp4.unpack_e2m1_as_e4m3(payload)
         return BlockOperand(payload, self._d, self._block, self._tensor_scale)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -163,7 +163,7 @@ def gather_inputs(
         tensor_amax = tensor_amax.reshape(())
     op = quantize_operand(values, recipe, "weight", dim=1, tensor_amax=tensor_amax)
     if op.tensor_scale is not None and values.shape[1] % 2 == 0:
-        packed = nvfp4.pack_e2m1(op.payload).view(torch.uint8)
+        packed = nvfp4.pack_e2m1_bytes(op.payload)
         stored = (op.d / op.tensor_scale).to(torch.float8_e4m3fn)  # the E4M3 scales, exactly
         metadata = (GATHER_TAG, torch.float4_e2m1fn_x2, op.block, torch.float8_e4m3fn, op.tensor_scale)
         return (packed, stored.contiguous().view(torch.uint8)), metadata

@@ -447,7 +447,7 @@ def _nvfp4_gemm_operand(op: BlockOperand, blocked: bool) -> tuple[torch.Tensor, 
     (rows, K / 2) bytes) and the E4M3 scale bytes, in cuBLAS's blocked layout or row-major
     (rows, K / 16)."""
     scales = _nvfp4_row_scales(op)
-    return nvfp4.pack_e2m1(op.payload).view(torch.uint8), _blocked(scales) if blocked else scales
+    return nvfp4.pack_e2m1_bytes(op.payload), _blocked(scales) if blocked else scales
 
 
 def nvfp4_row_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor]:
@@ -494,7 +494,8 @@ def nvfp4_scaled_mm(
 
 def pack_nvfp4_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An nvfp4 operand as NVFP4 stores it, 0.5625 bytes per element instead of 1.25: its E2M1
-    elements packed two to a byte along its stored last dim (when even; else as they are), its
+    elements packed two to a byte along its stored last dim (uint8 bytes, `fp8lm.ops.nvfp4.pack_e2m1`;
+    an odd last dim stays E4M3), its
     E4M3 block scales (``d / tensor_scale``: an E4M3 value up to float32 rounding, which the cast
     undoes, as long as ``d`` is a normal float32, i.e. for a tensor amax above about 1e-32) and
     its tensor scale. `unpack_nvfp4_operand` gives the operand back; off the CPU each is one
@@ -507,7 +508,7 @@ def pack_nvfp4_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, to
 
 def _pack_nvfp4(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     assert op.tensor_scale is not None  # an nvfp4 operand
-    payload = op.payload if op.payload.shape[-1] % 2 else nvfp4.pack_e2m1(op.payload)
+    payload = op.payload if op.payload.shape[-1] % 2 else nvfp4.pack_e2m1_bytes(op.payload)
     return payload, (op.d / op.tensor_scale).to(torch.float8_e4m3fn), op.tensor_scale
 
 
@@ -529,8 +530,8 @@ def unpack_nvfp4_operand(
 def _unpack_nvfp4(
     payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if payload.dtype == torch.float4_e2m1fn_x2:
-        payload = nvfp4.unpack_e2m1(payload).to(torch.float8_e4m3fn)
+    if payload.dtype == torch.uint8:  # packed
+        payload = nvfp4.unpack_e2m1_as_e4m3(payload)
     return payload, scales.to(torch.float32) * tensor_scale
 
 

@@ -42,7 +42,9 @@ __all__ = [
     "TENSOR_SCALE_BASE",
     "e2m1_codes",
     "pack_e2m1",
+    "pack_e2m1_bytes",
     "unpack_e2m1",
+    "unpack_e2m1_as_e4m3",
 ]
 
 E2M1_MAX = 6.0
@@ -128,21 +130,61 @@ def e2m1_codes(payload: torch.Tensor) -> torch.Tensor:
     holding E2M1 values (any float dtype; what `round_e2m1` gives). Magnitudes 0, 0.5, 1, 1.5 are
     codes 0-3 (twice the value), 2, 3, 4 are 4-6 (the value plus 2), 6 is 7; the sign of zero is
     kept. E2M1 has no NaN: a NaN element (only ever in a block whose scale is NaN too, so its
-    values stay NaN) packs as code 7."""
+    values stay NaN) packs as code 7. An E4M3 payload is read from its bytes through a table
+    (torch converts float8 on CPU one element at a time)."""
+    if payload.dtype == torch.float8_e4m3fn:
+        return _lookup("codes", payload.view(torch.uint8))
+    return _codes_of_values(payload)
+
+
+def _codes_of_values(payload: torch.Tensor) -> torch.Tensor:
     v = payload.to(torch.float32)
     a = v.abs()
     magnitude = torch.where(a < 2, a * 2, torch.where(a < E2M1_MAX, a + 2, torch.full_like(a, 7.0)))
     return magnitude.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
 
 
+def _build_table(name: str) -> torch.Tensor:
+    """``"codes"``: the E2M1 code of each E4M3 byte (256); ``"pairs"``: the two E4M3 bytes of the
+    two codes in each packed byte (256 x 2)."""
+    every = torch.arange(256, dtype=torch.uint8)
+    if name == "codes":
+        return _codes_of_values(every.view(torch.float8_e4m3fn))
+    return unpack_e2m1(every).to(torch.float8_e4m3fn).view(torch.uint8).view(256, 2)
+
+
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _lookup(name: str, index: torch.Tensor) -> torch.Tensor:
+    """The entries of table ``name`` (`_build_table`: one copy per device, or a constant of the
+    graph torch.compile traces) at the bytes ``index``: ``index``'s shape, plus the table's row
+    shape."""
+    key = (name, index.device)
+    if torch.compiler.is_compiling():
+        table = _build_table(name).to(index.device)
+    else:
+        if key not in _TABLES:
+            _TABLES[key] = _build_table(name).to(index.device)
+        table = _TABLES[key]
+    rows = torch.index_select(table, 0, index.flatten().to(torch.int32))
+    return rows.view(*index.shape, *table.shape[1:])
+
+
 def pack_e2m1(payload: torch.Tensor) -> torch.Tensor:
     """A payload of E2M1 values (..., K), K even, packed two to a byte along its last dim:
     (..., K / 2) ``torch.float4_e2m1fn_x2``, contiguous, element ``2i`` in the low four bits of
     byte ``i``."""
+    return pack_e2m1_bytes(payload).view(torch.float4_e2m1fn_x2)
+
+
+def pack_e2m1_bytes(payload: torch.Tensor) -> torch.Tensor:
+    """`pack_e2m1` as uint8 bytes: the form compiled functions return (inductor generates no code
+    for ``torch.float4_e2m1fn_x2`` buffers)."""
     if payload.shape[-1] % 2:
         raise ValueError(f"pack_e2m1: the last dim must be even, got shape {tuple(payload.shape)}")
     codes = e2m1_codes(payload)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.float4_e2m1fn_x2)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -155,3 +197,10 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     codes = torch.stack((bytes_ & 15, bytes_ >> 4), dim=-1).flatten(-2).to(torch.int64)
     values = torch.tensor(_E2M1_VALUES, device=packed.device)[codes & 7]
     return torch.where(codes >= 8, -values, values)
+
+
+def unpack_e2m1_as_e4m3(packed: torch.Tensor) -> torch.Tensor:
+    """`unpack_e2m1` as the E4M3 payload (``torch.float8_e4m3fn``) that `pack_e2m1` packed: each
+    byte's two E4M3 bytes from a table."""
+    pairs = _lookup("pairs", packed.view(torch.uint8))
+    return pairs.flatten(-2).view(torch.float8_e4m3fn)
