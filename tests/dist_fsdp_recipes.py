@@ -42,7 +42,7 @@ def gathered(layer) -> dict:
     if hasattr(weight, "operand"):
         op = weight.operand
         out.update(payload=op.payload.view(torch.uint8).clone(), d=op.d.clone(), block=op.block)
-        out["packed"] = weight._data.dtype == torch.float4_e2m1fn_x2  # kept as it travelled
+        out["packed"] = weight._data.dtype == torch.uint8  # nvfp4: kept packed, as it travelled
         out["values"] = weight.dequantize()
     else:
         out["payload_dtype"] = weight.payload.dtype

@@ -72,7 +72,7 @@ def test_a_packed_nvfp4_weight_is_its_operand_and_survives_flattening():
 
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
     op = quantize_operand(w, fp8lm.Recipe.from_name("nvfp4"), "weight", dim=1)
-    t = BlockScaledTensor(nvfp4.pack_e2m1(op.payload), op.d, op.block, tensor_scale=op.tensor_scale)
+    t = BlockScaledTensor(nvfp4.pack_e2m1_bytes(op.payload), op.d, op.block, tensor_scale=op.tensor_scale)
     assert t.shape == (64, 96) and t.stride() == (96, 1)
     got = t.operand
     assert torch.equal(got.payload.view(torch.uint8), op.payload.view(torch.uint8))

@@ -8,9 +8,9 @@ per row, 1 x 32 or 128 x 128 or 16 x 16 blocks) and sends the E4M3 bytes with th
 rows or blocks (`gather_inputs`: E8M0 bytes where they are powers of two, else float32); the gathered payload and scales are the operand of the whole
 weight, bit for bit, as a `BlockScaledTensor` (`gathered`) that `FP8Linear` multiplies directly.
 nvfp4's per-tensor scale comes from the amax of the whole weight (a MAX all-reduce); its E2M1
-elements travel packed two to a byte (`fp8lm.ops.nvfp4.pack_e2m1`, for an even in_features) with
-one E4M3 byte per 16 x 16 block, its format's own scale bytes, and the gathered tensor keeps them
-packed (unpacked for each use of its `operand`).
+elements travel packed two to a byte (`fp8lm.ops.nvfp4.pack_e2m1_bytes`, for an even
+in_features) with one E4M3 byte per 16 x 16 block, its format's own scale bytes, and the
+gathered tensor keeps them packed, as uint8 (unpacked for each use of its `operand`).
 
 That needs every shard to hold whole blocks (`shards_whole_blocks`): FSDP2 shards dim 0 evenly,
 ``rows / ranks`` rows per rank, a multiple of the block's rows (1 for rowwise and mxfp8, 128 for
@@ -52,7 +52,7 @@ _WHOLE_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.as_strided
 
 class BlockScaledTensor(torch.Tensor):
     """A 2-D tensor stored as ``payload`` (float8, or nvfp4's E2M1 elements packed two to a byte
-    along rows as ``torch.float4_e2m1fn_x2``) with one float32 ``d`` per ``block``:
+    along rows as uint8 bytes, `fp8lm.ops.nvfp4.pack_e2m1_bytes`) with one float32 ``d`` per ``block``:
     ``value = payload * d`` blockwise (`fp8lm.ops.finegrained.BlockOperand`); ``tensor_scale``:
     nvfp4's per-tensor decode scale."""
 
@@ -70,7 +70,7 @@ class BlockScaledTensor(torch.Tensor):
         dtype: torch.dtype = torch.float32,
         tensor_scale: torch.Tensor | None = None,
     ):
-        rows, cols = payload.shape[0], payload.shape[-1] * (2 if payload.dtype == torch.float4_e2m1fn_x2 else 1)
+        rows, cols = payload.shape[0], payload.shape[-1] * (2 if payload.dtype == torch.uint8 else 1)
         return torch.Tensor._make_wrapper_subclass(
             cls, (rows, cols), strides=(cols, 1), dtype=dtype, device=payload.device, requires_grad=False
         )
@@ -92,7 +92,7 @@ class BlockScaledTensor(torch.Tensor):
     def operand(self) -> BlockOperand:
         """The payload, scales and block as a GEMM operand (a packed payload unpacked to E4M3 bytes)."""
         payload = self._data
-        if payload.dtype == torch.float4_e2m1fn_x2:
+        if payload.dtype == torch.uint8:  # packed nvfp4
             payload = nvfp4.unpack_e2m1_as_e4m3(payload)
         return BlockOperand(payload, self._d, self._block, self._tensor_scale)
 
@@ -165,7 +165,7 @@ def gather_inputs(
     if op.tensor_scale is not None and values.shape[1] % 2 == 0:
         packed = nvfp4.pack_e2m1_bytes(op.payload)
         stored = (op.d / op.tensor_scale).to(torch.float8_e4m3fn)  # the E4M3 scales, exactly
-        metadata = (GATHER_TAG, torch.float4_e2m1fn_x2, op.block, torch.float8_e4m3fn, op.tensor_scale)
+        metadata = (GATHER_TAG, torch.uint8, op.block, torch.float8_e4m3fn, op.tensor_scale)
         return (packed, stored.contiguous().view(torch.uint8)), metadata
     scale_dtype = torch.float8_e8m0fnu if pow2_scales(recipe) else torch.float32
     scales = op.d.to(scale_dtype).view(torch.uint8) if scale_dtype != torch.float32 else op.d.contiguous()

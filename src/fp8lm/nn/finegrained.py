@@ -19,7 +19,7 @@ on CPU), else the exact emulation (FP32 GEMMs of the dequantized operands, one r
 output dtype); blockwise takes ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block scales on
 CUDA of compute capability 9.0 (`fp8lm.ops.finegrained.takes_block_scaled_mm`), mxfp8 with its
 E8M0 scales on 10.0 and later (`takes_mx_scaled_mm`), nvfp4 in FP4 on 10.0 and later
-(`takes_nvfp4_scaled_mm`). Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
+(`takes_nvfp4_scaled_mm`) and with fp8lm's Triton GEMM on 8.9 and 9.0 (`takes_triton_nvfp4_mm`). Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
 states are not used. The weight gradient is returned in the weight's dtype; `FP8Linear` stores
 it (`_WeightValue`).
 """
