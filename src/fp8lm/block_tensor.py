@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 
 from .ops import nvfp4
 from .ops.blocks import Block
-from .ops.finegrained import BlockOperand, operand_block, quantize_operand
+from .ops.finegrained import BlockOperand, operand_block, pack_nvfp4_operand, quantize_operand
 from .recipe import Recipe
 
 __all__ = [
@@ -162,10 +162,9 @@ def gather_inputs(
         dist.all_reduce(tensor_amax, dist.ReduceOp.MAX, group=group)
         tensor_amax = tensor_amax.reshape(())
     op = quantize_operand(values, recipe, "weight", dim=1, tensor_amax=tensor_amax)
-    if op.tensor_scale is not None and values.shape[1] % 2 == 0:
-        packed = nvfp4.pack_e2m1_bytes(op.payload)
-        stored = (op.d / op.tensor_scale).to(torch.float8_e4m3fn)  # the E4M3 scales, exactly
-        metadata = (GATHER_TAG, torch.uint8, op.block, torch.float8_e4m3fn, op.tensor_scale)
+    if op.tensor_scale is not None and values.shape[1] % 2 == 0:  # as a layer saves it
+        packed, stored, tensor_scale = pack_nvfp4_operand(op)
+        metadata = (GATHER_TAG, torch.uint8, op.block, torch.float8_e4m3fn, tensor_scale)
         return (packed, stored.contiguous().view(torch.uint8)), metadata
     scale_dtype = torch.float8_e8m0fnu if pow2_scales(recipe) else torch.float32
     scales = op.d.to(scale_dtype).view(torch.uint8) if scale_dtype != torch.float32 else op.d.contiguous()
@@ -189,8 +188,9 @@ def _scales(wire: torch.Tensor, scale_dtype: torch.dtype, tensor_scale: torch.Te
     times its tensor scale, as `fp8lm.ops.nvfp4.block_scales` computes them."""
     if scale_dtype == torch.float32:
         return wire
-    d = wire.view(scale_dtype).to(torch.float32)
-    return d * tensor_scale if scale_dtype == torch.float8_e4m3fn and tensor_scale is not None else d
+    if scale_dtype == torch.float8_e4m3fn and tensor_scale is not None:
+        return nvfp4.decoded_block_scales(wire.view(scale_dtype), tensor_scale)
+    return wire.view(scale_dtype).to(torch.float32)
 
 
 def gathered(

@@ -430,7 +430,7 @@ def _nvfp4_row_scales(op: BlockOperand) -> torch.Tensor:
     ``d / tensor_scale``, each an E4M3 value up to float32 rounding, so the cast gives it back
     exactly."""
     assert op.tensor_scale is not None  # nvfp4_scales_fit
-    stored = (op.d / op.tensor_scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    stored = nvfp4.stored_block_scales(op.d, op.tensor_scale).view(torch.uint8)
     if op.block[0] > 1:
         stored = stored.repeat_interleave(op.block[0], dim=0)[: op.payload.shape[0]]
     return stored.contiguous()
@@ -495,10 +495,8 @@ def nvfp4_scaled_mm(
 def pack_nvfp4_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An nvfp4 operand as NVFP4 stores it, 0.5625 bytes per element instead of 1.25: its E2M1
     elements packed two to a byte along its stored last dim (uint8 bytes, `fp8lm.ops.nvfp4.pack_e2m1`;
-    an odd last dim stays E4M3), its
-    E4M3 block scales (``d / tensor_scale``: an E4M3 value up to float32 rounding, which the cast
-    undoes, as long as ``d`` is a normal float32, i.e. for a tensor amax above about 1e-32) and
-    its tensor scale. `unpack_nvfp4_operand` gives the operand back; off the CPU each is one
+    an odd last dim stays E4M3), its E4M3 block scales (`fp8lm.ops.nvfp4.stored_block_scales`)
+    and its tensor scale. `unpack_nvfp4_operand` gives the operand back; off the CPU each is one
     compiled function (`FUSED_QUANTIZE`)."""
     if op.payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
         return _pack_nvfp4(op)
@@ -509,7 +507,7 @@ def pack_nvfp4_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, to
 def _pack_nvfp4(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     assert op.tensor_scale is not None  # an nvfp4 operand
     payload = op.payload if op.payload.shape[-1] % 2 else nvfp4.pack_e2m1_bytes(op.payload)
-    return payload, (op.d / op.tensor_scale).to(torch.float8_e4m3fn), op.tensor_scale
+    return payload, nvfp4.stored_block_scales(op.d, op.tensor_scale), op.tensor_scale
 
 
 def unpack_nvfp4_operand(
@@ -532,7 +530,7 @@ def _unpack_nvfp4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if payload.dtype == torch.uint8:  # packed
         payload = nvfp4.unpack_e2m1_as_e4m3(payload)
-    return payload, scales.to(torch.float32) * tensor_scale
+    return payload, nvfp4.decoded_block_scales(scales, tensor_scale)
 
 
 def fake_quantize(

@@ -37,6 +37,8 @@ __all__ = [
     "round_e2m1",
     "tensor_scales",
     "block_scales",
+    "decoded_block_scales",
+    "stored_block_scales",
     "scaled",
     "four_over_six",
     "TENSOR_SCALE_BASE",
@@ -97,7 +99,19 @@ def block_scales(
     """``d`` of each block of amax ``amax`` (float32) under the tensor scales ``s_enc``, ``s_dec``:
     the block's amax mapped to ``element_max`` (6, or 4 for Four Over Six's other candidate)."""
     stored = (amax / element_max * s_enc).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    return decoded_block_scales(stored, s_dec)
+
+
+def decoded_block_scales(stored: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+    """``d`` of blocks whose stored E4M3 scales are ``stored`` under the tensor scale ``s_dec``."""
     return stored.to(torch.float32) * s_dec
+
+
+def stored_block_scales(d: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+    """The stored E4M3 scales of blocks of scale ``d``, `decoded_block_scales` reversed exactly:
+    ``d / s_dec`` is the E4M3 value up to float32 rounding, which the cast undoes (as long as
+    ``d`` is a normal float32: a tensor amax above about 1e-32)."""
+    return (d / s_dec).to(torch.float8_e4m3fn)
 
 
 def scaled(xb: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
