@@ -43,6 +43,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -95,6 +96,7 @@ STACK_CATEGORIES = {
     "upcast": "cast",
     "to_fp8_saturated": "cast",
     "hp_tensor_and_scale_to_float8": "cast",
+    "_add_bias": "bias",
 }
 GEMM_OPS = {
     "mm",
@@ -348,8 +350,10 @@ class OpLog(TorchDispatchMode):
                 nbytes(t) for t in {id(t): t for _, ins, _ in ops for t in ins if id(t) not in produced}.values()
             )
             written = sum(nbytes(t) for t in tensors_in(out))
-            category = STACK_CATEGORIES.get(getattr(fn, "__name__", ""), "cast")  # a cast, or scale arithmetic
-            name = "compiled_cast" if category == "cast" else "compiled_scale"
+            # fp8lm names each compiled copy of a function NAME_<n> (`fp8lm.ops.finegrained._compiled_fn`)
+            base = re.sub(r"_\d+$", "", getattr(fn, "__name__", ""))
+            category = STACK_CATEGORIES.get(base, "cast")  # a cast, scale arithmetic or a bias
+            name = {"cast": "compiled_cast", "bias": "compiled_bias"}.get(category, "compiled_scale")
             self.records.append(self.record(name, category, 1 + split_reductions(ops), read, written))
             return out
 

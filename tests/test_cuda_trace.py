@@ -141,6 +141,20 @@ def test_fine_grained_recipes_trace_on_the_cuda_path(quick):
     assert quick["variants"]["fp8lm_rowwise"]["block"]["total"]["fp8_gemms"] == 12
 
 
+def test_fine_grained_operands_are_quantized_into_the_layout_their_gemm_reads(quick):
+    """rowwise's operands quantized along dim 0 (the weight for the input gradient, both operands
+    of the weight gradient) are written column-major by their compiled quantization: no transpose
+    copy before a GEMM. The stored weight is read by the quantization itself: the forward has
+    only compiled quantizations and the GEMM, no float32 copy of the weight."""
+    linear = quick["variants"]["fp8lm_rowwise"]["linear"][0]
+    for phase in ("forward", "backward"):
+        assert "transpose_copy" not in linear[phase], phase
+    forward_ops = {op for kind, part in linear["forward"].items() if kind != "total" for op in part["ops"]}
+    assert forward_ops == {"compiled_cast", "_scaled_mm", "_to_copy"}  # _to_copy: the bias to BF16
+    # x and W each quantized for two GEMMs (two kernels each: a split reduction), the bias cast
+    assert linear["forward"]["total"]["launches_outside_gemm"] == 4 * 2 + 1
+
+
 def test_nvfp4_multiplies_in_fp4_on_compute_capability_10():
     """On a B200 (capability 10.0) nvfp4's three GEMMs are FP4 ``scaled_mm`` calls (the packed
     elements, E4M3 block scales and tensor scales pass torch's shape checks), the Hadamard
@@ -151,6 +165,8 @@ def test_nvfp4_multiplies_in_fp4_on_compute_capability_10():
     assert linear["total"]["gemms"] == 5 and linear["total"]["fp8_gemms"] == 3
     assert linear["total"]["syncs"] == 0
     assert "_scaled_mm_v2" in linear["forward"]["gemm"]["ops"] and "_scaled_mm_v2" in linear["backward"]["gemm"]["ops"]
+    # the bias is added to the FP32 product and rounded to BF16 by one compiled function
+    assert linear["forward"]["bias"]["ops"] == ["compiled_bias"] and linear["forward"]["bias"]["launches"] == 1
 
 
 def test_nvfp4_takes_the_triton_gemm_on_compute_capability_9_with_triton():

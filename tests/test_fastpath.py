@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fp8lm
-from fp8lm.nn import linear
+from fp8lm.nn import scale_math
 from fp8lm.ops import cast, fastpath, native
 from fp8lm.ops.fastpath import FastPath, NativeBuildError, Switch
 from fp8lm.optim import FP8AdamW, fused
@@ -101,10 +101,10 @@ def test_one_failing_path_leaves_the_others_on():
 
 
 def test_one_environment_variable_is_one_switch(monkeypatch):
-    assert cast.FUSED_CAST.switch is linear.SCALE_MATH.switch is fastpath.COMPILED_CASTS
+    assert cast.FUSED_CAST.switch is scale_math.SCALE_MATH.switch is fastpath.COMPILED_CASTS
     assert native.KERNELS.switch is fastpath.NATIVE
     monkeypatch.setattr(fastpath.COMPILED_CASTS, "on", False)
-    assert not cast.FUSED_CAST.enabled and not linear.SCALE_MATH.enabled
+    assert not cast.FUSED_CAST.enabled and not scale_math.SCALE_MATH.enabled
     assert cast.FUSED_CAST.run(_boom, lambda: "plain") == "plain"  # off: the fast path is not tried
     monkeypatch.setenv("FP8LM_TEST_SWITCH", "0")
     assert not Switch("FP8LM_TEST_SWITCH").on

@@ -361,3 +361,32 @@ def test_the_compiled_quantization_gives_the_eager_bits(recipe, role):
         assert tensor_scale is None and eager_tensor_scale is None
     values = torch.compile(finegrained._dequantize, dynamic=True)(payload, d, block)
     assert torch.equal(values.nan_to_num(), finegrained._dequantize(eager_payload, eager_d, block).nan_to_num())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rowwise", "mxfp8"])
+def test_the_compiled_quantization_along_dim_0_writes_the_gemms_layout(name):
+    """Off the CPU an operand quantized along dim 0 is written column-major, the layout an FP8
+    GEMM reads it in, by the same compiled function (inductor here, for the CPU): the eager bits
+    in the other memory order. A stored weight's values (payload / scale) are read inside it.
+    The bias is added to an FP32 GEMM result and rounded once by one compiled function too."""
+    from fp8lm.ops import finegrained
+
+    recipe = fp8lm.Recipe.from_name(name)
+    x = hostile(96, 160, seed=4)
+    scale = torch.tensor(2.0**-3)
+    payload = (x * scale).bfloat16()
+    block = finegrained.operand_block(recipe, "weight", x.shape, 0)
+    torch._dynamo.reset()
+    compiled = torch.compile(finegrained._quantize_laid_out, dynamic=True)
+    got, d, _ = compiled(payload, recipe, "weight", block, None, scale, True)
+    values = payload.to(torch.float32) / scale
+    want, want_d, _ = finegrained._quantize(values, recipe, "weight", block, None)
+    assert got.t().is_contiguous() and not got.is_contiguous()
+    nan = want.isnan()  # inductor may give a NaN the other sign bit: the same NaN to every reader
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
+    assert torch.equal(d.nan_to_num(), want_d.nan_to_num())
+    out, bias = torch.randn(64, 48, dtype=torch.float64).float(), torch.randn(48)
+    biased = torch.compile(finegrained._add_bias, dynamic=True)(out, bias, torch.bfloat16)
+    assert torch.equal(biased, (out + bias).to(torch.bfloat16))

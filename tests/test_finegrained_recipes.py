@@ -433,3 +433,53 @@ def test_e8m0_codes_are_the_exponent_plus_127():
     d = torch.tensor([2.0**e for e in exps.tolist()], dtype=torch.float32)
     assert e8m0_codes(d).tolist() == [0, 1, 126, 127, 128, 254]
     assert e8m0_codes(torch.tensor([float("nan")])).item() == 255
+
+
+@pytest.mark.parametrize("name", ["rowwise", "blockwise", "mxfp8", "nvfp4"])
+def test_a_stored_weight_is_read_as_its_values_and_gets_its_gradient_stored(name):
+    """`fine_grained_linear` on a stored weight (E4M3 payload and its scale, as O2 keeps it) gives
+    the bits of the same layer on the weight's float32 values, and stores the weight's gradient
+    as `_stored_weight_grad` does (E4M3 here): the values are read inside the quantization, never
+    copied to float32 first."""
+    from fp8lm.nn.finegrained import fine_grained_linear
+    from fp8lm.nn.scale_math import _stored_weight_grad
+
+    recipe = fp8lm.Recipe.from_name(name)
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(48, 64, generator=gen) * 0.05
+    scale = torch.tensor(2.0**8)
+    payload = (values * scale).to(torch.float8_e4m3fn)
+    stored = fp8lm.ScalingTensor(payload, scale).requires_grad_()
+    plain = (payload.to(torch.float32) / scale).requires_grad_()
+    x = torch.randn(2, 40, 64, generator=gen, requires_grad=True)
+    g = torch.randn(2, 40, 48, generator=gen)
+    outputs, grads = [], []
+    for weight, fmt in ((stored, fp8lm.E4M3), (plain, None)):
+        torch.manual_seed(0)  # nvfp4: the same stochastic rounding noise
+        y = fine_grained_linear(x, weight, None, recipe, weight_grad_format=fmt)
+        y.backward(g)
+        outputs.append(y.detach())
+        grads.append((x.grad.clone(), weight.grad))
+        x.grad = None
+    assert torch.equal(outputs[0], outputs[1])
+    assert torch.equal(grads[0][0], grads[1][0])
+    got, want = grads[0][1], _stored_weight_grad(grads[1][1], fp8lm.E4M3, torch.float32)
+    assert isinstance(got, fp8lm.ScalingTensor) and got.fmt == fp8lm.E4M3
+    assert torch.equal(got.payload.view(torch.uint8), want.payload.view(torch.uint8))
+    assert torch.equal(got.scale, want.scale)
+
+
+@pytest.mark.parametrize("name", ["rowwise", "blockwise", "mxfp8", "nvfp4"])
+def test_no_rows_give_an_empty_output_and_zero_gradients(name):
+    """An expert without tokens: no GEMM runs (nvfp4 has no tensor amax to scale an empty
+    operand by); the output is (0, out), the weight's gradient zeros in its stored format."""
+    from fp8lm.nn.finegrained import fine_grained_linear
+
+    layer = FP8Linear(64, 32, recipe=name)
+    x = torch.zeros(0, 64, requires_grad=True)
+    y = fine_grained_linear(x, layer.weight, layer.bias, layer.recipe, weight_grad_format=layer.weight_grad_format)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 64)
+    assert isinstance(layer.weight.grad, fp8lm.ScalingTensor) and not layer.weight.grad.dequantize().any()
+    assert layer.bias.grad is not None and not layer.bias.grad.any()

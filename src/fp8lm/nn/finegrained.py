@@ -20,14 +20,17 @@ output dtype); blockwise takes ``torch._scaled_mm`` with 1 x 128 / 128 x 128 blo
 CUDA of compute capability 9.0 (`fp8lm.ops.finegrained.takes_block_scaled_mm`), mxfp8 with its
 E8M0 scales on 10.0 and later (`takes_mx_scaled_mm`), nvfp4 in FP4 on 10.0 and later
 (`takes_nvfp4_scaled_mm`) and with fp8lm's Triton GEMM on 8.9 and 9.0 (`takes_triton_nvfp4_mm`). Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
-states are not used. The weight gradient is returned in the weight's dtype; `FP8Linear` stores
-it (`_WeightValue`).
+states are not used. The weight is read as it is stored (a `ScalingTensor`'s payload divided by
+its scale inside the compiled quantization, so no float32 copy of it is made); its gradient is
+returned stored in the layer's weight-gradient format, as the tensorwise path stores it
+(`fp8lm.nn.scale_math._stored_weight_grad`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..formats import Format
 from ..ops.finegrained import (
     BlockOperand,
     block_mm,
@@ -38,6 +41,8 @@ from ..ops.finegrained import (
 from ..ops.gemm import choose_backend, emulation_dtype
 from ..ops.hadamard import random_hadamard
 from ..recipe import Recipe
+from ..tensor import ScalingTensor
+from .scale_math import _stored_weight_grad
 
 __all__ = ["fine_grained_linear"]
 
@@ -95,59 +100,99 @@ def _weight_grad(
 
 
 class _FineGrainedLinear(torch.autograd.Function):
-    """``y = x W^T + b`` with the GEMMs of a fine-grained recipe (module doc). ``weight`` is the
-    weight's values (float32)."""
+    """``y = x W^T + b`` with the GEMMs of a fine-grained recipe (module doc). The weight's values
+    are ``payload / stored_scale`` (float32; ``payload`` itself without a stored scale), read
+    inside the quantization, or those of ``weight_operand``; ``weight`` receives the gradient,
+    stored in ``weight_grad_format`` (`_stored_weight_grad`) or, without one, in its own dtype."""
 
     @staticmethod
     def forward(
         ctx,
         x: torch.Tensor,
         weight: torch.Tensor,
+        payload: torch.Tensor,
+        stored_scale: torch.Tensor | None,
         bias: torch.Tensor | None,
         recipe: Recipe,
         weight_operand: BlockOperand | None,
+        weight_grad_format: Format | None,
     ):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         backend = choose_backend(x.device, recipe.backend)
+        ctx.recipe, ctx.out_dtype, ctx.backend, ctx.weight_grad_format = recipe, out_dtype, backend, weight_grad_format
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x.shape, x.dtype, weight.dtype, weight.shape
+        ctx.plain = stored_scale is None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.empty = x.numel() == 0
+        if ctx.empty:  # no rows (an expert without tokens): nothing to multiply, a zero weight gradient
+            return x.new_zeros(*x.shape[:-1], weight.shape[0], dtype=out_dtype)
         with torch.autocast(device_type, enabled=False):
             x2 = x.detach().reshape(-1, x.shape[-1])
-            w_op = weight_operand or quantize_operand(weight.detach(), recipe, "weight", dim=1)
+            payload = payload.detach()
+            w_op = weight_operand or quantize_operand(payload, recipe, "weight", dim=1, stored_scale=stored_scale)
             b = None if bias is None else bias.detach()
             x_op = quantize_operand(x2, recipe, "input", dim=1)
             y = block_mm(x_op, w_op.t(), out_dtype, b, backend, _e8m0(recipe))
             w_dgrad = None
             if need_x:  # square weight blocks serve both GEMMs
-                square = recipe.granularity in ("blockwise", "nvfp4")
-                w_dgrad = w_op if square else quantize_operand(weight.detach(), recipe, "weight", dim=0)
+                w_dgrad = (
+                    w_op
+                    if recipe.granularity in ("blockwise", "nvfp4")
+                    else _dgrad_weight(w_op, payload, stored_scale, recipe, weight_operand is not None)
+                )
             x_wgrad = _weight_grad_input(x2, recipe) if need_w else None
         ctx.save_for_backward(*_save(ctx, "w_block", w_dgrad), *_save(ctx, "x_block", x_wgrad))
-        ctx.recipe, ctx.out_dtype, ctx.backend = recipe, out_dtype, backend
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        w_payload, w_d, w_scale, x_payload, x_d, x_scale = ctx.saved_tensors
         recipe, out_dtype, backend = ctx.recipe, ctx.out_dtype, ctx.backend
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
-        with torch.autocast(grad_out.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                w_op = _restore(ctx.w_block, w_payload, w_d, w_scale)
-                assert isinstance(w_op, BlockOperand)  # the weight is always quantized
-                g_op = quantize_operand(g2, recipe, "grad_output", dim=1)
-                grad_x = block_mm(g_op, w_op, out_dtype, backend=backend, e8m0_scales=_e8m0(recipe))
-                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                x_op = _restore(ctx.x_block, x_payload, x_d, x_scale)
-                assert x_op is not None  # saved when the weight needs a gradient
-                grad_w = _weight_grad(g2, x_op, recipe, out_dtype, backend).to(ctx.w_dtype)
-            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                grad_b = g2.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        if ctx.empty:
+            grad_x = grad_out.new_zeros(ctx.x_shape, dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
+            grad_w = g2.new_zeros(ctx.w_shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        else:
+            w_payload, w_d, w_scale, x_payload, x_d, x_scale = ctx.saved_tensors
+            with torch.autocast(grad_out.device.type, enabled=False):
+                if ctx.needs_input_grad[0]:
+                    w_op = _restore(ctx.w_block, w_payload, w_d, w_scale)
+                    assert isinstance(w_op, BlockOperand)  # the weight is always quantized
+                    g_op = quantize_operand(g2, recipe, "grad_output", dim=1)
+                    grad_x = block_mm(g_op, w_op, out_dtype, backend=backend, e8m0_scales=_e8m0(recipe))
+                    grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+                if ctx.needs_input_grad[1]:
+                    x_op = _restore(ctx.x_block, x_payload, x_d, x_scale)
+                    assert x_op is not None  # saved when the weight needs a gradient
+                    grad_w = _weight_grad(g2, x_op, recipe, out_dtype, backend)
+        if grad_w is not None:
+            grad_w = _stored_gradient(grad_w, ctx)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+            grad_b = g2.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, None, None, grad_b, None, None, None
+
+
+def _dgrad_weight(
+    w_op: BlockOperand, payload: torch.Tensor, stored_scale: torch.Tensor | None, recipe: Recipe, gathered: bool
+) -> BlockOperand:
+    """The input-gradient GEMM's weight operand where its blocks are not the forward's (rowwise,
+    mxfp8): quantized along out_features from the stored weight, or from the values of a
+    gathered operand ``w_op``."""
+    if gathered:
+        return quantize_operand(w_op.dequantize(), recipe, "weight", dim=0)
+    return quantize_operand(payload, recipe, "weight", dim=0, stored_scale=stored_scale)
+
+
+def _stored_gradient(grad_w: torch.Tensor, ctx) -> torch.Tensor:
+    """The weight gradient (the GEMM's output dtype) as the weight takes it: stored in the layer's weight-gradient
+    format (`_stored_weight_grad`; plain for a plain weight while torch.compile traces), or in the
+    weight's dtype without one."""
+    if ctx.weight_grad_format is None:
+        return grad_w.to(ctx.w_dtype)
+    plain = ctx.plain and torch.compiler.is_compiling()
+    return _stored_weight_grad(grad_w, ctx.weight_grad_format, ctx.w_dtype, plain)
 
 
 def fine_grained_linear(
@@ -156,13 +201,20 @@ def fine_grained_linear(
     bias: torch.Tensor | None,
     recipe: Recipe,
     weight_operand: BlockOperand | None = None,
+    weight_grad_format: Format | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the GEMMs of the fine-grained ``recipe`` (module doc).
-    Output in the autocast dtype under ``torch.autocast``, else ``x``'s dtype. ``weight_operand``:
-    the forward GEMM's weight operand where it is already quantized (`quantize_operand` of the
-    weight along in_features, as FSDP2 gathers it; ``weight`` then holds its values): the
-    input-gradient GEMM's operand is quantized from those values where its blocks are not the
-    forward's (rowwise, mxfp8)."""
+    Output in the autocast dtype under ``torch.autocast``, else ``x``'s dtype. ``weight``: a plain
+    tensor, or a stored `fp8lm.ScalingTensor` (its values ``payload / scale``, read inside the
+    quantization). ``weight_operand``: the forward GEMM's weight operand where it is already
+    quantized (`quantize_operand` of the weight along in_features, as FSDP2 gathers it): the
+    input-gradient GEMM's operand is quantized from its values where its blocks are not the
+    forward's (rowwise, mxfp8). ``weight_grad_format``: the weight's gradient is stored in it, as
+    `fp8lm.nn.FP8Linear` stores it; without one it is a plain tensor of the weight's dtype."""
     if not recipe.fine_grained:
         raise ValueError(f"fine_grained_linear takes a fine-grained recipe, got granularity {recipe.granularity!r}")
-    return _FineGrainedLinear.apply(x, weight, bias, recipe, weight_operand)
+    if isinstance(weight, ScalingTensor):
+        payload, stored_scale = weight.payload, weight.scale
+    else:
+        payload, stored_scale = weight, None
+    return _FineGrainedLinear.apply(x, weight, payload, stored_scale, bias, recipe, weight_operand, weight_grad_format)

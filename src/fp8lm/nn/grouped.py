@@ -67,7 +67,8 @@ from ..recipe import Recipe, recipe_from
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor, quantize
 from .finegrained import fine_grained_linear
-from .linear import _carry_nonfinite, _scale_math, _WeightValue
+from .linear import _carry_nonfinite
+from .scale_math import _scale_math
 
 __all__ = [
     "GroupedLinear",
@@ -214,7 +215,7 @@ def _experts_scales(payloads: list[torch.Tensor], stored: list[torch.Tensor] | N
 
 def _stored_grads(grad: torch.Tensor, fmt: Format, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """The experts' weight gradients (E, out, in) as stored: each a ScalingTensor of ``fmt`` with a
-    scale of its own (as `fp8lm.nn.linear._stored_weight_grad`), or plain for FP32."""
+    scale of its own (as `fp8lm.nn.scale_math._stored_weight_grad`), or plain for FP32."""
     if fmt == FP32:
         return grad.to(dtype).unbind(0)
     payload, scale = _scale_math(_grads_cast, grad, grad, fmt)
@@ -598,16 +599,10 @@ class FP8GroupedLinear(GroupedLinear):
     def _fine_grained(self, x: torch.Tensor, groups: Groups, weights: list) -> torch.Tensor:
         """Each expert's rows through `fine_grained_linear` with its weight (module docstring); an
         expert without rows gets a zero gradient, as on the tensorwise path."""
-        outputs = []
-        for rows, w in zip(x.split(groups.sizes()), weights):
-            if isinstance(w, ScalingTensor):
-                value = _WeightValue.apply(w, w.payload, w.scale, self.weight_grad_format)
-            else:
-                value = _WeightValue.apply(w, w.detach(), None, self.weight_grad_format)
-            if rows.shape[0]:
-                outputs.append(fine_grained_linear(rows, value, None, self.recipe))
-            else:
-                outputs.append(F.linear(rows, value))  # (0, out); its weight gradient is zeros
+        outputs = [
+            fine_grained_linear(rows, w, None, self.recipe, weight_grad_format=self.weight_grad_format)
+            for rows, w in zip(x.split(groups.sizes()), weights)
+        ]
         return torch.cat(outputs)
 
     def extra_repr(self) -> str:

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,41 +35,24 @@ from torch import nn
 from ..block_tensor import BlockScaledTensor
 from ..formats import E4M3, FP16, FP32, Format, format_of
 from ..ops.cast import saturating_cast_dequantized, saturating_cast_transposed, saturating_cast_with_amax
-from ..ops.fastpath import COMPILED_CASTS, FastPath
 from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm, wants_laid_out_operands
 from ..ops.library import traceable_amax, traceable_cast, traceable_cast_dequantized, traceable_upcast
 from ..recipe import SCALING_MODES, Recipe, recipe_from
 from ..scaling import ScalingMeta, ScalingSpec, compute_scale, record_, scale_for_amax_
 from ..tensor import ScalingTensor, quantize
 from .finegrained import fine_grained_linear
+from .scale_math import _scale_math, _stored_weight_grad
 from .state import dequantize_entries
 
 __all__ = ["FP8Linear", "SCALING_MODES"]
 
 State = tuple[torch.Tensor, ...]  # a ScalingMeta's buffers (ScalingMeta.state)
-T = TypeVar("T")
-
-
-# Off the CPU, the amax and scale arithmetic of one cast (an amax reduction and a dozen ops on a
-# few scalars) runs as one compiled function, a reduction and one small kernel instead of a dozen
-# launches. While torch.compile traces the layer it is inlined; FP8LM_FUSED_CAST=0 turns it off.
-SCALE_MATH = FastPath("compiled scale arithmetic", fallback="eager ops", switch=COMPILED_CASTS)
-_compiled_scale_math: dict[Callable, Callable] = {}
 
 
 def _on_cpu_eagerly(t: torch.Tensor) -> bool:
     """Whether reading a value of ``t`` costs nothing: a CPU tensor, outside torch.compile tracing
     (where a Python number would specialize the graph on its value)."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def _scale_math(fn: Callable[..., T], x: torch.Tensor, *args) -> T:
-    """``fn(*args)``, compiled (see `SCALE_MATH`) when ``x`` is off the CPU and nothing traces."""
-    if x.device.type == "cpu" or torch.compiler.is_compiling() or not SCALE_MATH.enabled:
-        return fn(*args)
-    if fn not in _compiled_scale_math:
-        _compiled_scale_math[fn] = torch.compile(fn, dynamic=True)  # one graph for every layer shape
-    return SCALE_MATH.run(lambda: _compiled_scale_math[fn](*args), lambda: fn(*args))
 
 
 def _finite_hint(amax_value: torch.Tensor) -> bool | None:
@@ -248,41 +230,6 @@ class _WeightOperandCache:
 
     def __reduce__(self):
         return (_WeightOperandCache, ())
-
-
-def _grad_scale(grad: torch.Tensor, fmt: Format) -> torch.Tensor:
-    return compute_scale(traceable_amax(grad), fmt)
-
-
-def _stored_weight_grad(grad: torch.Tensor, fmt: Format, dtype: torch.dtype, plain: bool = False) -> torch.Tensor:
-    """The weight gradient as stored: a ScalingTensor of ``fmt`` presenting ``dtype`` (quantize's
-    steps), or for FP32 a plain tensor of ``dtype``. ``plain``: the same values (rounded to
-    ``fmt``) in a plain tensor of ``dtype``, for a plain weight under torch.compile, whose
-    AOTAutograd traces a plain parameter's gradient as a plain tensor."""
-    if fmt == FP32:
-        return grad.to(dtype)
-    scale = _scale_math(_grad_scale, grad, grad, fmt)
-    payload = traceable_cast(grad, scale, fmt)
-    if plain:
-        return (payload.to(torch.float32) / scale).to(dtype)
-    return ScalingTensor(payload, scale, dtype)
-
-
-class _WeightValue(torch.autograd.Function):
-    """The weight's values in float32 for a fine-grained recipe's GEMMs (`fine_grained_linear`),
-    from its stored ``payload`` (and ``stored_scale``); its gradient is stored as the tensorwise
-    path stores it (`_stored_weight_grad`)."""
-
-    @staticmethod
-    def forward(ctx, weight, payload, stored_scale, weight_grad_format: Format):
-        ctx.fmt, ctx.dtype, ctx.plain = weight_grad_format, weight.dtype, stored_scale is None
-        value = payload.detach().to(torch.float32)
-        return value.clone() if stored_scale is None else value / stored_scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        plain = ctx.plain and torch.compiler.is_compiling()
-        return _stored_weight_grad(grad, ctx.fmt, ctx.dtype, plain), None, None, None
 
 
 class _Eager(NamedTuple):
@@ -497,12 +444,9 @@ class FP8Linear(nn.Module):
         else:
             payload, stored_scale = weight.detach(), None
         if self.recipe.fine_grained:  # current scaling per block: no scaling state, no cached operand
-            if isinstance(weight, BlockScaledTensor):  # FSDP2 gathered the recipe's operand
-                operand = weight.operand
-                value = _WeightValue.apply(weight, operand.dequantize(), None, self.weight_grad_format)
-                return fine_grained_linear(x, value, self.bias, self.recipe, weight_operand=operand)
-            value = _WeightValue.apply(weight, payload, stored_scale, self.weight_grad_format)
-            return fine_grained_linear(x, value, self.bias, self.recipe)
+            # FSDP2 may have gathered the recipe's operand (a BlockScaledTensor)
+            operand = weight.operand if isinstance(weight, BlockScaledTensor) else None
+            return fine_grained_linear(x, weight, self.bias, self.recipe, operand, self.weight_grad_format)
         for meta in (self.input_meta, self.grad_output_meta):
             if meta.scale.device != x.device:
                 meta.to(x.device)

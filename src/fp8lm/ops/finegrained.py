@@ -87,12 +87,7 @@ class BlockOperand(NamedTuple):
     def dequantize(self) -> torch.Tensor:
         """The values the GEMM sees, ``payload * d``, as float32 (compiled off the CPU, as
         `quantize_operand`)."""
-        if self.payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-            return _dequantize(self.payload, self.d, self.block)
-        fn = _compiled_fn(_dequantize, self.block)
-        return FUSED_QUANTIZE.run(
-            lambda: fn(self.payload, self.d, self.block), lambda: _dequantize(self.payload, self.d, self.block)
-        )
+        return _fused(_dequantize, (self.block,), self.payload.device, self.payload, self.d, self.block)
 
     def t(self) -> BlockOperand:
         """The transposed operand (a view of the payload)."""
@@ -112,6 +107,15 @@ def _float32_values(payload: torch.Tensor) -> torch.Tensor:
         if payload.t().is_contiguous():
             return upcast(payload.t(), _ONE, torch.float32).t()
     return payload.to(torch.float32)
+
+
+def _fused(fn, key: tuple, device: torch.device, *args):
+    """``fn(*args)``, as one compiled function (once per ``key``) off the CPU (`FUSED_QUANTIZE`):
+    eager on the CPU, while torch.compile traces, or with the fast path off."""
+    if device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
+        return fn(*args)
+    compiled = _compiled_fn(fn, *key)
+    return FUSED_QUANTIZE.run(lambda: compiled(*args), lambda: fn(*args))
 
 
 def _compiled_fn(fn, *key):
@@ -159,23 +163,58 @@ def quantize_operand(
     dim: int = 1,
     generator: torch.Generator | None = None,
     tensor_amax: torch.Tensor | None = None,
+    stored_scale: torch.Tensor | None = None,
 ) -> BlockOperand:
     """``x`` (2-D) quantized as the recipe's ``role`` operand along ``dim`` (see the module doc).
     ``tensor_amax``: nvfp4's per-tensor amax when ``x`` is part of a larger tensor (an FSDP2
-    shard), else ``x``'s own. Off the CPU it runs as one compiled function (`FUSED_QUANTIZE`),
-    unless a ``generator`` is given or torch.compile is already tracing."""
+    shard), else ``x``'s own. ``stored_scale``: ``x`` is a stored payload whose values are ``x /
+    stored_scale`` in float32 (an FP8 layer's weight), computed inside the quantization. Off the
+    CPU it runs as one compiled function (`FUSED_QUANTIZE`), unless a ``generator`` is given or
+    torch.compile is already tracing."""
     block = operand_block(recipe, role, x.shape, dim)
     x = x.detach()
     if x.device.type == "cpu" or generator is not None or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-        payload, d, tensor_scale = _quantize(x, recipe, role, block, generator, tensor_amax)
+        payload, d, tensor_scale = _quantize(
+            _stored_values(x, stored_scale), recipe, role, block, generator, tensor_amax
+        )
         return BlockOperand(payload, d, block, tensor_scale)
-
-    def fused() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        with torch.no_grad():
-            return _compiled_fn(_quantize, recipe, role, block)(x, recipe, role, block, None, tensor_amax)
-
-    payload, d, tensor_scale = FUSED_QUANTIZE.run(fused, lambda: _quantize(x, recipe, role, block, None, tensor_amax))
+    # An FP8 GEMM reads an operand quantized along dim 0 column-major (`block_mm`'s ``b``, or the
+    # transposed ``a`` of the weight gradient): the compiled function writes it so, sparing the
+    # GEMM a copy. Square blocks serve two GEMMs in both layouts; nvfp4 is repacked for its GEMM.
+    column_major = dim == 0 and block[1] == 1 and recipe.granularity != "nvfp4"
+    with torch.no_grad():
+        payload, d, tensor_scale = _fused(
+            _quantize_laid_out,
+            (recipe, role, block, column_major),
+            x.device,
+            x,
+            recipe,
+            role,
+            block,
+            tensor_amax,
+            stored_scale,
+            column_major,
+        )
     return BlockOperand(payload, d, block, tensor_scale)
+
+
+def _stored_values(x: torch.Tensor, stored_scale: torch.Tensor | None) -> torch.Tensor:
+    """The values of a stored payload ``x`` (`quantize_operand`'s ``stored_scale``)."""
+    return x if stored_scale is None else x.to(torch.float32) / stored_scale
+
+
+def _quantize_laid_out(
+    x: torch.Tensor,
+    recipe: Recipe,
+    role: str,
+    block: Block,
+    tensor_amax: torch.Tensor | None,
+    stored_scale: torch.Tensor | None,
+    column_major: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`_quantize` of `_stored_values`, its payload stored column-major where ``column_major`` says so."""
+    payload, d, tensor_scale = _quantize(_stored_values(x, stored_scale), recipe, role, block, None, tensor_amax)
+    return (payload.t().contiguous().t() if column_major else payload), d, tensor_scale
 
 
 def _quantize(
@@ -325,6 +364,18 @@ def block_scaled_mm(
     if bias is None:
         return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    return _add_bias_rounded(out, bias, out_dtype)
+
+
+def _add_bias_rounded(out: torch.Tensor, bias: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """An FP32 GEMM result plus ``bias``, rounded once to ``out_dtype``: how the block-scaled GEMMs
+    add a bias as the emulation does (cuBLAS takes a bias in its epilogue only in the output's
+    dtype, rounded first). One compiled function off the CPU (`FUSED_QUANTIZE`): one read of the
+    FP32 result, one write of the output."""
+    return _fused(_add_bias, (out_dtype,), out.device, out, bias, out_dtype)
+
+
+def _add_bias(out: torch.Tensor, bias: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return (out + bias.to(torch.float32)).to(out_dtype)
 
 
@@ -355,10 +406,7 @@ def mx_blocked_scales(d: torch.Tensor) -> torch.Tensor:
     rows of 16 bytes (row ``r`` of the tile at ``r % 32``, byte ``4 * (r // 32) + column``), the
     tiles row-major. Flat, as ``torch._scaled_mm`` takes them. Off the CPU one compiled function
     (`FUSED_QUANTIZE`)."""
-    if d.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-        return _blocked_e8m0(d).view(torch.float8_e8m0fnu)
-    fn = _compiled_fn(_blocked_e8m0)
-    return FUSED_QUANTIZE.run(lambda: fn(d), lambda: _blocked_e8m0(d)).view(torch.float8_e8m0fnu)
+    return _fused(_blocked_e8m0, (), d.device, d).view(torch.float8_e8m0fnu)
 
 
 def _blocked_e8m0(d: torch.Tensor) -> torch.Tensor:
@@ -389,7 +437,7 @@ def mx_scaled_mm(
     if bias is None:
         return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
-    return (out + bias.to(torch.float32)).to(out_dtype)
+    return _add_bias_rounded(out, bias, out_dtype)
 
 
 def takes_nvfp4_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
@@ -459,10 +507,7 @@ def nvfp4_row_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _laid_out_fp4(op: BlockOperand, blocked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`_nvfp4_gemm_operand`, as one compiled function off the CPU (`FUSED_QUANTIZE`)."""
-    if op.payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-        return _nvfp4_gemm_operand(op, blocked)
-    fn = _compiled_fn(_nvfp4_gemm_operand, op.block, blocked)
-    return FUSED_QUANTIZE.run(lambda: fn(op, blocked), lambda: _nvfp4_gemm_operand(op, blocked))
+    return _fused(_nvfp4_gemm_operand, (op.block, blocked), op.payload.device, op, blocked)
 
 
 def nvfp4_scaled_mm(
@@ -489,7 +534,7 @@ def nvfp4_scaled_mm(
         swizzle_b=swizzle,
         output_dtype=out_dtype if bias is None else torch.float32,
     )
-    return out if bias is None else (out + bias.to(torch.float32)).to(out_dtype)
+    return out if bias is None else _add_bias_rounded(out, bias, out_dtype)
 
 
 def pack_nvfp4_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -498,10 +543,7 @@ def pack_nvfp4_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, to
     an odd last dim stays E4M3), its E4M3 block scales (`fp8lm.ops.nvfp4.stored_block_scales`)
     and its tensor scale. `unpack_nvfp4_operand` gives the operand back; off the CPU each is one
     compiled function (`FUSED_QUANTIZE`)."""
-    if op.payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-        return _pack_nvfp4(op)
-    fn = _compiled_fn(_pack_nvfp4, op.block)
-    return FUSED_QUANTIZE.run(lambda: fn(op), lambda: _pack_nvfp4(op))
+    return _fused(_pack_nvfp4, (op.block,), op.payload.device, op)
 
 
 def _pack_nvfp4(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -515,13 +557,7 @@ def unpack_nvfp4_operand(
 ) -> BlockOperand:
     """The operand `pack_nvfp4_operand` stored, bit for bit (its ``d`` computed as
     `fp8lm.ops.nvfp4.block_scales` computes it)."""
-    if payload.device.type == "cpu" or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
-        values, d = _unpack_nvfp4(payload, scales, tensor_scale)
-    else:
-        fn = _compiled_fn(_unpack_nvfp4)
-        values, d = FUSED_QUANTIZE.run(
-            lambda: fn(payload, scales, tensor_scale), lambda: _unpack_nvfp4(payload, scales, tensor_scale)
-        )
+    values, d = _fused(_unpack_nvfp4, (), payload.device, payload, scales, tensor_scale)
     return BlockOperand(values, d, block, tensor_scale)
 
 
