@@ -305,7 +305,8 @@ class OpLog(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.recording:
             return out
-        views = func.is_view or name in ("detach", "alias")
+        # _unsafe_view is a view without autograd's view tracking (matmul's reshapes): no copy either
+        views = func.is_view or name in ("detach", "alias", "_unsafe_view")
         if self.fused is not None and views:  # a view of a tensor the region makes is not a read
             self.fused.append((name, tensors_in((args, kwargs)), tensors_in(out)))
         if views or name in ALLOC_OPS or name == "device":

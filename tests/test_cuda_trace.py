@@ -203,3 +203,25 @@ def test_fp8_saved_attention_runs_the_flash_kernels_on_the_cuda_path():
     syncs, ops, cuda_grads = proc.stdout.split()
     forward, backward = "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"
     assert syncs == "0" and ops.split(",") == [forward, forward, backward] and cuda_grads == "True"
+
+
+def test_the_hadamard_transform_multiplies_bf16_as_it_is_on_cuda():
+    """On CUDA nvfp4's Hadamard transform reads a BF16 operand as it is (``torch.bmm`` with FP32
+    accumulation and output): no float32 copy of it; the matrix is made in BF16 (exact: +-1/4)."""
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import cuda_trace as ct\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from fp8lm.ops.hadamard import random_hadamard\n"
+        "ct.load_fake_cuda_guard(); log = ct.OpLog()\n"
+        "with FakeTensorMode(), log:\n"
+        "    x = torch.randn(100, 64, device='cuda', dtype=torch.bfloat16); log.recording = True\n"
+        "    y = random_hadamard(x, seed=3)\n"
+        "big = [r['op'] for r in log.records if r['launches'] and r['read'] + r['written'] > 1024]\n"
+        "print(y.dtype, 'x'.join(map(str, y.shape)), ','.join(big))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dtype, shape, ops = proc.stdout.split(maxsplit=2)
+    # 100 rows padded to 112 (7 groups of 16): the pad and the product, nothing converted
+    assert dtype == "torch.float32" and shape == "112x64"
+    assert ops.strip().split(",") == ["constant_pad_nd", "bmm"]

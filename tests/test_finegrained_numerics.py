@@ -390,3 +390,12 @@ def test_the_compiled_quantization_along_dim_0_writes_the_gemms_layout(name):
     out, bias = torch.randn(64, 48, dtype=torch.float64).float(), torch.randn(48)
     biased = torch.compile(finegrained._add_bias, dynamic=True)(out, bias, torch.bfloat16)
     assert torch.equal(biased, (out + bias).to(torch.bfloat16))
+
+
+def test_the_hadamard_matrix_is_exact_in_bf16_and_fp16():
+    """What lets CUDA multiply a BF16 operand by it without upcasting (`random_hadamard`): the
+    entries +-1/4 of the 16 x 16 matrix are the float32 ones in BF16 and FP16 too."""
+    exact = hadamard_matrix(7)
+    assert exact.abs().eq(0.25).all()
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(hadamard_matrix(7, dtype=dtype).float(), exact)

@@ -34,19 +34,35 @@ def random_signs(seed: int, n: int = HADAMARD_SIZE) -> list[int]:
     return [1 - 2 * (_mix(seed * n + i) & 1) for i in range(n)]
 
 
-def hadamard_matrix(seed: int, n: int = HADAMARD_SIZE, device=None) -> torch.Tensor:
-    """``M = H D / sqrt(n)`` (float32, ``n`` a power of two; see the module doc)."""
+def hadamard_matrix(seed: int, n: int = HADAMARD_SIZE, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``M = H D / sqrt(n)`` (``n`` a power of two; see the module doc), float32 or ``dtype``."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard transform has a power-of-two size, got {n}")
     signs = random_signs(seed, n)
     scale = 1.0 / math.sqrt(n)
     rows = [[scale * signs[j] * (-1) ** bin(i & j).count("1") for j in range(n)] for i in range(n)]
-    return torch.tensor(rows, dtype=torch.float32, device=device)
+    return torch.tensor(rows, dtype=dtype, device=device)
 
 
 def random_hadamard(x: torch.Tensor, seed: int, n: int = HADAMARD_SIZE) -> torch.Tensor:
-    """``x`` (R, C) transformed along its rows in groups of ``n`` (float32, ``ceil(R / n) * n`` rows)."""
+    """``x`` (R, C) transformed along its rows in groups of ``n`` (float32, ``ceil(R / n) * n`` rows).
+
+    On CUDA a BF16 or FP16 ``x`` is multiplied as it is, with FP32 accumulation (``torch.bmm``'s
+    ``out_dtype``), rather than upcast first: ``M``'s entries, ``+-1 / sqrt(n)`` with ``n`` a
+    power of four, are exact in those formats and so are their products with ``x``, so the result
+    is the float32 transform's up to summation order, without a float32 copy of ``x``."""
     pad = -x.shape[0] % n
-    x = F.pad(x.to(torch.float32), (0, 0, 0, pad)) if pad else x.to(torch.float32)
+    half = x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and _exact_in_half(n)
+    x = x if half else x.to(torch.float32)
+    x = F.pad(x, (0, 0, 0, pad)) if pad else x
     groups = x.reshape(x.shape[0] // n, n, x.shape[1])
-    return torch.matmul(hadamard_matrix(seed, n, x.device), groups).reshape(x.shape)
+    m = hadamard_matrix(seed, n, x.device, x.dtype)
+    if half:
+        out = torch.bmm(m.expand(groups.shape[0], n, n), groups, out_dtype=torch.float32)
+        return out.reshape(x.shape)
+    return torch.matmul(m, groups).reshape(x.shape)
+
+
+def _exact_in_half(n: int) -> bool:
+    """Whether ``1 / sqrt(n)`` is a power of two (``n`` a power of four): exact in BF16 and FP16."""
+    return n.bit_length() % 2 == 1
