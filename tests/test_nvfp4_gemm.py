@@ -273,3 +273,103 @@ def test_the_compiled_packing_gives_the_eager_bytes():
             assert all(
                 torch.equal(a, b) for a, b in zip(layout(op, blocked), finegrained._nvfp4_gemm_operand(op, blocked))
             )
+
+
+def _layer_step(layer_recipe, seed: int = 0):
+    """One forward and backward of an nvfp4 layer under BF16 autocast: output, input gradient,
+    weight gradient (payload bytes and scale), bias gradient."""
+    torch.manual_seed(seed)
+    layer = fp8lm.nn.FP8Linear(64, 32, recipe=layer_recipe)
+    x = torch.randn(2, 48, 64, requires_grad=True)  # 96 tokens: the weight gradient's K
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().pow(2).sum().backward()
+    grad = layer.weight.grad
+    assert isinstance(grad, fp8lm.ScalingTensor)
+    return y.detach(), x.grad, grad.payload.view(torch.uint8), grad.scale, layer.bias.grad
+
+
+@pytest.mark.parametrize("kernel", ["cublas", "triton"])
+@pytest.mark.parametrize("scale_rule", ["max6", "4over6"])
+def test_a_layer_quantizes_straight_into_the_fp4_layout_with_the_same_bits(fp4_kernel, monkeypatch, kernel, scale_rule):
+    """Where the FP4 GEMM takes all three of a layer's GEMMs, each operand is quantized straight
+    into the kernel's layout (`quantize_fp4`) and the backward's are saved so, instead of E4M3
+    operands laid out before each GEMM: the kernel reads the same bytes, so the layer gives the
+    same output and gradients, bit for bit, stochastic rounding included."""
+    from fp8lm.nn import finegrained as layer_gemms
+
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(finegrained, "takes_nvfp4_scaled_mm", lambda a, b, out_dtype: False)
+        monkeypatch.setattr(finegrained, "takes_triton_nvfp4_mm", nvfp4_scales_fit)
+    recipe = NVFP4.replace(backend="scaled_mm", nvfp4_scale_rule=scale_rule)
+    taken = []
+    monkeypatch.setattr(layer_gemms, "fp4_gemm_kernel", lambda device: None)
+    laid_out_per_gemm = _layer_step(recipe)
+    monkeypatch.setattr(layer_gemms, "fp4_gemm_kernel", lambda device: taken.append(kernel) or kernel)
+    straight = _layer_step(recipe)
+    assert taken == [kernel]
+    if kernel == "cublas":
+        assert len(fp4_kernel) == 6  # three GEMMs on each path
+    for a, b in zip(straight, laid_out_per_gemm):
+        assert torch.equal(a, b)
+
+
+def test_the_fp4_layout_path_is_taken_only_where_every_gemm_fits(monkeypatch):
+    """80 tokens: the weight gradient's K (80) is no multiple of 32, so the layer keeps the
+    E4M3 operands (and `block_mm`'s choice per GEMM); the emulation, a BF16 weight-gradient GEMM
+    and other recipes never take it."""
+    from fp8lm.nn import finegrained as layer_gemms
+
+    monkeypatch.setattr(layer_gemms, "fp4_gemm_kernel", lambda device: "cublas")
+    fast = NVFP4.replace(backend="scaled_mm")
+    x = torch.zeros(96, 64)
+    weight = torch.Size((32, 64))
+    assert layer_gemms._fp4_kernel(x, weight, fast, "scaled_mm", torch.bfloat16) == "cublas"
+    assert layer_gemms._fp4_kernel(torch.zeros(80, 64), weight, fast, "scaled_mm", torch.bfloat16) is None
+    assert layer_gemms._fp4_kernel(x, weight, fast, "scaled_mm", torch.float16) is None
+    assert layer_gemms._fp4_kernel(x, weight, NVFP4, "emulated", torch.bfloat16) is None
+    bf16_wgrad = fast.replace(weight_grad_gemm="bf16")
+    assert layer_gemms._fp4_kernel(x, weight, bf16_wgrad, "scaled_mm", torch.bfloat16) is None
+    mxfp8 = fp8lm.Recipe.from_name("mxfp8").replace(backend="scaled_mm")
+    assert layer_gemms._fp4_kernel(x, weight, mxfp8, "scaled_mm", torch.bfloat16) is None
+
+
+@pytest.mark.slow
+def test_the_compiled_fp4_quantization_gives_the_eager_bytes():
+    """`quantize_fp4` as it runs off the CPU, one function compiled by inductor (here for the
+    CPU): the eager bytes for a stored weight laid out both ways and for an input along the
+    tokens. A stochastically rounded output gradient draws inductor's noise, not eager's: the
+    same scales, and each element one of the two E2M1 values around it (within one step of the
+    nearest rounding). It compiles: passing ``generator=None`` on to ``torch.rand`` did not, with
+    dynamic shapes."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(64, 96, generator=gen)
+    scale = torch.tensor(2.0**4)
+    stored = (w * scale).bfloat16()
+    x = torch.randn(96, 64, generator=gen)
+    torch._dynamo.reset()
+    compiled = torch.compile(finegrained._quantize_fp4, dynamic=True)
+    cases = [
+        (stored, "weight", 1, scale, True),
+        (x, "input", 0, None, False),
+        (x, "grad_output", 0, None, False),
+    ]
+    for blocked in (True, False):
+        for tensor, role, dim, stored_scale, both in cases:
+            block = finegrained.operand_block(NVFP4, role, tensor.shape, dim)
+            args = (tensor, NVFP4, role, block, dim, blocked, stored_scale, both)
+            torch.manual_seed(0)
+            got = compiled(*args)
+            torch.manual_seed(0)
+            want = finegrained._quantize_fp4(*args)
+            assert len(got) == len(want) == (2 if both else 1)
+            for g, e in zip(got, want):
+                assert torch.equal(g[1].view(torch.uint8), e[1].view(torch.uint8)) and torch.equal(g[2], e[2]), role
+                if role != "grad_output":
+                    assert torch.equal(g[0], e[0]), role
+                    continue
+                nearest = nvfp4.unpack_e2m1(finegrained._quantize_fp4(tensor, NVFP4, "input", *args[3:])[0][0])
+                rounded = nvfp4.unpack_e2m1(g[0])
+                step = torch.where(nearest.abs() >= 4, 2.0, torch.where(nearest.abs() >= 2, 1.0, 0.5))
+                assert bool(((rounded - nearest).abs() <= step).all()) and not torch.equal(rounded, nearest)

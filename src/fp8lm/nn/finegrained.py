@@ -33,13 +33,18 @@ import torch
 from ..formats import Format
 from ..ops.finegrained import (
     BlockOperand,
+    FP4Operand,
     block_mm,
+    fp4_gemm_kernel,
+    fp4_mm,
+    fp4_shapes_fit,
     pack_nvfp4_operand,
+    quantize_fp4,
     quantize_operand,
     unpack_nvfp4_operand,
 )
 from ..ops.gemm import choose_backend, emulation_dtype
-from ..ops.hadamard import random_hadamard
+from ..ops.hadamard import HADAMARD_SIZE, random_hadamard
 from ..recipe import Recipe
 from ..tensor import ScalingTensor
 from .scale_math import _stored_weight_grad
@@ -119,7 +124,6 @@ class _FineGrainedLinear(torch.autograd.Function):
     ):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         backend = choose_backend(x.device, recipe.backend)
         ctx.recipe, ctx.out_dtype, ctx.backend, ctx.weight_grad_format = recipe, out_dtype, backend, weight_grad_format
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x.shape, x.dtype, weight.dtype, weight.shape
@@ -130,48 +134,125 @@ class _FineGrainedLinear(torch.autograd.Function):
             return x.new_zeros(*x.shape[:-1], weight.shape[0], dtype=out_dtype)
         with torch.autocast(device_type, enabled=False):
             x2 = x.detach().reshape(-1, x.shape[-1])
-            payload = payload.detach()
-            w_op = weight_operand or quantize_operand(payload, recipe, "weight", dim=1, stored_scale=stored_scale)
             b = None if bias is None else bias.detach()
-            x_op = quantize_operand(x2, recipe, "input", dim=1)
-            y = block_mm(x_op, w_op.t(), out_dtype, b, backend, _e8m0(recipe))
-            w_dgrad = None
-            if need_x:  # square weight blocks serve both GEMMs
-                w_dgrad = (
-                    w_op
-                    if recipe.granularity in ("blockwise", "nvfp4")
-                    else _dgrad_weight(w_op, payload, stored_scale, recipe, weight_operand is not None)
-                )
-            x_wgrad = _weight_grad_input(x2, recipe) if need_w else None
-        ctx.save_for_backward(*_save(ctx, "w_block", w_dgrad), *_save(ctx, "x_block", x_wgrad))
+            ctx.fp4 = None if weight_operand is not None else _fp4_kernel(x2, weight.shape, recipe, backend, out_dtype)
+            if ctx.fp4:
+                y, saved = _fp4_forward(ctx, x2, payload.detach(), stored_scale, b)
+            else:
+                y, saved = _block_forward(ctx, x2, payload.detach(), stored_scale, b, weight_operand)
+        ctx.save_for_backward(*saved)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        recipe, out_dtype, backend = ctx.recipe, ctx.out_dtype, ctx.backend
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.empty:
             grad_x = grad_out.new_zeros(ctx.x_shape, dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
             grad_w = g2.new_zeros(ctx.w_shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         else:
-            w_payload, w_d, w_scale, x_payload, x_d, x_scale = ctx.saved_tensors
             with torch.autocast(grad_out.device.type, enabled=False):
-                if ctx.needs_input_grad[0]:
-                    w_op = _restore(ctx.w_block, w_payload, w_d, w_scale)
-                    assert isinstance(w_op, BlockOperand)  # the weight is always quantized
-                    g_op = quantize_operand(g2, recipe, "grad_output", dim=1)
-                    grad_x = block_mm(g_op, w_op, out_dtype, backend=backend, e8m0_scales=_e8m0(recipe))
-                    grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
-                if ctx.needs_input_grad[1]:
-                    x_op = _restore(ctx.x_block, x_payload, x_d, x_scale)
-                    assert x_op is not None  # saved when the weight needs a gradient
-                    grad_w = _weight_grad(g2, x_op, recipe, out_dtype, backend)
+                backward = _fp4_backward if ctx.fp4 else _block_backward
+                grad_x, grad_w = backward(ctx, g2, ctx.saved_tensors)
+            if grad_x is not None:
+                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
         if grad_w is not None:
             grad_w = _stored_gradient(grad_w, ctx)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
             grad_b = g2.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, None, None, grad_b, None, None, None
+
+
+def _block_forward(
+    ctx,
+    x2: torch.Tensor,
+    payload: torch.Tensor,
+    stored_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    weight_operand: BlockOperand | None,
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The forward GEMM on `BlockOperand`\\ s (`block_mm`), and what the backward needs, quantized."""
+    recipe = ctx.recipe
+    w_op = weight_operand or quantize_operand(payload, recipe, "weight", dim=1, stored_scale=stored_scale)
+    x_op = quantize_operand(x2, recipe, "input", dim=1)
+    y = block_mm(x_op, w_op.t(), ctx.out_dtype, bias, ctx.backend, _e8m0(recipe))
+    w_dgrad = None
+    if ctx.needs_input_grad[0]:  # square weight blocks serve both GEMMs
+        square = recipe.granularity in ("blockwise", "nvfp4")
+        w_dgrad = w_op if square else _dgrad_weight(w_op, payload, stored_scale, recipe, weight_operand is not None)
+    x_wgrad = _weight_grad_input(x2, recipe) if ctx.needs_input_grad[1] else None
+    return y, [*_save(ctx, "w_block", w_dgrad), *_save(ctx, "x_block", x_wgrad)]
+
+
+def _block_backward(ctx, g2: torch.Tensor, saved) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input- and weight-gradient GEMMs on `BlockOperand`\\ s."""
+    recipe, out_dtype, backend = ctx.recipe, ctx.out_dtype, ctx.backend
+    w_payload, w_d, w_scale, x_payload, x_d, x_scale = saved
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        w_op = _restore(ctx.w_block, w_payload, w_d, w_scale)
+        assert isinstance(w_op, BlockOperand)  # the weight is always quantized
+        g_op = quantize_operand(g2, recipe, "grad_output", dim=1)
+        grad_x = block_mm(g_op, w_op, out_dtype, backend=backend, e8m0_scales=_e8m0(recipe))
+    if ctx.needs_input_grad[1]:
+        x_op = _restore(ctx.x_block, x_payload, x_d, x_scale)
+        assert x_op is not None  # saved when the weight needs a gradient
+        grad_w = _weight_grad(g2, x_op, recipe, out_dtype, backend)
+    return grad_x, grad_w
+
+
+def _fp4_kernel(
+    x2: torch.Tensor, weight_shape: torch.Size, recipe: Recipe, backend: str, out_dtype: torch.dtype
+) -> str | None:
+    """The FP4 GEMM (`fp8lm.ops.finegrained.fp4_gemm_kernel`) on which an nvfp4 layer's three GEMMs
+    all run, their operands quantized straight into its layout (`quantize_fp4`), or None: another
+    recipe, the emulation, a BF16 weight-gradient GEMM, or a GEMM whose shape the kernel does not
+    take (the weight gradient's K is the tokens, padded to the Hadamard transform's 16)."""
+    if recipe.granularity != "nvfp4" or backend != "scaled_mm" or recipe.weight_grad_gemm == "bf16":
+        return None
+    kernel = fp4_gemm_kernel(x2.device)
+    tokens, (out_features, in_features) = x2.shape[0], weight_shape
+    padded = -(-tokens // HADAMARD_SIZE) * HADAMARD_SIZE
+    gemms = (
+        (tokens, in_features, out_features),
+        (tokens, out_features, in_features),
+        (out_features, padded, in_features),
+    )
+    if kernel is None or not all(fp4_shapes_fit(m, k, n, out_dtype) for m, k, n in gemms):
+        return None
+    return kernel
+
+
+def _fp4_forward(
+    ctx, x2: torch.Tensor, payload: torch.Tensor, stored_scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The forward GEMM on the FP4 kernel ``ctx.fp4``; saved for the backward, laid out for its
+    GEMMs: the weight along out_features (from the forward's quantization: its 16 x 16 blocks)
+    and the input, Hadamard-transformed, along the tokens."""
+    recipe, kernel = ctx.recipe, ctx.fp4
+    x_fp4 = quantize_fp4(x2, recipe, "input", 1, kernel)[0]
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    w_fp4, *w_dgrad = quantize_fp4(payload, recipe, "weight", 1, kernel, stored_scale, both_ways=need_x)
+    y = fp4_mm(x_fp4, w_fp4, ctx.out_dtype, bias, kernel)
+    x_wgrad = None
+    if need_w:
+        x_wgrad = quantize_fp4(random_hadamard(x2, recipe.hadamard_seed), recipe, "input", 0, kernel)[0]
+    none = (None, None, None)
+    return y, [*(w_dgrad[0] if w_dgrad else none), *(x_wgrad or none)]
+
+
+def _fp4_backward(ctx, g2: torch.Tensor, saved) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input- and weight-gradient GEMMs on the FP4 kernel ``ctx.fp4``, the output gradient
+    quantized (stochastically rounded) straight into its layout, as `_block_backward` quantizes it."""
+    recipe, kernel, out_dtype = ctx.recipe, ctx.fp4, ctx.out_dtype
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        g_fp4 = quantize_fp4(g2, recipe, "grad_output", 1, kernel)[0]
+        grad_x = fp4_mm(g_fp4, FP4Operand(*saved[:3]), out_dtype, kernel=kernel)
+    if ctx.needs_input_grad[1]:
+        hg_fp4 = quantize_fp4(random_hadamard(g2, recipe.hadamard_seed), recipe, "grad_output", 0, kernel)[0]
+        grad_w = fp4_mm(hg_fp4, FP4Operand(*saved[3:]), out_dtype, kernel=kernel)
+    return grad_x, grad_w
 
 
 def _dgrad_weight(

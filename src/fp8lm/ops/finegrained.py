@@ -58,6 +58,11 @@ __all__ = [
     "mx_blocked_scales",
     "takes_nvfp4_scaled_mm",
     "nvfp4_scaled_mm",
+    "fp4_gemm_kernel",
+    "fp4_shapes_fit",
+    "FP4Operand",
+    "quantize_fp4",
+    "fp4_mm",
     "nvfp4_blocked_scales",
     "takes_triton_nvfp4_mm",
     "nvfp4_row_operand",
@@ -254,7 +259,14 @@ def _nvfp4_operand(
     if scale_rule == "4over6":  # its choice already rounded the values to nearest
         d, nearest = nvfp4.four_over_six(xb, d, nvfp4.block_scales(amax, s_enc, s_dec, element_max=4.0))
     if stochastic:
-        noise = to_blocks(torch.rand(x.shape, generator=generator, device=x.device), block)
+        # generator=None is not passed on: torch.compile with dynamic shapes cannot trace it
+        # (torch.rand's generator overload takes concrete sizes only)
+        uniform = (
+            torch.rand(x.shape, device=x.device)
+            if generator is None
+            else torch.rand(x.shape, generator=generator, device=x.device)
+        )
+        noise = to_blocks(uniform, block)
         q = nvfp4.round_e2m1(nvfp4.scaled(xb, d), noise)
     else:
         q = nearest if nearest is not None else nvfp4.round_e2m1(nvfp4.scaled(xb, d))
@@ -440,34 +452,51 @@ def mx_scaled_mm(
     return _add_bias_rounded(out, bias, out_dtype)
 
 
+def fp4_gemm_kernel(device: torch.device) -> str | None:
+    """The FP4 GEMM nvfp4 operands take on ``device``: ``"cublas"`` (`nvfp4_scaled_mm`, compute
+    capability 10.0 and later), ``"triton"`` (`fp8lm.ops.triton_nvfp4`, 8.9 up to 10.0, with
+    Triton installed), or None (the CPU, older GPUs: the emulation)."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (10, 0):
+        return "cublas"
+    from .triton_nvfp4 import AVAILABLE
+
+    return "triton" if AVAILABLE and capability >= (8, 9) else None
+
+
 def takes_nvfp4_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
     """Whether ``torch._scaled_mm`` multiplies ``a`` and ``b`` as NVFP4 (cuBLAS's FP4 GEMM with
     E4M3 scales per 16 elements; CUDA of compute capability 10.0 or more): `nvfp4_scales_fit` on
     such a device."""
-    if a.payload.device.type != "cuda" or not nvfp4_scales_fit(a, b, out_dtype):
-        return False
-    return torch.cuda.get_device_capability(a.payload.device) >= (10, 0)
+    return nvfp4_scales_fit(a, b, out_dtype) and fp4_gemm_kernel(a.payload.device) == "cublas"
 
 
 def takes_triton_nvfp4_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
     """Whether the Triton GEMM of nvfp4 operands (`fp8lm.ops.triton_nvfp4`) multiplies ``a`` and
     ``b``: `nvfp4_scales_fit` on a CUDA device without FP4 tensor cores (compute capability 8.9
     up to 10.0, where `takes_nvfp4_scaled_mm` takes them) and Triton installed."""
-    if a.payload.device.type != "cuda" or not nvfp4_scales_fit(a, b, out_dtype):
-        return False
-    from .triton_nvfp4 import AVAILABLE
-
-    return AVAILABLE and (8, 9) <= torch.cuda.get_device_capability(a.payload.device) < (10, 0)
+    return nvfp4_scales_fit(a, b, out_dtype) and fp4_gemm_kernel(a.payload.device) == "triton"
 
 
 def nvfp4_scales_fit(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
     """Whether ``a`` (M, K) and ``b`` (K, N) are nvfp4 operands cuBLAS's FP4 GEMM takes: both with
-    a tensor scale, blocks of 16 along K (``a`` 1 x 16 or 16 x 16, ``b`` 16 x 1 or 16 x 16), K a
-    multiple of 32 (16 bytes packed), M and N multiples of 16, a BF16 or FP32 result."""
+    a tensor scale, blocks of 16 along K (``a`` 1 x 16 or 16 x 16, ``b`` 16 x 1 or 16 x 16), and
+    `fp4_shapes_fit`."""
     (m, k), n = a.payload.shape, b.payload.shape[1]
-    if a.tensor_scale is None or b.tensor_scale is None or out_dtype not in (torch.bfloat16, torch.float32):
+    if a.tensor_scale is None or b.tensor_scale is None:
         return False
-    if a.block not in ((1, 16), (16, 16)) or b.block not in ((16, 1), (16, 16)) or min(m, k, n) == 0:
+    if a.block not in ((1, 16), (16, 16)) or b.block not in ((16, 1), (16, 16)):
+        return False
+    return fp4_shapes_fit(m, k, n, out_dtype)
+
+
+def fp4_shapes_fit(m: int, k: int, n: int, out_dtype: torch.dtype) -> bool:
+    """Whether an FP4 GEMM of (M, K) by (K, N) to ``out_dtype`` is one the FP4 kernels take: K a
+    multiple of 32 (16 bytes packed), M and N multiples of 16, none of them 0, a BF16 or FP32
+    result."""
+    if out_dtype not in (torch.bfloat16, torch.float32) or min(m, k, n) == 0:
         return False
     return not (k % 32 or m % 16 or n % 16)
 
@@ -510,31 +539,108 @@ def _laid_out_fp4(op: BlockOperand, blocked: bool = True) -> tuple[torch.Tensor,
     return _fused(_nvfp4_gemm_operand, (op.block, blocked), op.payload.device, op, blocked)
 
 
-def nvfp4_scaled_mm(
-    a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+class FP4Operand(NamedTuple):
+    """An nvfp4 operand (rows, K) as an FP4 GEMM reads it along K: its E2M1 elements packed two to
+    a byte (``packed``, uint8 (rows, K / 2), row-major), its E4M3 scale bytes, one per row and 16
+    elements (``scales``: cuBLAS's blocked layout, flat, or row-major (rows, K / 16) for the
+    Triton kernel) and its per-tensor decode scale."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor
+
+
+def quantize_fp4(
+    x: torch.Tensor,
+    recipe: Recipe,
+    role: str,
+    dim: int,
+    kernel: str,
+    stored_scale: torch.Tensor | None = None,
+    both_ways: bool = False,
+) -> tuple[FP4Operand, ...]:
+    """``x`` (2-D) quantized as `quantize_operand` quantizes it for an nvfp4 ``recipe``, straight
+    into the layout ``kernel``'s FP4 GEMM reads (`fp4_gemm_kernel`): along ``dim``, so ``x``
+    transposed where ``dim`` is 0; with ``both_ways`` also along the other dim (a weight's 16 x
+    16 blocks serve its two GEMMs). One compiled function off the CPU (`FUSED_QUANTIZE`): the E4M3
+    elements and float32 scales in between are never written. ``stored_scale`` as in
+    `quantize_operand`."""
+    block = operand_block(recipe, role, x.shape, dim)
+    with torch.no_grad():
+        laid_out = _fused(
+            _quantize_fp4,
+            (recipe, role, block, dim, kernel, both_ways),
+            x.device,
+            x.detach(),
+            recipe,
+            role,
+            block,
+            dim,
+            kernel == "cublas",
+            stored_scale,
+            both_ways,
+        )
+    return tuple(FP4Operand(*parts) for parts in laid_out)
+
+
+def _quantize_fp4(
+    x: torch.Tensor,
+    recipe: Recipe,
+    role: str,
+    block: Block,
+    dim: int,
+    blocked: bool,
+    stored_scale: torch.Tensor | None,
+    both_ways: bool,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]:
+    payload, d, tensor_scale = _quantize(_stored_values(x, stored_scale), recipe, role, block, None)
+    assert tensor_scale is not None  # an nvfp4 recipe
+    op = BlockOperand(payload, d, block, tensor_scale)
+    along = (op, op.t()) if dim == 1 else (op.t(), op)
+    return tuple((*_nvfp4_gemm_operand(o, blocked), tensor_scale) for o in along[: 2 if both_ways else 1])
+
+
+def fp4_mm(
+    a: FP4Operand, bt: FP4Operand, out_dtype: torch.dtype, bias: torch.Tensor | None = None, kernel: str = "cublas"
 ) -> torch.Tensor:
-    """`block_mm` of nvfp4 operands (`takes_nvfp4_scaled_mm`) by ``torch.nn.functional.scaled_mm``
-    with NVIDIA's two-level scales: ``a`` and ``b`` packed two elements to a byte along K (``a``
-    row-major, ``b`` column-major), each with its E4M3 block scales in cuBLAS's blocked layout
-    (`nvfp4_blocked_scales`) and its per-tensor decode scale, which cuBLAS applies in the GEMM's
-    epilogue before the one rounding. A bias is added to the FP32 result before the rounding, as
-    in `block_scaled_mm`. Each operand is laid out in one compiled function (`FUSED_QUANTIZE`)."""
-    (a_fp4, blocks_a), (bt_fp4, blocks_b) = _laid_out_fp4(a), _laid_out_fp4(b.t())
-    assert a.tensor_scale is not None and b.tensor_scale is not None  # nvfp4_scales_fit
+    """``values(a) @ values(bt).T (+ bias)`` as ``out_dtype``: ``a`` (M, K) and ``bt`` (N, K)
+    laid out along K for ``kernel`` (`quantize_fp4`). ``"cublas"``: ``torch.nn.functional.scaled_mm``
+    with NVIDIA's two-level scales (the E4M3 block scales in cuBLAS's blocked layout and the
+    per-tensor decode scales, applied in the GEMM's epilogue before the one rounding; a bias is
+    added to the FP32 result before the rounding, as in `block_scaled_mm`). ``"triton"``:
+    `fp8lm.ops.triton_nvfp4`'s kernel, which adds the bias itself."""
+    if kernel == "triton":
+        epilogue = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        return torch.ops.fp8lm.triton_nvfp4_mm(
+            a.packed, a.scales, bt.packed, bt.scales, a.tensor_scale, bt.tensor_scale, epilogue, out_dtype
+        )
     two_level = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
     swizzle = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
     out = F.scaled_mm(
-        a_fp4.view(torch.float4_e2m1fn_x2),
-        bt_fp4.view(torch.float4_e2m1fn_x2).t(),
-        scale_a=[blocks_a.view(torch.float8_e4m3fn), a.tensor_scale.reshape(1)],
+        a.packed.view(torch.float4_e2m1fn_x2),
+        bt.packed.view(torch.float4_e2m1fn_x2).t(),
+        scale_a=[a.scales.view(torch.float8_e4m3fn), a.tensor_scale.reshape(1)],
         scale_recipe_a=two_level,
-        scale_b=[blocks_b.view(torch.float8_e4m3fn), b.tensor_scale.reshape(1)],
+        scale_b=[bt.scales.view(torch.float8_e4m3fn), bt.tensor_scale.reshape(1)],
         scale_recipe_b=two_level,
         swizzle_a=swizzle,
         swizzle_b=swizzle,
         output_dtype=out_dtype if bias is None else torch.float32,
     )
     return out if bias is None else _add_bias_rounded(out, bias, out_dtype)
+
+
+def nvfp4_scaled_mm(
+    a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`block_mm` of nvfp4 operands (`takes_nvfp4_scaled_mm`) by cuBLAS's FP4 GEMM (`fp4_mm`):
+    ``a`` and ``b`` packed two elements to a byte along K, each with its E4M3 block scales in
+    cuBLAS's blocked layout (`nvfp4_blocked_scales`) and its per-tensor decode scale, each laid
+    out in one compiled function (`FUSED_QUANTIZE`)."""
+    assert a.tensor_scale is not None and b.tensor_scale is not None  # nvfp4_scales_fit
+    a_fp4 = FP4Operand(*_laid_out_fp4(a), a.tensor_scale)
+    bt_fp4 = FP4Operand(*_laid_out_fp4(b.t()), b.tensor_scale)
+    return fp4_mm(a_fp4, bt_fp4, out_dtype, bias, "cublas")
 
 
 def pack_nvfp4_operand(op: BlockOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

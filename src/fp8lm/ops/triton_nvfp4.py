@@ -137,15 +137,12 @@ def triton_nvfp4_mm(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = No
     """``values(a) @ values(b) (+ bias)`` as ``out_dtype`` for nvfp4 `BlockOperand`\\ s that
     `fp8lm.ops.finegrained.nvfp4_scales_fit` takes, by the Triton kernel (module doc); needs
     ``triton``."""
-    from .finegrained import nvfp4_row_operand, nvfp4_scales_fit
+    from .finegrained import FP4Operand, fp4_mm, nvfp4_row_operand, nvfp4_scales_fit
 
     if not AVAILABLE:
         raise RuntimeError("triton_nvfp4_mm needs Triton: pip install 'fp8lm[triton]'")
     if not nvfp4_scales_fit(a, b, out_dtype):
         raise ValueError("triton_nvfp4_mm takes nvfp4 operands blocked along K, K a multiple of 32, M and N of 16")
-    a_packed, a_scales = nvfp4_row_operand(a)
-    b_packed, b_scales = nvfp4_row_operand(b.t())
-    epilogue = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    return torch.ops.fp8lm.triton_nvfp4_mm(
-        a_packed, a_scales, b_packed, b_scales, a.tensor_scale, b.tensor_scale, epilogue, out_dtype
-    )
+    a_fp4 = FP4Operand(*nvfp4_row_operand(a), a.tensor_scale)
+    bt_fp4 = FP4Operand(*nvfp4_row_operand(b.t()), b.tensor_scale)
+    return fp4_mm(a_fp4, bt_fp4, out_dtype, bias, "triton")
