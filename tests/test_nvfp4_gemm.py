@@ -373,3 +373,41 @@ def test_the_compiled_fp4_quantization_gives_the_eager_bytes():
                 rounded = nvfp4.unpack_e2m1(g[0])
                 step = torch.where(nearest.abs() >= 4, 2.0, torch.where(nearest.abs() >= 2, 1.0, 0.5))
                 assert bool(((rounded - nearest).abs() <= step).all()) and not torch.equal(rounded, nearest)
+
+
+def test_fullgraph_compile_of_the_fp4_layout_path_gives_the_eager_numbers(fp4_kernel, monkeypatch):
+    """The FP4 layout path (`quantize_fp4`, `fp4_mm`, the laid-out saves) traces into one graph
+    with ``torch.compile(fullgraph=True)`` and gives the eager output and gradients (aot_eager,
+    the float64 stand-in for cuBLAS's kernel)."""
+    from fp8lm.nn import finegrained as layer_gemms
+
+    def no_block_gemm(*args, **kwargs):
+        raise AssertionError("the FP4 layout path multiplies with fp4_mm only")
+
+    monkeypatch.setattr(layer_gemms, "fp4_gemm_kernel", lambda device: "cublas")
+    monkeypatch.setattr(layer_gemms, "block_mm", no_block_gemm)
+    torch.manual_seed(0)
+    layer = fp8lm.nn.FP8Linear(64, 32, recipe=NVFP4.replace(backend="scaled_mm"))
+    x = torch.randn(2, 48, 64, requires_grad=True)
+
+    def step(run):
+        torch.manual_seed(1)  # the same stochastic rounding noise
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = run(x)
+        y.float().square().sum().backward()
+        grads = (x.grad.clone(), layer.weight.grad.dequantize().clone())
+        x.grad, layer.weight.grad = None, None
+        return y.detach(), grads
+
+    eager_y, eager_grads = step(layer)
+    assert len(fp4_kernel) == 3
+
+    class Uncounted(list):  # a list.append in the traced kernel would be a side effect in a graph
+        def append(self, _):
+            pass
+
+    monkeypatch.setattr(F, "scaled_mm", reference_fp4_gemm(Uncounted()))
+    torch._dynamo.reset()
+    compiled_y, compiled_grads = step(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(compiled_y, eager_y)
+    assert all(torch.equal(a, b) for a, b in zip(compiled_grads, eager_grads))
