@@ -3,7 +3,8 @@
 # with torch and triton has (no installs): FP8 vs BF16 GEMM TFLOP/s, quantize throughput, and the
 # training step of a ~1B-parameter GPT (24 layers x 2048 wide, 8 x 1024 tokens) under
 # torch.compile for BF16 autocast, torchao float8 and fp8lm O1 / O2, with state and activation bytes;
-# and the distributed CLI on one GPU with NCCL (nccl_world1.py).
+# the distributed CLI on one GPU with NCCL (nccl_world1.py); and each recipe's layer against its
+# emulation (recipe_layers.py).
 #
 #   bash benchmarks/gpu.sh [OUT_DIR]          # JSON files in OUT_DIR (default benchmarks/results/gpu)
 #   FP8LM_GPU_SMOKE=1 bash benchmarks/gpu.sh  # the same scripts at toy sizes on CPU, to check them
@@ -21,6 +22,7 @@ if [ "${FP8LM_GPU_SMOKE:-0}" = 1 ]; then
   train=(--device cpu --sizes 2x128 --levels bf16,O1,O2 --batch 2 --seq 64 --rounds 1 --steps 1 --warmup 1)
   opt=(--device cpu --layers 1 --width 64 --steps 2 --warmup 1 --skip-eager)
   nccl=(--device cpu --steps 4)
+  layers=(--device cpu --tokens 256 --width 128 --reps 2 --backend scaled_mm)
 else
   gemm=()
   quant=(--mb 1024)
@@ -28,6 +30,7 @@ else
   train=(--sizes 24x2048 --levels bf16,torchao,O1,O2 --batch 8 --seq 1024 --compile --rounds 3 --steps 3 --warmup 2)
   opt=(--layers 24 --width 2048 --steps 10 --skip-eager)
   nccl=(--device cuda --steps 20)
+  layers=(--tokens 8192 --width 4096)
 fi
 
 status=0
@@ -46,4 +49,6 @@ run optimizer_step 90 optimizer_step.py "${opt[@]}"
 run train_step_1b 270 train_step.py "${train[@]}"
 # the distributed CLI on NCCL (world size 1: every collective of the step, on the GPU)
 run nccl_world1 120 nccl_world1.py "${nccl[@]}"
+# each recipe's layer against its emulation on the device (compiled quantization, real kernels)
+run recipe_layers 120 recipe_layers.py "${layers[@]}"
 exit $status
