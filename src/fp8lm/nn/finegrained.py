@@ -19,7 +19,11 @@ on CPU), else the exact emulation (FP32 GEMMs of the dequantized operands, one r
 output dtype); blockwise takes ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block scales on
 CUDA of compute capability 9.0 (`fp8lm.ops.finegrained.takes_block_scaled_mm`), mxfp8 with its
 E8M0 scales on 10.0 and later (`takes_mx_scaled_mm`), nvfp4 in FP4 on 10.0 and later
-(`takes_nvfp4_scaled_mm`) and with fp8lm's Triton GEMM on 8.9 and 9.0 (`takes_triton_nvfp4_mm`). Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
+(`takes_nvfp4_scaled_mm`) and with fp8lm's Triton GEMM on 8.9 and 9.0 (`takes_triton_nvfp4_mm`).
+Where one of those FP4 GEMMs takes all three of an nvfp4 layer's GEMMs (`_fp4_kernel`), the
+operands skip the `BlockOperand` form: each is quantized straight into the kernel's layout
+(`fp8lm.ops.finegrained.quantize_fp4`) and saved so for the backward; the kernel reads the same
+bytes. Scales come from each block's own amax (current scaling), so the layer's `ScalingMeta`
 states are not used. The weight is read as it is stored (a `ScalingTensor`'s payload divided by
 its scale inside the compiled quantization, so no float32 copy of it is made); its gradient is
 returned stored in the layer's weight-gradient format, as the tensorwise path stores it
@@ -267,9 +271,9 @@ def _dgrad_weight(
 
 
 def _stored_gradient(grad_w: torch.Tensor, ctx) -> torch.Tensor:
-    """The weight gradient (the GEMM's output dtype) as the weight takes it: stored in the layer's weight-gradient
-    format (`_stored_weight_grad`; plain for a plain weight while torch.compile traces), or in the
-    weight's dtype without one."""
+    """The weight gradient (in the GEMM's output dtype) as the weight takes it: stored in the
+    layer's weight-gradient format (`_stored_weight_grad`; plain for a plain weight while
+    torch.compile traces), or in the weight's dtype without one."""
     if ctx.weight_grad_format is None:
         return grad_w.to(ctx.w_dtype)
     plain = ctx.plain and torch.compiler.is_compiling()
