@@ -170,3 +170,27 @@ def test_optimizer_step_falls_back_to_eager_ops_with_the_same_results(monkeypatc
     assert torch.equal(params[1], ref_params[1])
     for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
         assert torch.equal(opt.state[params[0]][key].float(), ref_opt.state[ref_params[0]][key].float()), key
+
+
+@pytest.mark.parametrize("name", ["TorchRuntimeError", "InternalTorchDynamoError"])
+def test_a_function_torch_compile_cannot_trace_falls_back_where_the_plain_path_runs(name):
+    """torch.compile failing while it traces (on fake tensors, or inside itself): where the plain
+    path runs the same call, the fast path is turned off with its warning and the plain result is
+    returned; where the plain path fails too, the arguments were at fault: its error propagates
+    and the fast path stays on."""
+    import torch._dynamo.exc as dynamo_exc
+
+    error = getattr(dynamo_exc, name)("SymIntArrayRef expected to contain only concrete integers")
+
+    def fast():
+        raise error
+
+    path = FastPath("test path", fallback="plain")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the call was at fault
+        with pytest.raises(ValueError, match="bad argument"):
+            path.run(fast, lambda: (_ for _ in ()).throw(ValueError("bad argument")))
+    assert path.enabled
+    with pytest.warns(UserWarning, match=f"test path unavailable \\({name}"):
+        assert path.run(fast, lambda: "plain") == "plain"
+    assert not path.enabled

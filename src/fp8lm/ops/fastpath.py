@@ -8,7 +8,11 @@ path, so a fallback changes speed, never numbers.
 A path falls back only when it cannot be built: its C compiler or torch.compile's backend fails,
 or its library does not load (`BUILD_ERRORS`). It then warns once, in one line naming the path,
 its fallback and the error, and stays off for the rest of the process (failing once usually
-means failing always: no C compiler, say); the other paths are not affected. Any other error (out
+means failing always: no C compiler, say); the other paths are not affected. An error of
+torch.compile's tracing itself (`TRACE_ERRORS`: it could not run the function on fake tensors,
+or failed inside) may be the arguments' fault or torch.compile's: the plain path then runs on
+the same arguments, and only if it succeeds is the fast path turned off (with its warning);
+otherwise the plain path's own error propagates and the fast path stays on. Any other error (out
 of memory, a wrong argument, a numerical check) propagates as it would from the plain path.
 
 Each environment variable is one `Switch`, read once at import and settable from code:
@@ -27,7 +31,16 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["FastPath", "Switch", "NativeBuildError", "BUILD_ERRORS", "is_build_error", "NATIVE", "COMPILED_CASTS"]
+__all__ = [
+    "FastPath",
+    "Switch",
+    "NativeBuildError",
+    "BUILD_ERRORS",
+    "TRACE_ERRORS",
+    "is_build_error",
+    "NATIVE",
+    "COMPILED_CASTS",
+]
 
 T = TypeVar("T")
 
@@ -47,10 +60,13 @@ _COMPILE_ERRORS = {
     "torch._inductor.exc": ("CppCompileError", "InvalidCxxCompiler"),
 }
 _MEMORY_ERRORS = (MemoryError, torch.OutOfMemoryError)
+# torch.compile failing while it traces: running the function on fake tensors (TorchRuntimeError)
+# or inside itself (InternalTorchDynamoError).
+TRACE_ERRORS = {"torch._dynamo.exc": ("TorchRuntimeError", "InternalTorchDynamoError")}
 
 
-def _compile_error_types() -> tuple[type[BaseException], ...]:
-    loaded = ((sys.modules.get(module), names) for module, names in _COMPILE_ERRORS.items())
+def _compile_error_types(errors: dict = _COMPILE_ERRORS) -> tuple[type[BaseException], ...]:
+    loaded = ((sys.modules.get(module), names) for module, names in errors.items())
     return tuple(getattr(module, name) for module, names in loaded if module is not None for name in names)
 
 
@@ -102,12 +118,19 @@ class FastPath:
 
     def run(self, fast: Callable[[], T], plain: Callable[[], T]) -> T:
         """``fast()`` while the path is enabled; ``plain()`` when it is off or ``fast`` cannot be
-        built (which turns it off). Any other error from ``fast`` propagates."""
+        built (which turns it off), or when torch.compile could not trace it and ``plain()``
+        succeeds (which turns it off too; see the module doc). Any other error from ``fast``
+        propagates."""
         if self.enabled:
             try:
                 return fast()
             except Exception as err:
-                if not is_build_error(err):
+                if is_build_error(err):
+                    self.disable(err)
+                elif isinstance(err, _compile_error_types(TRACE_ERRORS)):
+                    result = plain()  # raises where the arguments are at fault: the path stays on
+                    self.disable(err)
+                    return result
+                else:
                     raise
-                self.disable(err)
         return plain()
