@@ -387,6 +387,13 @@ def test_the_compiled_quantization_along_dim_0_writes_the_gemms_layout(name):
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
     assert torch.equal(d.nan_to_num(), want_d.nan_to_num())
+    op = finegrained.BlockOperand(want, want_d, block).t()  # requantized along the other dim
+    column_block = finegrained.operand_block(recipe, "weight", op.payload.shape, 0)
+    again = torch.compile(finegrained._requantize, dynamic=True)(op, recipe, "weight", column_block, True)
+    eager = finegrained._requantize(op, recipe, "weight", column_block, True)
+    nan = eager[0].isnan()
+    assert again[0].t().is_contiguous() and torch.equal(again[0].isnan(), nan)
+    assert torch.equal(again[0].view(torch.uint8)[~nan], eager[0].view(torch.uint8)[~nan])
     out, bias = torch.randn(64, 48, dtype=torch.float64).float(), torch.randn(48)
     biased = torch.compile(finegrained._add_bias, dynamic=True)(out, bias, torch.bfloat16)
     assert torch.equal(biased, (out + bias).to(torch.bfloat16))
@@ -399,3 +406,17 @@ def test_the_hadamard_matrix_is_exact_in_bf16_and_fp16():
     assert exact.abs().eq(0.25).all()
     for dtype in (torch.bfloat16, torch.float16):
         assert torch.equal(hadamard_matrix(7, dtype=dtype).float(), exact)
+
+
+@pytest.mark.parametrize("name", ["rowwise", "mxfp8"])
+def test_requantizing_an_operand_is_quantizing_its_values(name):
+    """An FSDP2-gathered weight's operand for its other GEMM (`requantize_operand`): the bits of
+    `quantize_operand` of its values, from one function that needs no float32 copy of them."""
+    from fp8lm.ops.finegrained import requantize_operand
+
+    recipe = fp8lm.Recipe.from_name(name)
+    op = quantize_operand(hostile(96, 160, seed=2), recipe, "weight", dim=1)
+    got, want = requantize_operand(op, recipe, "weight", 0), quantize_operand(op.dequantize(), recipe, "weight", 0)
+    assert got.block == want.block
+    assert torch.equal(got.payload.view(torch.uint8), want.payload.view(torch.uint8))
+    assert torch.equal(got.d.nan_to_num(), want.d.nan_to_num())

@@ -45,6 +45,7 @@ from ..ops.finegrained import (
     pack_nvfp4_operand,
     quantize_fp4,
     quantize_operand,
+    requantize_operand,
     unpack_nvfp4_operand,
 )
 from ..ops.gemm import choose_backend, emulation_dtype
@@ -266,7 +267,7 @@ def _dgrad_weight(
     mxfp8): quantized along out_features from the stored weight, or from the values of a
     gathered operand ``w_op``."""
     if gathered:
-        return quantize_operand(w_op.dequantize(), recipe, "weight", dim=0)
+        return requantize_operand(w_op, recipe, "weight", dim=0)
     return quantize_operand(payload, recipe, "weight", dim=0, stored_scale=stored_scale)
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "BlockOperand",
     "operand_block",
     "quantize_operand",
+    "requantize_operand",
     "block_mm",
     "takes_rowwise_scaled_mm",
     "rowwise_scaled_mm",
@@ -201,6 +202,34 @@ def quantize_operand(
             column_major,
         )
     return BlockOperand(payload, d, block, tensor_scale)
+
+
+def requantize_operand(op: BlockOperand, recipe: Recipe, role: str, dim: int) -> BlockOperand:
+    """`quantize_operand` of ``op``'s values (``op.dequantize()``) along ``dim``: an FSDP2-gathered
+    weight's operand for its other GEMM. Off the CPU one compiled function, which never writes the
+    float32 values (`FUSED_QUANTIZE`)."""
+    block = operand_block(recipe, role, op.payload.shape, dim)
+    column_major = dim == 0 and block[1] == 1 and recipe.granularity != "nvfp4"
+    with torch.no_grad():
+        payload, d, tensor_scale = _fused(
+            _requantize,
+            (op.block, recipe, role, block, column_major),
+            op.payload.device,
+            op,
+            recipe,
+            role,
+            block,
+            column_major,
+        )
+    return BlockOperand(payload, d, block, tensor_scale)
+
+
+def _requantize(
+    op: BlockOperand, recipe: Recipe, role: str, block: Block, column_major: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    values = _dequantize(op.payload, op.d, op.block)
+    payload, d, tensor_scale = _quantize(values, recipe, role, block, None)
+    return (payload.t().contiguous().t() if column_major else payload), d, tensor_scale
 
 
 def _stored_values(x: torch.Tensor, stored_scale: torch.Tensor | None) -> torch.Tensor:
