@@ -483,3 +483,35 @@ def test_no_rows_give_an_empty_output_and_zero_gradients(name):
     assert x.grad is not None and x.grad.shape == (0, 64)
     assert isinstance(layer.weight.grad, fp8lm.ScalingTensor) and not layer.weight.grad.dequantize().any()
     assert layer.bias.grad is not None and not layer.bias.grad.any()
+
+
+def test_a_recipe_without_an_fp8_gemm_on_the_gpu_warns_once(monkeypatch):
+    """A fine-grained recipe whose GEMMs a GPU has no kernel for (they would run emulated in
+    FP32, slower than BF16) warns once per recipe and kind of GPU, naming where it runs in FP8;
+    not where the kernel exists, not on the CPU, not when the emulation is asked for."""
+    import warnings
+
+    from fp8lm.ops import finegrained as fg
+
+    monkeypatch.setattr(fg, "_warned_emulated", set())
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    cuda = torch.device("cuda", 0)
+    mxfp8, blockwise, rowwise, nvfp4 = (fp8lm.Recipe.from_name(n) for n in ("mxfp8", "blockwise", "rowwise", "nvfp4"))
+    with pytest.warns(UserWarning, match=r"recipe mxfp8 has no FP8 GEMM on cuda:0 \(compute capability 9\.0\)"):
+        fg.warn_if_emulated(mxfp8, cuda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fg.warn_if_emulated(mxfp8, cuda)  # once
+        for recipe in (rowwise, blockwise, mxfp8.replace(backend="emulated")):
+            fg.warn_if_emulated(recipe, cuda)
+        fg.warn_if_emulated(mxfp8, torch.device("cpu"))
+    assert fg.fine_grained_kernel(blockwise, cuda) == "torch._scaled_mm with 1 x 128 / 128 x 128 block scales"
+    capability[0] = (10, 0)  # a B200: MX and FP4 GEMMs, no block-scaled one
+    assert fg.fine_grained_kernel(mxfp8, cuda) == "torch._scaled_mm with MX scales"
+    assert fg.fine_grained_kernel(nvfp4, cuda) == "cuBLAS's FP4 GEMM"
+    with pytest.warns(UserWarning, match=r"blockwise multiplies in FP8 on compute capability 9\.0"):
+        fg.warn_if_emulated(blockwise, cuda)
+    capability[0] = (8, 0)
+    with pytest.warns(UserWarning, match=r"recipe nvfp4 .* 10\.0 and later, or 8\.9 / 9\.0 with Triton"):
+        fg.warn_if_emulated(nvfp4, cuda)

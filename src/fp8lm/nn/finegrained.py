@@ -47,6 +47,7 @@ from ..ops.finegrained import (
     quantize_operand,
     requantize_operand,
     unpack_nvfp4_operand,
+    warn_if_emulated,
 )
 from ..ops.gemm import choose_backend, emulation_dtype
 from ..ops.hadamard import HADAMARD_SIZE, random_hadamard
@@ -299,6 +300,8 @@ def fine_grained_linear(
     `fp8lm.nn.FP8Linear` stores it; without one it is a plain tensor of the weight's dtype."""
     if not recipe.fine_grained:
         raise ValueError(f"fine_grained_linear takes a fine-grained recipe, got granularity {recipe.granularity!r}")
+    if x.device.type == "cuda" and not torch.compiler.is_compiling():
+        warn_if_emulated(recipe, x.device)
     if isinstance(weight, ScalingTensor):
         payload, stored_scale = weight.payload, weight.scale
     else:

@@ -31,6 +31,7 @@ exactly, the dequantized operands in FP32.
 from __future__ import annotations
 
 import types
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -60,6 +61,8 @@ __all__ = [
     "takes_nvfp4_scaled_mm",
     "nvfp4_scaled_mm",
     "fp4_gemm_kernel",
+    "fine_grained_kernel",
+    "warn_if_emulated",
     "fp4_shapes_fit",
     "FP4Operand",
     "quantize_fp4",
@@ -349,7 +352,7 @@ def takes_rowwise_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.d
         return False
     if a.payload.device.type != "cuda":
         return True
-    return torch.cuda.get_device_capability(a.payload.device) >= (9, 0) and not (m % 16 or k % 16 or n % 16)
+    return _runs_fp8("rowwise", a.payload.device) and not (m % 16 or k % 16 or n % 16)
 
 
 def rowwise_scaled_mm(
@@ -372,7 +375,7 @@ def takes_block_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dty
     capability 9.0 (torch has no CPU kernel for them)."""
     if a.payload.device.type != "cuda" or not block_scales_fit(a, b, out_dtype):
         return False
-    return torch.cuda.get_device_capability(a.payload.device) == (9, 0)
+    return _runs_fp8("blockwise", a.payload.device)
 
 
 def block_scales_fit(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
@@ -426,7 +429,7 @@ def takes_mx_scaled_mm(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype)
     the scales are powers of two (E8M0 holds them exactly)."""
     if a.payload.device.type != "cuda" or not mx_scales_fit(a, b, out_dtype):
         return False
-    return torch.cuda.get_device_capability(a.payload.device) >= (10, 0)
+    return _runs_fp8("mxfp8", a.payload.device)
 
 
 def mx_scales_fit(a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype) -> bool:
@@ -479,6 +482,67 @@ def mx_scaled_mm(
         return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     out = torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
     return _add_bias_rounded(out, bias, out_dtype)
+
+
+# The CUDA compute capabilities on which torch's scaled GEMM takes each block format (cuBLAS):
+# row-wise scales from Hopper on, DeepSeek-V3's 1 x 128 / 128 x 128 block scales on Hopper only,
+# MX scales from Blackwell on.
+_SCALED_MM_CAPABILITIES = {
+    "rowwise": lambda capability: capability >= (9, 0),
+    "blockwise": lambda capability: capability == (9, 0),
+    "mxfp8": lambda capability: capability >= (10, 0),
+}
+_KERNEL_NAMES = {
+    "rowwise": "torch._scaled_mm with row-wise scales",
+    "blockwise": "torch._scaled_mm with 1 x 128 / 128 x 128 block scales",
+    "mxfp8": "torch._scaled_mm with MX scales",
+    "cublas": "cuBLAS's FP4 GEMM",
+    "triton": "fp8lm's Triton FP4 GEMM",
+}
+_FAST_WHERE = {
+    "rowwise": "compute capability 9.0 and later",
+    "blockwise": "compute capability 9.0 (torch's block-scaled GEMM); rowwise there, mxfp8 on 10.0+",
+    "mxfp8": "compute capability 10.0 and later; rowwise or blockwise on 9.0",
+    "nvfp4": "compute capability 10.0 and later, or 8.9 / 9.0 with Triton (pip install 'fp8lm[triton]')",
+}
+_warned_emulated: set = set()
+
+
+def _runs_fp8(granularity: str, device: torch.device) -> bool:
+    """Whether torch's scaled GEMM takes ``granularity``'s blocks on CUDA ``device``."""
+    return _SCALED_MM_CAPABILITIES[granularity](torch.cuda.get_device_capability(device))
+
+
+def fine_grained_kernel(recipe: Recipe, device: torch.device) -> str | None:
+    """The kernel that multiplies a fine-grained ``recipe``'s GEMMs on ``device`` (where their
+    shapes fit it, `block_mm`), by name, or None where they are emulated: FP32 GEMMs of the
+    dequantized operands (the CPU, and CUDA devices without that kernel)."""
+    if device.type != "cuda" or not recipe.fine_grained:
+        return None
+    if recipe.granularity == "nvfp4":
+        kernel = fp4_gemm_kernel(device)
+        return None if kernel is None else _KERNEL_NAMES[kernel]
+    return _KERNEL_NAMES[recipe.granularity] if _runs_fp8(recipe.granularity, device) else None
+
+
+def warn_if_emulated(recipe: Recipe, device: torch.device) -> None:
+    """One warning per recipe and kind of GPU where a fine-grained recipe's GEMMs would run
+    emulated on a CUDA ``device`` (`fine_grained_kernel` is None) though the recipe asks for
+    FP8 GEMMs (``backend`` not ``"emulated"``): FP32 GEMMs, several times slower than BF16."""
+    if device.type != "cuda" or recipe.backend == "emulated" or not recipe.fine_grained:
+        return
+    capability = torch.cuda.get_device_capability(device)
+    key = (recipe.granularity, capability)
+    if key in _warned_emulated or fine_grained_kernel(recipe, device) is not None:
+        return
+    _warned_emulated.add(key)
+    name = recipe.name or recipe.granularity
+    where = f"{device} (compute capability {capability[0]}.{capability[1]})"
+    warnings.warn(
+        f"fp8lm: recipe {name} has no FP8 GEMM on {where}: its GEMMs run emulated in FP32, slower than "
+        f"BF16; {recipe.granularity} multiplies in FP8 on {_FAST_WHERE[recipe.granularity]}",
+        stacklevel=3,
+    )
 
 
 def fp4_gemm_kernel(device: torch.device) -> str | None:
