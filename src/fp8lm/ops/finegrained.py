@@ -499,10 +499,10 @@ _KERNEL_NAMES = {
     "cublas": "cuBLAS's FP4 GEMM",
     "triton": "fp8lm's Triton FP4 GEMM",
 }
-_FAST_WHERE = {
+_FAST_WHERE = {  # where each recipe multiplies in FP8, and what to use elsewhere
     "rowwise": "compute capability 9.0 and later",
-    "blockwise": "compute capability 9.0 (torch's block-scaled GEMM); rowwise there, mxfp8 on 10.0+",
-    "mxfp8": "compute capability 10.0 and later; rowwise or blockwise on 9.0",
+    "blockwise": "compute capability 9.0 only (torch's block-scaled GEMM); on 10.0 and later use mxfp8 or rowwise",
+    "mxfp8": "compute capability 10.0 and later; on 9.0 use rowwise or blockwise",
     "nvfp4": "compute capability 10.0 and later, or 8.9 / 9.0 with Triton (pip install 'fp8lm[triton]')",
 }
 _warned_emulated: set = set()
