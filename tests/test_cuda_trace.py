@@ -16,6 +16,18 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env)
 
 
+def on_fake_cuda(code: str) -> str:
+    """The stdout of ``code`` run in a fresh process, with `cuda_trace` imported as ``ct`` and
+    ``FakeTensorMode`` imported."""
+    preamble = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import cuda_trace as ct\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", preamble + code, str(SCRIPT.parent)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
 def quick() -> dict:
     proc = run("--quick", "--recipes", "rowwise,nvfp4")
@@ -115,18 +127,14 @@ def test_bad_block_is_one_clear_error(args, match):
 
 
 def test_host_synchronisations_are_counted():
-    code = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); import cuda_trace as ct\n"
-        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+    stdout = on_fake_cuda(
         "ct.load_fake_cuda_guard(); log = ct.OpLog()\n"
         "with FakeTensorMode(), log:\n"
         "    x = torch.randn(64, device='cuda'); log.recording = True\n"
         "    values = (x.amax().item(), bool(x.sum() > 0), (x > 0).sum().item(), x.amax().tolist())\n"
         "print(sum(r['category'] == 'sync' for r in log.records), values)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[0] == "4"
+    assert stdout.split()[0] == "4"
 
 
 def test_fine_grained_recipes_trace_on_the_cuda_path(quick):
@@ -182,9 +190,7 @@ def test_nvfp4_takes_the_triton_gemm_on_compute_capability_9_with_triton():
 def test_fp8_saved_attention_runs_the_flash_kernels_on_the_cuda_path():
     """`FP8SavedAttention` on fake CUDA tensors: the flash kernel forward, and in the backward its
     forward again (at the dequantized q, k, v) and its backward; no host sync; CUDA gradients."""
-    code = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); import cuda_trace as ct\n"
-        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+    stdout = on_fake_cuda(
         "from fp8lm.nn.saved import FP8SavedAttention\n"
         "ct.load_fake_cuda_guard(); log = ct.OpLog()\n"
         "with FakeTensorMode(), log:\n"
@@ -198,9 +204,7 @@ def test_fp8_saved_attention_runs_the_flash_kernels_on_the_cuda_path():
         "print(sum(r['category'] == 'sync' for r in log.records), ','.join(ops),"
         " all(g.is_cuda and g.dtype == torch.bfloat16 for g in grads))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    syncs, ops, cuda_grads = proc.stdout.split()
+    syncs, ops, cuda_grads = stdout.split()
     forward, backward = "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"
     assert syncs == "0" and ops.split(",") == [forward, forward, backward] and cuda_grads == "True"
 
@@ -208,9 +212,7 @@ def test_fp8_saved_attention_runs_the_flash_kernels_on_the_cuda_path():
 def test_the_hadamard_transform_multiplies_bf16_as_it_is_on_cuda():
     """On CUDA nvfp4's Hadamard transform reads a BF16 operand as it is (``torch.bmm`` with FP32
     accumulation and output): no float32 copy of it; the matrix is made in BF16 (exact: +-1/4)."""
-    code = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); import cuda_trace as ct\n"
-        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+    stdout = on_fake_cuda(
         "from fp8lm.ops.hadamard import random_hadamard\n"
         "ct.load_fake_cuda_guard(); log = ct.OpLog()\n"
         "with FakeTensorMode(), log:\n"
@@ -219,9 +221,7 @@ def test_the_hadamard_transform_multiplies_bf16_as_it_is_on_cuda():
         "big = [r['op'] for r in log.records if r['launches'] and r['read'] + r['written'] > 1024]\n"
         "print(y.dtype, 'x'.join(map(str, y.shape)), ','.join(big))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    dtype, shape, ops = proc.stdout.split(maxsplit=2)
+    dtype, shape, ops = stdout.split(maxsplit=2)
     # 100 rows padded to 112 (7 groups of 16): the pad and the product, nothing converted
     assert dtype == "torch.float32" and shape == "112x64"
     assert ops.strip().split(",") == ["constant_pad_nd", "bmm"]

@@ -187,10 +187,7 @@ def quantize_operand(
             _stored_values(x, stored_scale), recipe, role, block, generator, tensor_amax
         )
         return BlockOperand(payload, d, block, tensor_scale)
-    # An FP8 GEMM reads an operand quantized along dim 0 column-major (`block_mm`'s ``b``, or the
-    # transposed ``a`` of the weight gradient): the compiled function writes it so, sparing the
-    # GEMM a copy. Square blocks serve two GEMMs in both layouts; nvfp4 is repacked for its GEMM.
-    column_major = dim == 0 and block[1] == 1 and recipe.granularity != "nvfp4"
+    column_major = _column_major(recipe, block, dim)
     with torch.no_grad():
         payload, d, tensor_scale = _fused(
             _quantize_laid_out,
@@ -212,7 +209,7 @@ def requantize_operand(op: BlockOperand, recipe: Recipe, role: str, dim: int) ->
     weight's operand for its other GEMM. Off the CPU one compiled function, which never writes the
     float32 values (`FUSED_QUANTIZE`)."""
     block = operand_block(recipe, role, op.payload.shape, dim)
-    column_major = dim == 0 and block[1] == 1 and recipe.granularity != "nvfp4"
+    column_major = _column_major(recipe, block, dim)
     with torch.no_grad():
         payload, d, tensor_scale = _fused(
             _requantize,
@@ -232,7 +229,19 @@ def _requantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     values = _dequantize(op.payload, op.d, op.block)
     payload, d, tensor_scale = _quantize(values, recipe, role, block, None)
-    return (payload.t().contiguous().t() if column_major else payload), d, tensor_scale
+    return _laid_out(payload, column_major), d, tensor_scale
+
+
+def _column_major(recipe: Recipe, block: Block, dim: int) -> bool:
+    """Whether the compiled quantization writes an operand column-major: an FP8 GEMM reads one
+    quantized along dim 0 so (`block_mm`'s ``b``, or the transposed ``a`` of the weight
+    gradient), and writing it so spares the GEMM a copy. Square blocks serve two GEMMs in both
+    layouts; nvfp4 is repacked for its GEMM."""
+    return dim == 0 and block[1] == 1 and recipe.granularity != "nvfp4"
+
+
+def _laid_out(payload: torch.Tensor, column_major: bool) -> torch.Tensor:
+    return payload.t().contiguous().t() if column_major else payload
 
 
 def _stored_values(x: torch.Tensor, stored_scale: torch.Tensor | None) -> torch.Tensor:
@@ -251,7 +260,7 @@ def _quantize_laid_out(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`_quantize` of `_stored_values`, its payload stored column-major where ``column_major`` says so."""
     payload, d, tensor_scale = _quantize(_stored_values(x, stored_scale), recipe, role, block, None, tensor_amax)
-    return (payload.t().contiguous().t() if column_major else payload), d, tensor_scale
+    return _laid_out(payload, column_major), d, tensor_scale
 
 
 def _quantize(
