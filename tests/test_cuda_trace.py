@@ -225,3 +225,35 @@ def test_the_hadamard_transform_multiplies_bf16_as_it_is_on_cuda():
     # 100 rows padded to 112 (7 groups of 16): the pad and the product, nothing converted
     assert dtype == "torch.float32" and shape == "112x64"
     assert ops.strip().split(",") == ["constant_pad_nd", "bmm"]
+
+
+def test_a_weight_in_its_gemm_format_is_saved_as_it_is_on_cuda():
+    """An FP8Linear whose weight payload is already E4M3 (an O3 weight; under FSDP2, the FP8
+    all-gather's gathered parameter) saves that payload for the backward, not a transposed copy
+    made in the forward, and keeps no copy between steps: FSDP2 frees a gathered weight after the
+    forward and gathers it again for the backward, which a saved copy would defeat. The backward
+    transposes it for the input-gradient GEMM (one copy); an FP16-stored weight is cast with its
+    transpose in the forward, as before."""
+    stdout = on_fake_cuda(
+        "from fp8lm.nn import FP8Linear\n"
+        "ct.load_fake_cuda_guard(); ct.pretend_hopper()\n"
+        "for fmt in ('E4M3', 'FP16'):\n"
+        "    log = ct.OpLog()\n"
+        "    with FakeTensorMode(), log:\n"
+        "        layer = FP8Linear(256, 128, weight_format=fmt, device='cuda')\n"
+        "        x = torch.randn(64, 256, device='cuda', requires_grad=True)\n"
+        "        saved = []\n"
+        "        log.recording = True\n"
+        "        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):\n"
+        "            y = layer(x)\n"
+        "        log.phase = 'backward'\n"
+        "        ct.run_backward(y, torch.ones_like(y), log, {})\n"
+        "        weights = [t for t in saved if tuple(t.shape) == (128, 256)]\n"
+        "        kept = layer._weight_operand._entry[3]\n"
+        "        copies = [r['phase'] for r in log.records if r['category'] == 'transpose_copy']\n"
+        "        print(fmt, len(weights), weights[0] is layer.weight.payload, kept._relaid is not None,"
+        " ','.join(copies) or '-', len(x.grad.shape))\n"
+    )
+    e4m3, fp16 = (line.split() for line in stdout.splitlines())
+    assert e4m3 == ["E4M3", "1", "True", "False", "backward", "2"]
+    assert fp16 == ["FP16", "1", "False", "True", "-", "2"]

@@ -13,7 +13,10 @@ ordinary float values. On an FP8 GEMM backend (``torch._scaled_mm``) its FP8 cop
 change of the weight (optimizer step, load, FSDP2 all-gather), not once per forward, and kept
 between steps (1 byte per element, 2 on CUDA with its transpose); under ``torch.compile`` it is
 made in the graph every forward. On CUDA each cast also writes the transposed payload that the
-backward GEMMs read, so no FP8 operand is copied to change its layout.
+backward GEMMs read, so no FP8 operand is copied to change its layout. A weight whose payload is
+already in the GEMM's format (an E4M3 weight, FSDP2's FP8 all-gather) is its own operand: it is
+saved for the backward as it is and transposed there, so that FSDP2 can free the gathered weight
+between the forward and the backward, and nothing more is kept between steps.
 
 Hook points: ``fp8_enabled = False`` runs the layer's GEMMs in high precision (BF16 under
 autocast), as a precision policy sets it; ``high_precision = True`` (set and cleared by the
@@ -182,14 +185,19 @@ def _weight_operand(
     values (a ScalingTensor's payload, with its ``stored_scale``; or the plain weight, with None),
     read directly with one combined power-of-two scale (no float32 copy of the weight). A payload
     already in ``fmt`` (an E4M3 weight, FSDP2's FP8 all-gather) is the operand as it is.
-    ``emulated_as``: as in `_cast`; ``relaid``: also write the transposed payload (`_Stream`);
+    ``emulated_as``: as in `_cast`; ``relaid``: also write the transposed payload (`_Stream`) of
+    a payload cast here (not of one already in ``fmt``: see below);
     ``payload_amax``: as in `_weight_scales`."""
     value_amax, scale, scale_inv = _scale_math(_weight_scales, payload, payload, payload_amax, stored_scale, fmt)
     finite = _finite_hint(value_amax)
     if scale is None:
+        # The payload itself, without its transpose even where ``relaid`` asks for it: the forward
+        # GEMM reads it as it is, and the backward lays it out for the input gradient. Under FSDP2
+        # this payload is the gathered parameter, freed after the forward and gathered again for
+        # the backward; a transposed copy saved for the backward (or kept between steps) would
+        # hold every layer's unsharded weight instead.
         deq = None if emulated_as is None else traceable_upcast(payload, scale_inv, emulated_as)
-        other = payload.t().contiguous().t() if relaid else None
-        return FP8Operand(payload, scale_inv, finite, dequantized=deq, relaid=other)
+        return FP8Operand(payload, scale_inv, finite, dequantized=deq)
     if relaid:
         data, transposed, _, _ = saturating_cast_transposed(payload, scale, fmt)
         return FP8Operand(data, scale_inv, finite, relaid=transposed.t())
