@@ -50,6 +50,45 @@ def gathered(layer) -> dict:
     return out
 
 
+def forward_saving(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """``model(x)``, and what its forward saved for the backward that copies a weight FSDP2
+    gathered as the recipe's operand: (layer, shape, bytes) of each saved tensor of a gathered
+    weight's size (E4M3 bytes, or nvfp4's packed ones) that is not that operand's own storage,
+    which FSDP2 frees after the forward."""
+    gathered: dict[int, set] = {}
+
+    def note(i):
+        def hook(module, args):
+            weight = module.weight
+            if hasattr(weight, "operand"):  # a BlockScaledTensor
+                gathered[i] = {t.untyped_storage().data_ptr() for t in (weight._data, weight.operand.payload)}
+
+        return hook
+
+    saved = []  # noted as saved: FSDP2 frees the gathered storages after the forward
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((t.shape, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return t
+
+    handles = [model[i].register_forward_pre_hook(note(i)) for i in (0, 2)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    for handle in handles:
+        handle.remove()
+    copies = []
+    for i, (rows, cols) in zip((0, 2), [(HIDDEN, IN), (OUT, HIDDEN)]):
+        if i not in gathered:
+            continue
+        for shape, storage, nbytes in saved:
+            if (
+                shape in ((rows, cols), (rows, cols // 2), (cols, rows), (cols // 2, rows))
+                and storage not in gathered[i]
+            ):
+                copies.append((i, tuple(shape), nbytes))
+    return out, copies
+
+
 def recipe_checks(recipe: str, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -70,9 +109,11 @@ def recipe_checks(recipe: str, rank: int, world: int) -> dict:
     for step in range(STEPS):
         precompute_fp8_scales(model)
         x, y = batch(rank)
-        out = model(x)
         if step == 0:
+            out, res["saved_copies"] = forward_saving(model, x)
             res["out"], res["ref_out"] = out.detach().clone(), reference(x).detach()
+        else:
+            out = model(x)
         loss = (out - y).square().mean()
         loss.backward()
         opt.step()

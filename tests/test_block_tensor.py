@@ -82,3 +82,36 @@ def test_a_packed_nvfp4_weight_is_its_operand_and_survives_flattening():
     assert names == ["_data", "_d", "_tensor_scale"]
     back = BlockScaledTensor.__tensor_unflatten__({n: getattr(t, n) for n in names}, meta, t.shape, t.stride())
     assert back.shape == (64, 96) and torch.equal(back.operand.tensor_scale, op.tensor_scale)
+
+
+def test_a_gathered_nvfp4_weight_is_saved_as_the_packed_bytes_it_holds():
+    """The input-gradient GEMM's weight is saved as the packed bytes the gathered nvfp4 weight
+    holds (FSDP2 frees them after the forward; a repacked copy would stay until the backward),
+    and the layer computes what it computes from the same operand unpacked, bit for bit."""
+    from fp8lm.ops import nvfp4
+
+    torch.manual_seed(0)
+    layer = FP8Linear(128, 96, recipe="nvfp4")
+    op = quantize_operand(layer.weight.dequantize(), layer.recipe, "weight", dim=1)
+    packed = BlockScaledTensor(nvfp4.pack_e2m1_bytes(op.payload), op.d, op.block, tensor_scale=op.tensor_scale)
+    unpacked = BlockScaledTensor(op.payload, op.d, op.block, tensor_scale=op.tensor_scale)
+    x, g = torch.randn(32, 128), torch.randn(32, 96)
+    results = []
+    for weight in (unpacked, packed):
+        layer.weight = torch.nn.Parameter(weight)
+        xi = x.clone().requires_grad_()
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(xi)
+        torch.manual_seed(1)  # the output gradient's stochastic rounding
+        y.backward(g)
+        results.append((y, xi.grad, layer.weight.grad, saved))
+    assert packed._data.untyped_storage().data_ptr() in results[1][3]
+    assert unpacked._data.untyped_storage().data_ptr() not in results[0][3]  # packed anew
+    for got, want in zip(results[1][:3], results[0][:3]):
+        assert torch.equal(got, want)

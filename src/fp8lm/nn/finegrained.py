@@ -12,10 +12,13 @@ Each GEMM quantizes its operands along its own reduction dimension (`fp8lm.ops.f
 What the backward needs is quantized in the forward and saved quantized (the input for the
 weight gradient, the weight for the input gradient), as Transformer Engine does; nvfp4's packed
 two elements to a byte with E4M3 block scales; only BF16 copies are saved where the
-weight-gradient GEMM is BF16. The GEMMs (`block_mm`) are
-``torch._scaled_mm`` with row-wise scales for the rowwise recipes where the recipe's backend
-resolves to it (CUDA of compute capability 9.0+, dims multiples of 16; ``backend="scaled_mm"``
-on CPU), else the exact emulation (FP32 GEMMs of the dequantized operands, one rounding to the
+weight-gradient GEMM is BF16. An operand FSDP2 gathered is saved as it is, so that FSDP2 frees it
+after the forward as it frees any gathered parameter; where the input gradient needs the weight
+in other blocks (rowwise, mxfp8) the backward requantizes the operand gathered again for it.
+
+The GEMMs (`block_mm`) are ``torch._scaled_mm`` with row-wise scales for the rowwise recipes
+where the recipe's backend resolves to it (CUDA of compute capability 9.0+, dims multiples of
+16; ``backend="scaled_mm"`` on CPU), else the exact emulation (FP32 GEMMs of the dequantized operands, one rounding to the
 output dtype); blockwise takes ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block scales on
 CUDA of compute capability 9.0 (`fp8lm.ops.finegrained.takes_block_scaled_mm`), mxfp8 with its
 E8M0 scales on 10.0 and later (`takes_mx_scaled_mm`), nvfp4 in FP4 on 10.0 and later
@@ -34,7 +37,9 @@ from __future__ import annotations
 
 import torch
 
+from ..block_tensor import BlockScaledTensor
 from ..formats import Format
+from ..ops import nvfp4
 from ..ops.finegrained import (
     BlockOperand,
     FP4Operand,
@@ -63,13 +68,19 @@ def _e8m0(recipe: Recipe) -> bool:
     return recipe.granularity == "mxfp8"
 
 
-def _save(ctx, name: str, operand: BlockOperand | torch.Tensor | None) -> list[torch.Tensor | None]:
+def _save(
+    ctx, name: str, operand: BlockOperand | torch.Tensor | None, packed: torch.Tensor | None = None
+) -> list[torch.Tensor | None]:
     """The tensors of ``operand`` to save for backward (an nvfp4 operand as NVFP4 stores it,
-    `pack_nvfp4_operand`); its block size kept on ``ctx``."""
+    `pack_nvfp4_operand`); its block size kept on ``ctx``. ``packed``: the nvfp4 operand's
+    elements already packed so (an FSDP2-gathered weight's bytes, `_gathered_packed`), saved as
+    they are rather than packed again."""
     if isinstance(operand, BlockOperand):
         setattr(ctx, name, operand.block)
         if operand.tensor_scale is not None:
-            return list(pack_nvfp4_operand(operand))
+            if packed is None:
+                return list(pack_nvfp4_operand(operand))
+            return [packed, nvfp4.stored_block_scales(operand.d, operand.tensor_scale), operand.tensor_scale]
         return [operand.payload, operand.d, None]
     setattr(ctx, name, None)
     return [operand, None, None]
@@ -183,11 +194,26 @@ def _block_forward(
     x_op = quantize_operand(x2, recipe, "input", dim=1)
     y = block_mm(x_op, w_op.t(), ctx.out_dtype, bias, ctx.backend, _e8m0(recipe))
     w_dgrad = None
-    if ctx.needs_input_grad[0]:  # square weight blocks serve both GEMMs
-        square = recipe.granularity in ("blockwise", "nvfp4")
-        w_dgrad = w_op if square else _dgrad_weight(w_op, payload, stored_scale, recipe, weight_operand is not None)
+    # Square weight blocks serve both GEMMs. A gathered operand (FSDP2) is saved as it is: FSDP2
+    # frees it after the forward and gathers it again for the backward, which requantizes it
+    # along out_features there (rowwise, mxfp8) rather than keep a copy of the unsharded weight.
+    square = recipe.granularity in ("blockwise", "nvfp4")
+    ctx.requantize_weight = weight_operand is not None and not square
+    if ctx.needs_input_grad[0]:
+        keep = square or weight_operand is not None
+        w_dgrad = w_op if keep else quantize_operand(payload, recipe, "weight", dim=0, stored_scale=stored_scale)
     x_wgrad = _weight_grad_input(x2, recipe) if ctx.needs_input_grad[1] else None
-    return y, [*_save(ctx, "w_block", w_dgrad), *_save(ctx, "x_block", x_wgrad)]
+    packed = _gathered_packed(payload) if w_dgrad is not None and w_dgrad is weight_operand else None
+    return y, [*_save(ctx, "w_block", w_dgrad, packed), *_save(ctx, "x_block", x_wgrad)]
+
+
+def _gathered_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed E2M1 bytes of an nvfp4 weight FSDP2 gathered (a `BlockScaledTensor` keeps them
+    as they travelled: `pack_nvfp4_operand`'s bytes of its operand). FSDP2 frees them after the
+    forward and gathers them again for the backward; a packed copy would stay until then."""
+    if isinstance(weight, BlockScaledTensor) and weight._data.dtype == torch.uint8:
+        return weight._data
+    return None
 
 
 def _block_backward(ctx, g2: torch.Tensor, saved) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -198,6 +224,8 @@ def _block_backward(ctx, g2: torch.Tensor, saved) -> tuple[torch.Tensor | None, 
     if ctx.needs_input_grad[0]:
         w_op = _restore(ctx.w_block, w_payload, w_d, w_scale)
         assert isinstance(w_op, BlockOperand)  # the weight is always quantized
+        if ctx.requantize_weight:  # the gathered forward operand (`_block_forward`)
+            w_op = requantize_operand(w_op, recipe, "weight", dim=0)
         g_op = quantize_operand(g2, recipe, "grad_output", dim=1)
         grad_x = block_mm(g_op, w_op, out_dtype, backend=backend, e8m0_scales=_e8m0(recipe))
     if ctx.needs_input_grad[1]:
@@ -259,17 +287,6 @@ def _fp4_backward(ctx, g2: torch.Tensor, saved) -> tuple[torch.Tensor | None, to
         hg_fp4 = quantize_fp4(random_hadamard(g2, recipe.hadamard_seed), recipe, "grad_output", 0, kernel)[0]
         grad_w = fp4_mm(hg_fp4, FP4Operand(*saved[3:]), out_dtype, kernel=kernel)
     return grad_x, grad_w
-
-
-def _dgrad_weight(
-    w_op: BlockOperand, payload: torch.Tensor, stored_scale: torch.Tensor | None, recipe: Recipe, gathered: bool
-) -> BlockOperand:
-    """The input-gradient GEMM's weight operand where its blocks are not the forward's (rowwise,
-    mxfp8): quantized along out_features from the stored weight, or from the values of a
-    gathered operand ``w_op``."""
-    if gathered:
-        return requantize_operand(w_op, recipe, "weight", dim=0)
-    return quantize_operand(payload, recipe, "weight", dim=0, stored_scale=stored_scale)
 
 
 def _stored_gradient(grad_w: torch.Tensor, ctx) -> torch.Tensor:
