@@ -112,6 +112,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "O2-nvfp4-attn-bf16": ("O2", {"recipe": "nvfp4", "policy": {"*.attn.*": {"fp8_gemm": False}}}),
     "O2-nvfp4-mlp-bf16": ("O2", {"recipe": "nvfp4", "policy": {"*.mlp.*": {"fp8_gemm": False}}}),
     "O2-nvfp4-wgrad-bf16": ("O2", {"recipe": {"name": "nvfp4", "weight_grad_gemm": "bf16"}}),
+    # nvfp4's GEMMs at O1 (FP32 weights and Adam moments; weight gradients E4M3 as at O2): how much
+    # of its gap O2's FP16 weights and FP8 / FP16 moments add
+    "O1-nvfp4": ("O1", {"recipe": "nvfp4"}),
     # Four Over Six: each nvfp4 block scaled to 6 or to 4, whichever rounds it closer
     "O2-nvfp4-4over6": ("O2", {"recipe": {"name": "nvfp4", "nvfp4_scale_rule": "4over6"}}),
     "O2-nvfp4-4over6-attn-bf16": (
