@@ -78,6 +78,37 @@ def test_three_gemms_equal_one_fp8_gemm_per_expert():
     assert layer.weight[1].grad.dequantize().eq(0).all()  # no tokens: a zero gradient
 
 
+def test_experts_stored_in_e4m3_are_saved_as_they_are():
+    """Experts whose payloads are already E4M3 (FSDP2's FP8 all-gather, an E4M3 weight) are saved
+    for the backward as they are, not as the stack the grouped GEMM reads: FSDP2 frees gathered
+    experts after the forward, which a saved stack would defeat. The backward stacks them again;
+    the GEMMs are still one FP8 GEMM per expert."""
+    torch.manual_seed(0)
+    plain = GroupedLinear(len(COUNTS), 32, 48)
+    with torch.no_grad():
+        for e, w in enumerate(plain.weight):
+            w.mul_(4.0**e)
+    layer = FP8GroupedLinear.from_grouped(plain, weight_format=E4M3)
+    assert all(w.payload.dtype == torch.float8_e4m3fn for w in layer.weight)
+    torch.manual_seed(1)
+    x, g = torch.randn(sum(COUNTS), 32), torch.randn(sum(COUNTS), 48)
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((t.shape, t.untyped_storage().data_ptr()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, dx = _run(layer, x, g)
+    storages = {ptr for _, ptr in saved}
+    assert all(w.payload.untyped_storage().data_ptr() in storages for w in layer.weight)
+    assert (len(COUNTS), 48, 32) not in [shape for shape, _ in saved]
+    y_ref, dx_ref, dw_ref = _loop_reference(layer, x, g)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    for w, ref in zip(layer.weight, dw_ref):
+        assert torch.equal(w.grad.payload.float(), ref.payload.float()) and torch.equal(w.grad.scale, ref.scale)
+
+
 def test_against_float64_reference():
     layer = _layer()
     torch.manual_seed(2)

@@ -285,12 +285,17 @@ class _FP8GroupedFunction(torch.autograd.Function):
         ctx.recipe, ctx.weight_grad_format, ctx.groups = recipe, weight_grad_format, groups
         ctx.out_dtype, ctx.compute, ctx.backend, ctx.x_dtype = out_dtype, compute, backend, x.dtype
         ctx.weight_dtypes = [w.dtype for w in weights]
-        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        # Payloads already in the GEMM's format (FSDP2's FP8 all-gather, E4M3 weights) are saved as
+        # they are and stacked again in the backward: FSDP2 frees gathered experts after the
+        # forward and gathers them again for the backward, which a saved stack would defeat.
+        ctx.restack = stored is not None and all(p.dtype == recipe.weight_format.dtype for p in payloads)
+        ctx.save_for_backward(x8, x_inv, w_inv, *(payloads if ctx.restack else [w8]))
         return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        x8, x_inv, w_inv, *w_saved = ctx.saved_tensors
+        w8 = torch.stack(w_saved) if ctx.restack else w_saved[0]
         recipe, groups, compute, backend = ctx.recipe, ctx.groups, ctx.compute, ctx.backend
         num, (out_features, in_features) = w8.shape[0], w8.shape[1:]
         grad_x: torch.Tensor | None = None
