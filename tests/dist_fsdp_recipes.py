@@ -47,6 +47,8 @@ def gathered(layer) -> dict:
     else:
         out["payload_dtype"] = weight.payload.dtype
     layer.reshard()
+    if hasattr(weight, "held"):  # what the gathered weight still holds once FSDP2 freed it
+        out["held_after_reshard"] = sum(t.untyped_storage().nbytes() for t in weight.held)
     return out
 
 

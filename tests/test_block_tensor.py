@@ -85,15 +85,17 @@ def test_a_packed_nvfp4_weight_is_its_operand_and_survives_flattening():
 
 
 def test_a_gathered_nvfp4_weight_is_saved_as_the_packed_bytes_it_holds():
-    """The input-gradient GEMM's weight is saved as the packed bytes the gathered nvfp4 weight
-    holds (FSDP2 frees them after the forward; a repacked copy would stay until the backward),
-    and the layer computes what it computes from the same operand unpacked, bit for bit."""
+    """The input-gradient GEMM's weight is saved as the packed elements and scale bytes the
+    gathered nvfp4 weight holds (FSDP2 frees them after the forward; a repacked copy would stay
+    until the backward), and the layer computes what it computes from the same operand unpacked
+    with float32 scales (packed anew), bit for bit."""
     from fp8lm.ops import nvfp4
 
     torch.manual_seed(0)
     layer = FP8Linear(128, 96, recipe="nvfp4")
     op = quantize_operand(layer.weight.dequantize(), layer.recipe, "weight", dim=1)
-    packed = BlockScaledTensor(nvfp4.pack_e2m1_bytes(op.payload), op.d, op.block, tensor_scale=op.tensor_scale)
+    scale_bytes = nvfp4.stored_block_scales(op.d, op.tensor_scale)  # as gathered: E4M3 bytes
+    packed = BlockScaledTensor(nvfp4.pack_e2m1_bytes(op.payload), scale_bytes, op.block, tensor_scale=op.tensor_scale)
     unpacked = BlockScaledTensor(op.payload, op.d, op.block, tensor_scale=op.tensor_scale)
     x, g = torch.randn(32, 128), torch.randn(32, 96)
     results = []
@@ -111,7 +113,28 @@ def test_a_gathered_nvfp4_weight_is_saved_as_the_packed_bytes_it_holds():
         torch.manual_seed(1)  # the output gradient's stochastic rounding
         y.backward(g)
         results.append((y, xi.grad, layer.weight.grad, saved))
-    assert packed._data.untyped_storage().data_ptr() in results[1][3]
+    assert all(t.untyped_storage().data_ptr() in results[1][3] for t in packed.held)
     assert unpacked._data.untyped_storage().data_ptr() not in results[0][3]  # packed anew
     for got, want in zip(results[1][:3], results[0][:3]):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])
+def test_a_gathered_weight_holds_only_the_all_gather_buffers(recipe):
+    """FSDP2 frees a gathered weight by freeing its all-gather buffers, so every inner tensor of
+    the BlockScaledTensor `gathered` builds is a view of them: E8M0 scale bytes stay bytes and
+    are decoded for each use, not kept decoded (a float32 copy would outlive the buffers). Its
+    operand is `quantize_operand`'s of the whole weight."""
+    from fp8lm.block_tensor import gather_inputs, gathered
+
+    w = torch.randn(256, 128, generator=torch.Generator().manual_seed(3))
+    r = fp8lm.Recipe.from_name(recipe)
+    inputs, metadata = gather_inputs(w, r, None)
+    outputs = tuple(t.clone() for t in inputs)  # one rank's all-gather
+    t, _ = gathered(outputs, metadata, torch.float32)
+    buffers = {o.untyped_storage().data_ptr() for o in outputs}
+    names, _ = t.__tensor_flatten__()
+    assert all(getattr(t, name).untyped_storage().data_ptr() in buffers for name in names)
+    op, got = quantize_operand(w, r, "weight", dim=1), t.operand
+    assert torch.equal(got.payload.view(torch.uint8), op.payload.view(torch.uint8))
+    assert got.d.dtype == torch.float32 and torch.equal(got.d, op.d)

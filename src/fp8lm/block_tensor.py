@@ -10,7 +10,9 @@ weight, bit for bit, as a `BlockScaledTensor` (`gathered`) that `FP8Linear` mult
 nvfp4's per-tensor scale comes from the amax of the whole weight (a MAX all-reduce); its E2M1
 elements travel packed two to a byte (`fp8lm.ops.nvfp4.pack_e2m1_bytes`, for an even
 in_features) with one E4M3 byte per 16 x 16 block, its format's own scale bytes, and the
-gathered tensor keeps them packed, as uint8 (unpacked for each use of its `operand`).
+gathered tensor keeps them packed, as uint8 (unpacked for each use of its `operand`). Scale bytes
+(E8M0, E4M3) likewise stay bytes, decoded for each use: everything a gathered weight holds is a
+view of FSDP2's all-gather buffers, which FSDP2 frees after the forward.
 
 That needs every shard to hold whole blocks (`shards_whole_blocks`): FSDP2 shards dim 0 evenly,
 ``rows / ranks`` rows per rank, a multiple of the block's rows (1 for rowwise and mxfp8, 128 for
@@ -52,9 +54,11 @@ _WHOLE_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.as_strided
 
 class BlockScaledTensor(torch.Tensor):
     """A 2-D tensor stored as ``payload`` (float8, or nvfp4's E2M1 elements packed two to a byte
-    along rows as uint8 bytes, `fp8lm.ops.nvfp4.pack_e2m1_bytes`) with one float32 ``d`` per ``block``:
+    along rows as uint8 bytes, `fp8lm.ops.nvfp4.pack_e2m1_bytes`) with one ``d`` per ``block``:
     ``value = payload * d`` blockwise (`fp8lm.ops.finegrained.BlockOperand`); ``tensor_scale``:
-    nvfp4's per-tensor decode scale."""
+    nvfp4's per-tensor decode scale. ``d`` is float32, or the scale bytes as they were gathered
+    (E8M0; nvfp4's E4M3, times ``tensor_scale``), decoded to float32 for each use (`operand`):
+    a decoded copy kept on the gathered weight would outlive FSDP2's freeing of its buffers."""
 
     _data: torch.Tensor
     _d: torch.Tensor
@@ -94,7 +98,13 @@ class BlockScaledTensor(torch.Tensor):
         payload = self._data
         if payload.dtype == torch.uint8:  # packed nvfp4
             payload = nvfp4.unpack_e2m1_as_e4m3(payload)
-        return BlockOperand(payload, self._d, self._block, self._tensor_scale)
+        return BlockOperand(payload, _decoded(self._d, self._tensor_scale), self._block, self._tensor_scale)
+
+    @property
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload and scales as held, undecoded: for a gathered weight, views of FSDP2's
+        all-gather buffers (nvfp4's packed elements, E8M0 or E4M3 scale bytes)."""
+        return self._data, self._d
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values as a plain tensor of ``dtype``."""
@@ -183,14 +193,14 @@ def pow2_scales(recipe: Recipe) -> bool:
     return recipe.granularity in ("rowwise", "mxfp8") or (recipe.granularity == "blockwise" and recipe.pow2_scales)
 
 
-def _scales(wire: torch.Tensor, scale_dtype: torch.dtype, tensor_scale: torch.Tensor | None) -> torch.Tensor:
-    """The float32 scales of gathered scale bytes (`gather_inputs`): nvfp4's E4M3 block scales
-    times its tensor scale, as `fp8lm.ops.nvfp4.block_scales` computes them."""
-    if scale_dtype == torch.float32:
-        return wire
-    if scale_dtype == torch.float8_e4m3fn and tensor_scale is not None:
-        return nvfp4.decoded_block_scales(wire.view(scale_dtype), tensor_scale)
-    return wire.view(scale_dtype).to(torch.float32)
+def _decoded(d: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+    """The float32 scales of a `BlockScaledTensor`'s ``d``: as they are, E8M0 bytes decoded, or
+    nvfp4's E4M3 block scales times its tensor scale, as `fp8lm.ops.nvfp4.block_scales` computes them."""
+    if d.dtype == torch.float32:
+        return d
+    if d.dtype == torch.float8_e4m3fn and tensor_scale is not None:
+        return nvfp4.decoded_block_scales(d, tensor_scale)
+    return d.to(torch.float32)
 
 
 def gathered(
@@ -202,22 +212,19 @@ def gathered(
     wire, scales = outputs
     _, payload_dtype, block, scale_dtype, tensor_scale = metadata
     payload = wire.view(payload_dtype)
-    d = _scales(scales, scale_dtype, tensor_scale)
+    # the scale bytes as gathered, decoded for each use: FSDP2 frees both buffers after the forward
+    d = scales.view(scale_dtype)
     return BlockScaledTensor(payload, d, block, dtype, tensor_scale), (payload, scales)
 
 
 def refresh(out: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: tuple) -> None:
-    """After a later all-gather refilled the inner tensors of ``out`` (a `gathered` weight): its
-    float32 scales decoded again from E8M0 or E4M3 bytes (float32 scales are the gathered buffer
-    itself) with this gather's nvfp4 tensor scale."""
-    scale_dtype, tensor_scale = metadata[3], metadata[4]
+    """After a later all-gather refilled the inner tensors of ``out`` (a `gathered` weight, whose
+    payload and scales are views of them): its nvfp4 tensor scale, this gather's."""
+    tensor_scale = metadata[4]
     if not isinstance(out, BlockScaledTensor):
         return
     # As FSDP2 refills its own buffers: the backward's gather brings the values the forward saved
-    # (nvfp4's input-gradient GEMM saves the gathered operand itself), so autograd must not see a change.
-    if scale_dtype != torch.float32:
-        with torch.autograd._unsafe_preserve_version_counter(out._d):
-            out._d.copy_(_scales(outputs[1], scale_dtype, tensor_scale))
+    # (the input-gradient GEMM saves the gathered operand itself), so autograd must not see a change.
     if tensor_scale is not None:
         assert out._tensor_scale is not None  # gathered with one
         with torch.autograd._unsafe_preserve_version_counter(out._tensor_scale):

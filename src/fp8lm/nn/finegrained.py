@@ -39,7 +39,6 @@ import torch
 
 from ..block_tensor import BlockScaledTensor
 from ..formats import Format
-from ..ops import nvfp4
 from ..ops.finegrained import (
     BlockOperand,
     FP4Operand,
@@ -69,18 +68,18 @@ def _e8m0(recipe: Recipe) -> bool:
 
 
 def _save(
-    ctx, name: str, operand: BlockOperand | torch.Tensor | None, packed: torch.Tensor | None = None
+    ctx, name: str, operand: BlockOperand | torch.Tensor | None, gathered: tuple | None = None
 ) -> list[torch.Tensor | None]:
     """The tensors of ``operand`` to save for backward (an nvfp4 operand as NVFP4 stores it,
-    `pack_nvfp4_operand`); its block size kept on ``ctx``. ``packed``: the nvfp4 operand's
-    elements already packed so (an FSDP2-gathered weight's bytes, `_gathered_packed`), saved as
-    they are rather than packed again."""
+    `pack_nvfp4_operand`); its block size kept on ``ctx``. ``gathered``: the operand's bytes as
+    FSDP2 gathered them (`_gathered_bytes`), saved as they are: FSDP2 frees them after the
+    forward and gathers them again for the backward, while a copy would stay until then."""
     if isinstance(operand, BlockOperand):
         setattr(ctx, name, operand.block)
+        if gathered is not None:
+            return [*gathered, operand.tensor_scale]
         if operand.tensor_scale is not None:
-            if packed is None:
-                return list(pack_nvfp4_operand(operand))
-            return [packed, nvfp4.stored_block_scales(operand.d, operand.tensor_scale), operand.tensor_scale]
+            return list(pack_nvfp4_operand(operand))
         return [operand.payload, operand.d, None]
     setattr(ctx, name, None)
     return [operand, None, None]
@@ -95,7 +94,7 @@ def _restore(
     assert payload is not None and d is not None  # saved together
     if tensor_scale is not None:
         return unpack_nvfp4_operand(payload, d, tensor_scale, block)
-    return BlockOperand(payload, d, block)
+    return BlockOperand(payload, d.to(torch.float32), block)  # E8M0 scales as gathered: decoded
 
 
 def _weight_grad_input(x2: torch.Tensor, recipe: Recipe) -> BlockOperand | torch.Tensor:
@@ -203,17 +202,22 @@ def _block_forward(
         keep = square or weight_operand is not None
         w_dgrad = w_op if keep else quantize_operand(payload, recipe, "weight", dim=0, stored_scale=stored_scale)
     x_wgrad = _weight_grad_input(x2, recipe) if ctx.needs_input_grad[1] else None
-    packed = _gathered_packed(payload) if w_dgrad is not None and w_dgrad is weight_operand else None
-    return y, [*_save(ctx, "w_block", w_dgrad, packed), *_save(ctx, "x_block", x_wgrad)]
+    gathered = _gathered_bytes(payload, recipe) if w_dgrad is not None and w_dgrad is weight_operand else None
+    return y, [*_save(ctx, "w_block", w_dgrad, gathered), *_save(ctx, "x_block", x_wgrad)]
 
 
-def _gathered_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """The packed E2M1 bytes of an nvfp4 weight FSDP2 gathered (a `BlockScaledTensor` keeps them
-    as they travelled: `pack_nvfp4_operand`'s bytes of its operand). FSDP2 frees them after the
-    forward and gathers them again for the backward; a packed copy would stay until then."""
-    if isinstance(weight, BlockScaledTensor) and weight._data.dtype == torch.uint8:
-        return weight._data
-    return None
+def _gathered_bytes(weight: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The payload and scales of a weight FSDP2 gathered as its forward operand (a
+    `BlockScaledTensor`: views of the all-gather buffers) in the form `_restore` reads: float8
+    elements with float32 or E8M0 scales, or nvfp4's packed elements with E4M3 scale bytes,
+    which `pack_nvfp4_operand` gives (an nvfp4 weight held otherwise, such as one gathered
+    unpacked for an odd in_features, is packed anew)."""
+    if not isinstance(weight, BlockScaledTensor):
+        return None
+    payload, d = weight.held
+    if recipe.granularity == "nvfp4" and (payload.dtype, d.dtype) != (torch.uint8, torch.float8_e4m3fn):
+        return None
+    return payload, d
 
 
 def _block_backward(ctx, g2: torch.Tensor, saved) -> tuple[torch.Tensor | None, torch.Tensor | None]:
