@@ -435,6 +435,22 @@ def test_e8m0_codes_are_the_exponent_plus_127():
     assert e8m0_codes(torch.tensor([float("nan")])).item() == 255
 
 
+def test_e8m0_values_decode_every_code_as_torch_does_and_compile():
+    """`e8m0_values` (a gathered weight's E8M0 scale bytes to float32, from the bits) gives torch's
+    own float8_e8m0fnu conversion for all 256 codes (the subnormal 2**-127 and NaN included),
+    `e8m0_codes` takes it back, and inductor compiles it to the same bits."""
+    from fp8lm.ops.block_scales import e8m0_codes, e8m0_values
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(torch.float8_e8m0fnu).to(torch.float32)
+    got = e8m0_values(codes)
+    assert torch.equal(got.view(torch.int32)[:255], want.view(torch.int32)[:255])
+    assert got[255].isnan() and want[255].isnan() and got[0].item() == 2.0**-127
+    assert torch.equal(e8m0_codes(got), codes)
+    compiled = torch.compile(e8m0_values, dynamic=True)(codes)
+    assert torch.equal(compiled.view(torch.int32), got.view(torch.int32))
+
+
 @pytest.mark.parametrize("name", ["rowwise", "blockwise", "mxfp8", "nvfp4"])
 def test_a_stored_weight_is_read_as_its_values_and_gets_its_gradient_stored(name):
     """`fine_grained_linear` on a stored weight (E4M3 payload and its scale, as O2 keeps it) gives

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from .ops import nvfp4
+from .ops.block_scales import e8m0_values
 from .ops.blocks import Block
 from .ops.finegrained import BlockOperand, operand_block, pack_nvfp4_operand, quantize_operand
 from .recipe import Recipe
@@ -43,6 +44,7 @@ __all__ = [
     "gathered",
     "refresh",
     "pow2_scales",
+    "decoded_scales",
     "GATHER_TAG",
 ]
 
@@ -57,8 +59,9 @@ class BlockScaledTensor(torch.Tensor):
     along rows as uint8 bytes, `fp8lm.ops.nvfp4.pack_e2m1_bytes`) with one ``d`` per ``block``:
     ``value = payload * d`` blockwise (`fp8lm.ops.finegrained.BlockOperand`); ``tensor_scale``:
     nvfp4's per-tensor decode scale. ``d`` is float32, or the scale bytes as they were gathered
-    (E8M0; nvfp4's E4M3, times ``tensor_scale``), decoded to float32 for each use (`operand`):
-    a decoded copy kept on the gathered weight would outlive FSDP2's freeing of its buffers."""
+    (E8M0 codes as uint8; nvfp4's E4M3, times ``tensor_scale``), decoded to float32 for each use
+    (`operand`): a decoded copy kept on the gathered weight would outlive FSDP2's freeing of its
+    buffers."""
 
     _data: torch.Tensor
     _d: torch.Tensor
@@ -98,12 +101,12 @@ class BlockScaledTensor(torch.Tensor):
         payload = self._data
         if payload.dtype == torch.uint8:  # packed nvfp4
             payload = nvfp4.unpack_e2m1_as_e4m3(payload)
-        return BlockOperand(payload, _decoded(self._d, self._tensor_scale), self._block, self._tensor_scale)
+        return BlockOperand(payload, decoded_scales(self._d, self._tensor_scale), self._block, self._tensor_scale)
 
     @property
     def held(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The payload and scales as held, undecoded: for a gathered weight, views of FSDP2's
-        all-gather buffers (nvfp4's packed elements, E8M0 or E4M3 scale bytes)."""
+        all-gather buffers (nvfp4's packed elements; E8M0 codes as uint8, or E4M3 scale bytes)."""
         return self._data, self._d
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -193,11 +196,12 @@ def pow2_scales(recipe: Recipe) -> bool:
     return recipe.granularity in ("rowwise", "mxfp8") or (recipe.granularity == "blockwise" and recipe.pow2_scales)
 
 
-def _decoded(d: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
-    """The float32 scales of a `BlockScaledTensor`'s ``d``: as they are, E8M0 bytes decoded, or
-    nvfp4's E4M3 block scales times its tensor scale, as `fp8lm.ops.nvfp4.block_scales` computes them."""
-    if d.dtype == torch.float32:
-        return d
+def decoded_scales(d: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 scales of a `BlockScaledTensor`'s ``d`` (`BlockScaledTensor.held`): float32 as
+    it is, E8M0 codes (uint8) decoded, or nvfp4's E4M3 block scales times its tensor scale, as
+    `fp8lm.ops.nvfp4.block_scales` computes them."""
+    if d.dtype == torch.uint8:
+        return e8m0_values(d)
     if d.dtype == torch.float8_e4m3fn and tensor_scale is not None:
         return nvfp4.decoded_block_scales(d, tensor_scale)
     return d.to(torch.float32)
@@ -212,8 +216,9 @@ def gathered(
     wire, scales = outputs
     _, payload_dtype, block, scale_dtype, tensor_scale = metadata
     payload = wire.view(payload_dtype)
-    # the scale bytes as gathered, decoded for each use: FSDP2 frees both buffers after the forward
-    d = scales.view(scale_dtype)
+    # the scale bytes as gathered (E8M0 codes as uint8), decoded for each use: FSDP2 frees both
+    # buffers after the forward
+    d = scales if scale_dtype == torch.float8_e8m0fnu else scales.view(scale_dtype)
     return BlockScaledTensor(payload, d, block, dtype, tensor_scale), (payload, scales)
 
 

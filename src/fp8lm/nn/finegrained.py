@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..block_tensor import BlockScaledTensor
+from ..block_tensor import BlockScaledTensor, decoded_scales
 from ..formats import Format
 from ..ops.finegrained import (
     BlockOperand,
@@ -94,7 +94,7 @@ def _restore(
     assert payload is not None and d is not None  # saved together
     if tensor_scale is not None:
         return unpack_nvfp4_operand(payload, d, tensor_scale, block)
-    return BlockOperand(payload, d.to(torch.float32), block)  # E8M0 scales as gathered: decoded
+    return BlockOperand(payload, decoded_scales(d), block)  # scales as gathered (E8M0 codes): decoded
 
 
 def _weight_grad_input(x2: torch.Tensor, recipe: Recipe) -> BlockOperand | torch.Tensor:
@@ -209,7 +209,7 @@ def _block_forward(
 def _gathered_bytes(weight: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The payload and scales of a weight FSDP2 gathered as its forward operand (a
     `BlockScaledTensor`: views of the all-gather buffers) in the form `_restore` reads: float8
-    elements with float32 or E8M0 scales, or nvfp4's packed elements with E4M3 scale bytes,
+    elements with float32 scales or E8M0 codes, or nvfp4's packed elements with E4M3 scale bytes,
     which `pack_nvfp4_operand` gives (an nvfp4 weight held otherwise, such as one gathered
     unpacked for an odd in_features, is packed anew)."""
     if not isinstance(weight, BlockScaledTensor):

@@ -21,7 +21,16 @@ import math
 
 import torch
 
-__all__ = ["pow2_ceil", "pow2_floor", "amax_over_max", "exp2i", "e8m0_codes", "E8M0_MIN_EXP", "E8M0_MAX_EXP"]
+__all__ = [
+    "pow2_ceil",
+    "pow2_floor",
+    "amax_over_max",
+    "exp2i",
+    "e8m0_codes",
+    "e8m0_values",
+    "E8M0_MIN_EXP",
+    "E8M0_MAX_EXP",
+]
 
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 _SMALLEST_SUBNORMAL = 2.0**-149
@@ -70,3 +79,12 @@ def e8m0_codes(d: torch.Tensor) -> torch.Tensor:
     """Float32 powers of two as E8M0 codes (uint8, ``2**(code - 127)``): their float32 exponent
     field, taken from the bits (2**-127, a subnormal, has 0; NaN has 255)."""
     return ((d.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
+    """E8M0 codes (uint8) as float32 ``2**(code - 127)``: `e8m0_codes` reversed, built from the
+    bits (code 0 is the subnormal 2**-127, 255 NaN) rather than through the float8_e8m0fnu
+    dtype, which compiled code may not support."""
+    bits = codes.to(torch.int32) << 23
+    bits = torch.where(codes == 0, 0x00400000, bits)  # 2**-127: float32's subnormal bit 22
+    return torch.where(codes == 255, 0x7FC00000, bits).view(torch.float32)
