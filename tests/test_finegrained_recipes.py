@@ -509,7 +509,7 @@ def test_a_recipe_without_an_fp8_gemm_on_the_gpu_warns_once(monkeypatch):
 
     from fp8lm.ops import finegrained as fg
 
-    monkeypatch.setattr(fg, "_warned_emulated", set())
+    monkeypatch.setattr(fg, "_checked_emulation", set())
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     cuda = torch.device("cuda", 0)

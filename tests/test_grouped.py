@@ -9,6 +9,7 @@ import fp8lm
 from fp8lm import E4M3, E5M2, FP16, FP32, ScalingTensor, quantize
 from fp8lm.nn import FP8GroupedLinear, GroupedLinear
 from fp8lm.ops.gemm import FP8Operand, fp8_mm
+from test_gemm import summation_bound
 
 COUNTS = [10, 0, 21, 7]  # an expert without tokens among them
 
@@ -273,11 +274,11 @@ def test_bf16_grouped_function_is_a_bf16_gemm_per_expert():
 
 
 def assert_is_fp32_product(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``got`` is ``a @ b`` accumulated in FP32 in some order: within ``K * eps32 * (|a| @ |b|)`` of
-    the exact product, the bound for any summation order (torch's CPU GEMM sums in another order
-    with more threads, so two FP32 products of the same operands need not be equal)."""
+    """``got`` is ``a @ b`` accumulated in FP32 in some order: within `summation_bound` of the exact
+    product (torch's CPU GEMM sums in another order with more threads, so two FP32 products of
+    the same operands need not be equal)."""
     a, b = a.double(), b.double()
-    bound = a.shape[1] * torch.finfo(torch.float32).eps * (a.abs() @ b.abs())
+    bound = summation_bound(a, b, torch.finfo(torch.float32).eps)
     error = (got.double() - a @ b).abs()
     assert (error <= bound).all(), f"off by {(error - bound).max().item():.3g} beyond the FP32 summation bound"
 

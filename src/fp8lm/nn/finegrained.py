@@ -19,8 +19,9 @@ in other blocks (rowwise, mxfp8) the backward requantizes the operand gathered a
 The GEMMs (`block_mm`) are ``torch._scaled_mm`` with row-wise scales for the rowwise recipes
 where the recipe's backend resolves to it (CUDA of compute capability 9.0+, dims multiples of
 16; ``backend="scaled_mm"`` on CPU), else the exact emulation (FP32 GEMMs of the dequantized
-operands, one rounding to the output dtype); blockwise takes ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block scales on
-CUDA of compute capability 9.0 (`fp8lm.ops.finegrained.takes_block_scaled_mm`), mxfp8 with its
+operands, one rounding to the output dtype); blockwise takes ``torch._scaled_mm`` with 1 x 128 /
+128 x 128 block scales on CUDA of compute capability 9.0
+(`fp8lm.ops.finegrained.takes_block_scaled_mm`), mxfp8 with its
 E8M0 scales on 10.0 and later (`takes_mx_scaled_mm`), nvfp4 in FP4 on 10.0 and later
 (`takes_nvfp4_scaled_mm`) and with fp8lm's Triton GEMM on 8.9 and 9.0 (`takes_triton_nvfp4_mm`).
 Where one of those FP4 GEMMs takes all three of an nvfp4 layer's GEMMs (`_fp4_kernel`), the

@@ -514,7 +514,7 @@ _FAST_WHERE = {  # where each recipe multiplies in FP8, and what to use elsewher
     "mxfp8": "compute capability 10.0 and later; on 9.0 use rowwise or blockwise",
     "nvfp4": "compute capability 10.0 and later, or 8.9 / 9.0 with Triton (pip install 'fp8lm[triton]')",
 }
-_warned_emulated: set = set()
+_checked_emulation: set = set()
 
 
 def _runs_fp8(granularity: str, device: torch.device) -> bool:
@@ -542,9 +542,11 @@ def warn_if_emulated(recipe: Recipe, device: torch.device) -> None:
         return
     capability = torch.cuda.get_device_capability(device)
     key = (recipe.granularity, capability)
-    if key in _warned_emulated or fine_grained_kernel(recipe, device) is not None:
+    if key in _checked_emulation:  # each recipe and kind of GPU looked up once, in every forward
         return
-    _warned_emulated.add(key)
+    _checked_emulation.add(key)
+    if fine_grained_kernel(recipe, device) is not None:
+        return
     name = recipe.name or recipe.granularity
     where = f"{device} (compute capability {capability[0]}.{capability[1]})"
     warnings.warn(
