@@ -610,11 +610,20 @@ def fsdp_shard_amax(shard: ScalingTensor) -> torch.Tensor:
     return _amax(shard.payload).float() / shard.scale
 
 
+def _holds_weight(layer: torch.nn.Module, holder: torch.Tensor) -> bool:
+    """Whether ``holder`` is ``layer``'s weight, or one of its experts' (an `FP8GroupedLinear`
+    keeps one weight per expert in an ``nn.ParameterList``)."""
+    weight = getattr(layer, "weight", None)
+    if isinstance(weight, torch.nn.ParameterList):
+        return any(w is holder for w in weight)
+    return weight is holder
+
+
 def _fp8_layer_of(module: torch.nn.Module, holder: torch.Tensor) -> torch.nn.Module | None:
-    """The layer under ``module`` whose weight is ``holder`` and whose GEMMs run in FP8 (it says
-    ``fp8_enabled``), or None."""
+    """The layer under ``module`` whose weight (or one of whose experts' weights) is ``holder``
+    and whose GEMMs run in FP8 (it says ``fp8_enabled``), or None."""
     return next(
-        (m for m in module.modules() if getattr(m, "weight", None) is holder and getattr(m, "fp8_enabled", False)),
+        (m for m in module.modules() if getattr(m, "fp8_enabled", False) and _holds_weight(m, holder)),
         None,
     )
 

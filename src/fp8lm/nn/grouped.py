@@ -48,6 +48,12 @@ from a ``scatter_reduce`` of the column amaxes): E4M3 throughout, so on CUDA all
 send each expert's rows through `fp8lm.nn.finegrained.fine_grained_linear` with that expert's
 weight (nvfp4: each expert with its own tensor scales, its tokens padded to whole 16-row groups
 for the Hadamard transform of its weight gradient, as one `FP8Linear` per expert would).
+
+Under FSDP2 (`fp8lm.distributed.fully_shard`) each expert's weight is all-gathered as the recipe's
+forward operand where its shards hold whole blocks, as an `FP8Linear`'s is (`fp8lm.block_tensor`):
+a `BlockScaledTensor` per expert, which both paths multiply as it is. The rowwise path saves the
+experts' gathered bytes for the backward, not a stack of them, and requantizes them along
+out_features there (FSDP2 frees them after the forward and gathers them again).
 """
 
 from __future__ import annotations
@@ -59,9 +65,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..block_tensor import BlockScaledTensor, decoded_scales
 from ..formats import E4M3, FP16, FP32, Format, format_of
 from ..ops.block_scales import pow2_ceil
 from ..ops.cast import _eager_cast
+from ..ops.finegrained import BlockOperand
 from ..ops.gemm import choose_backend, emulation_dtype
 from ..recipe import Recipe, recipe_from
 from ..scaling import compute_scale
@@ -358,19 +366,29 @@ def _rowwise_over_tokens(x: torch.Tensor, expert: torch.Tensor, num_experts: int
 def _rowwise_weights(payloads: list[torch.Tensor], stored: list[torch.Tensor] | None, fmt: Format):
     """The experts' weights (from their stored payloads and scales) quantized row by row for the
     forward GEMM, ``(E, out, in)`` with ``d`` (E, out), and column by column for the input
-    gradient's, ``(E, in, out)`` with ``d`` (E, in)."""
+    gradient's (`_rowwise_columns`)."""
     values = torch.stack(payloads).to(torch.float32)
     if stored is not None:
         values = values / torch.stack(stored).to(torch.float32)[:, None, None]
     num, out_features, in_features = values.shape
     w8, w_d = _rowwise(values.reshape(num * out_features, in_features), fmt)
+    return (w8.reshape(num, out_features, in_features), w_d.reshape(num, out_features), *_rowwise_columns(values, fmt))
+
+
+def _rowwise_columns(values: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' weight values ``(E, out, in)`` quantized column by column for the input
+    gradient's GEMM: ``(E, in, out)`` with ``d`` (E, in)."""
+    num, out_features, in_features = values.shape
     wt8, wt_d = _rowwise(values.transpose(1, 2).reshape(num * in_features, out_features), fmt)
-    return (
-        w8.reshape(num, out_features, in_features),
-        w_d.reshape(num, out_features),
-        wt8.reshape(num, in_features, out_features),
-        wt_d.reshape(num, in_features),
-    )
+    return wt8.reshape(num, in_features, out_features), wt_d.reshape(num, in_features)
+
+
+def _gathered_operands(weights) -> list[BlockOperand] | None:
+    """The experts' forward operands where FSDP2 gathered every one in the recipe's blocks (a
+    `BlockScaledTensor` each), else None."""
+    if weights and all(isinstance(w, BlockScaledTensor) for w in weights):
+        return [w.operand for w in weights]
+    return None
 
 
 class _RowwiseGroupedFunction(torch.autograd.Function):
@@ -384,10 +402,18 @@ class _RowwiseGroupedFunction(torch.autograd.Function):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         backend, num = choose_backend(x.device, recipe.backend), len(weights)
+        gathered = _gathered_operands(weights)
         with torch.autocast(device_type, enabled=False):
             x2 = x.detach()
-            payloads, stored = _weight_payloads(weights)
-            w8, w_d, wt8, wt_d = _scale_math(_rowwise_weights, x2, payloads, stored, recipe.weight_format)
+            if gathered is None:
+                payloads, stored = _weight_payloads(weights)
+                w8, w_d, wt8, wt_d = _scale_math(_rowwise_weights, x2, payloads, stored, recipe.weight_format)
+                w_saved = [wt8, wt_d]
+            else:  # FSDP2 gathered each expert's rowwise operand: saved as gathered (`_restacked_columns`)
+                w8 = torch.stack([op.payload for op in gathered])
+                w_d = torch.stack([op.d.reshape(-1) for op in gathered])
+                w_saved = [t for w in weights for t in w.held]
+                ctx.w_block = gathered[0].block
             x8, x_d = _scale_math(_rowwise, x2, x2, recipe.input_format)
             y = _rowwise_gemm(x8, x_d, w8.transpose(1, 2), w_d, groups, out_dtype, backend)
             if recipe.weight_grad_gemm == "bf16":
@@ -396,19 +422,23 @@ class _RowwiseGroupedFunction(torch.autograd.Function):
                 xt8, xt_d = _scale_math(_rowwise_over_tokens, x2, x2, groups.expert, num, recipe.input_format)
         ctx.recipe, ctx.weight_grad_format, ctx.groups, ctx.backend = recipe, weight_grad_format, groups, backend
         ctx.out_dtype, ctx.x_dtype, ctx.w_dtype = out_dtype, x.dtype, weights[0].dtype
-        ctx.save_for_backward(wt8, wt_d, xt8, xt_d)
+        ctx.gathered, ctx.num = gathered is not None, num
+        ctx.save_for_backward(xt8, xt_d, *w_saved)
         return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        wt8, wt_d, xt8, xt_d = ctx.saved_tensors
-        recipe, groups, out_dtype, backend = ctx.recipe, ctx.groups, ctx.out_dtype, ctx.backend
-        num = wt8.shape[0]
+        xt8, xt_d, *w_saved = ctx.saved_tensors
+        recipe, groups, out_dtype, backend, num = ctx.recipe, ctx.groups, ctx.out_dtype, ctx.backend, ctx.num
         grad_x: torch.Tensor | None = None
         grad_ws: list[torch.Tensor | None] = [None] * num
         with torch.autocast(grad_out.device.type, enabled=False):
             g = grad_out.contiguous()
             if ctx.needs_input_grad[0]:
+                if ctx.gathered:
+                    wt8, wt_d = _restacked_columns(w_saved, ctx.w_block, recipe.weight_format)
+                else:
+                    wt8, wt_d = w_saved
                 g8, g_d = _scale_math(_rowwise, g, g, recipe.grad_output_format)
                 grad_x = _rowwise_gemm(g8, g_d, wt8.transpose(1, 2), wt_d, groups, out_dtype, backend).to(ctx.x_dtype)
             if any(ctx.needs_input_grad[4:]):
@@ -421,6 +451,17 @@ class _RowwiseGroupedFunction(torch.autograd.Function):
                 stored = _stored_grads(grad_w.to(out_dtype), ctx.weight_grad_format, ctx.w_dtype)
                 grad_ws = [s if ctx.needs_input_grad[4 + e] else None for e, s in enumerate(stored)]
         return (grad_x, None, None, None, *grad_ws)
+
+
+def _restacked_columns(held: list[torch.Tensor], block, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input gradient's weight operand (`_rowwise_columns`) requantized from the experts'
+    gathered forward operands, saved as FSDP2 gathered them (payload and scale bytes, expert after
+    expert): FSDP2 frees them after the forward and gathers them again for the backward, where a
+    stack saved in the forward would hold every expert's unsharded weight until then."""
+    values = torch.stack(
+        [BlockOperand(p, decoded_scales(d), block).dequantize() for p, d in zip(held[::2], held[1::2])]
+    )
+    return _scale_math(_rowwise_columns, values, values, fmt)
 
 
 def _rowwise_gemm(a8, a_d, b8, b_d, groups: Groups, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
@@ -475,6 +516,11 @@ class _BF16GroupedFunction(torch.autograd.Function):
             for e, (gw, dt) in enumerate(zip(grad_w.unbind(0), w_dtypes))
         ]
         return (grad_x, None, *grad_ws)
+
+
+def _gathered_operand(weight: torch.Tensor) -> BlockOperand | None:
+    """An expert's forward operand where FSDP2 gathered it in the recipe's blocks."""
+    return weight.operand if isinstance(weight, BlockScaledTensor) else None
 
 
 def _plain(w: torch.Tensor) -> torch.Tensor:
@@ -605,7 +651,7 @@ class FP8GroupedLinear(GroupedLinear):
         """Each expert's rows through `fine_grained_linear` with its weight (module docstring); an
         expert without rows gets a zero gradient, as on the tensorwise path."""
         outputs = [
-            fine_grained_linear(rows, w, None, self.recipe, weight_grad_format=self.weight_grad_format)
+            fine_grained_linear(rows, w, None, self.recipe, _gathered_operand(w), self.weight_grad_format)
             for rows, w in zip(x.split(groups.sizes()), weights)
         ]
         return torch.cat(outputs)

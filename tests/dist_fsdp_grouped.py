@@ -1,0 +1,143 @@
+"""Worker for tests/test_fsdp_grouped.py: FSDP2 with the fine-grained recipes on a mixture's
+experts (gloo ranks). Per recipe, a model of 2 experts (an `FP8GroupedLinear` over a fixed split of
+the tokens) and an `FP8Linear` is sharded with `fp8lm.distributed.fully_shard` next to an unsharded
+copy: what the first all-gather brings for each expert (and the bytes it takes), what the forward
+saves for the backward, the first step's outputs and a few training steps against one process."""
+
+import copy
+import sys
+
+import torch
+from torch import nn
+
+from dist_fsdp_recipes import BATCH, HIDDEN, IN, LR, OUT, RECIPES, STEPS, batch
+from dist_launch import worker_main
+
+EXPERTS = 2
+COUNTS = (5, 3)  # rows of the batch per expert, in order
+
+
+class Experts(nn.Module):
+    """An `FP8GroupedLinear` of ``EXPERTS`` experts over the rows of ``x`` split as ``COUNTS``."""
+
+    def __init__(self, recipe: str) -> None:
+        super().__init__()
+        from fp8lm.nn.grouped import FP8GroupedLinear
+
+        self.layer = FP8GroupedLinear(EXPERTS, IN, HIDDEN, recipe=recipe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, list(COUNTS))
+
+
+def small_model(recipe: str) -> nn.Module:
+    from fp8lm.nn import FP8Linear
+
+    assert sum(COUNTS) == BATCH
+    torch.manual_seed(0)
+    return nn.Sequential(Experts(recipe), nn.ReLU(), FP8Linear(HIDDEN, OUT, recipe=recipe))
+
+
+def gathered_experts(experts: nn.Module) -> list[dict]:
+    """What FSDP2's all-gather brings for each expert's weight, and the bytes this rank handed
+    (all the experts' shards in one all-gather)."""
+    from fp8lm.distributed import comm_stats, reset_comm_stats
+
+    reset_comm_stats()
+    experts.unshard()
+    handed = comm_stats()["all_gather_handed_bytes"]
+    found = []
+    for weight in experts.layer.weight:
+        out = {"type": type(weight).__name__, "handed": handed}
+        if hasattr(weight, "operand"):
+            op = weight.operand
+            out.update(payload=op.payload.view(torch.uint8).clone(), d=op.d.clone(), block=op.block)
+            out["held"] = weight.held
+        else:
+            out["payload_dtype"] = weight.payload.dtype
+        found.append(out)
+    experts.reshard()
+    for out in found:
+        held = out.pop("held", None)
+        if held is not None:  # what the gathered weight still holds once FSDP2 freed it
+            out["held_after_reshard"] = sum(t.untyped_storage().nbytes() for t in held)
+    return found
+
+
+def forward_saving(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """``model(x)``, and the tensors its forward saved for the backward of the size of an expert's
+    weight or of all of them stacked (E4M3 bytes, nvfp4's packed ones) that are not the storage of
+    a weight FSDP2 gathered: (shape, bytes) of each."""
+    gathered: set[int] = set()
+
+    def note(module, args):
+        for weight in module.layer.weight:
+            if hasattr(weight, "operand"):  # a BlockScaledTensor
+                gathered.update(t.untyped_storage().data_ptr() for t in (*weight.held, weight.operand.payload))
+
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(t.shape), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return t
+
+    handle = model[0].register_forward_pre_hook(note)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    handle.remove()
+    weight_shapes = set()
+    for rows, cols in ((HIDDEN, IN), (HIDDEN, IN // 2), (IN, HIDDEN), (IN // 2, HIDDEN)):
+        weight_shapes.update({(rows, cols), (EXPERTS, rows, cols)})
+    copies = [(shape, nbytes) for shape, ptr, nbytes in saved if shape in weight_shapes and ptr not in gathered]
+    return out, copies
+
+
+def recipe_checks(recipe: str, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from fp8lm.distributed import fully_shard, precompute_fp8_scales
+    from fp8lm.optim import FP8AdamW
+
+    model = small_model(recipe)
+    reference = copy.deepcopy(model)
+    res = {"weights": [w.dequantize() for w in reference[0].layer.weight]}
+    fully_shard(model[0])
+    fully_shard(model)
+    precompute_fp8_scales(model)
+    res["gathered"] = gathered_experts(model[0])
+    opt = FP8AdamW(model.parameters(), lr=LR)
+    ref_opt = FP8AdamW(reference.parameters(), lr=LR)
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        precompute_fp8_scales(model)
+        x, y = batch(rank)
+        if step == 0:
+            out, res["saved_copies"] = forward_saving(model, x)
+            res["out"], res["ref_out"] = out.detach().clone(), reference(x).detach()
+        else:
+            out = model(x)
+        loss = (out - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+        ref_loss = sum((reference(xr) - yr).square().mean() for xr, yr in map(batch, range(world))) / world
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(float(ref_loss))
+    res["losses"], res["ref_losses"] = losses, ref_losses
+    res["final_shards"] = [w.to_local().dequantize() for w in model[0].layer.weight]
+    res["final_gathered"] = gathered_experts(model[0])
+    return res
+
+
+def checks(rank, world):
+    return {recipe: recipe_checks(recipe, rank, world) for recipe in RECIPES}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    worker_main(checks)

@@ -1,0 +1,100 @@
+"""FSDP2 with the fine-grained recipes on a mixture's experts (2 gloo ranks,
+tests/dist_fsdp_grouped.py): each expert's weight travels as the recipe's operand, as an
+`FP8Linear`'s does (tests/test_fsdp_recipes.py): the gathered operand is `quantize_operand` of
+the expert's weight bit for bit, the bytes are the payload and the scales, nothing the forward
+saves copies a gathered expert, a resharded expert holds no bytes, the first step's outputs are
+one process's, and a few training steps stay within 1 % of one process."""
+
+import pytest
+import torch
+
+import fp8lm
+from dist_fsdp_grouped import EXPERTS, HIDDEN, IN, RECIPES
+from dist_launch import run_workers
+from fp8lm.block_tensor import shards_whole_blocks
+from fp8lm.ops.finegrained import quantize_operand
+
+WORLD = 2
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_workers("dist_fsdp_grouped.py", WORLD, timeout=900.0)
+
+
+def _operand(weight: torch.Tensor, recipe: str):
+    return quantize_operand(weight, fp8lm.Recipe.from_name(recipe), "weight", dim=1)
+
+
+def test_every_recipe_shards_these_experts_in_whole_blocks():
+    for recipe in RECIPES:
+        assert shards_whole_blocks(fp8lm.Recipe.from_name(recipe), (HIDDEN, IN), WORLD)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_gathered_expert_is_the_recipes_operand_bit_for_bit(ranks, recipe):
+    for r in ranks:
+        for e in range(EXPERTS):
+            got = r[recipe]["gathered"][e]
+            assert got["type"] == "BlockScaledTensor"
+            op = _operand(r[recipe]["weights"][e], recipe)
+            assert got["block"] == op.block
+            assert torch.equal(got["payload"], op.payload.view(torch.uint8))
+            assert torch.equal(got["d"], op.d)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_later_gathers_bring_the_trained_experts_operands(ranks, recipe):
+    for e in range(EXPERTS):
+        op = _operand(torch.cat([r[recipe]["final_shards"][e] for r in ranks]), recipe)
+        for r in ranks:
+            got = r[recipe]["final_gathered"][e]
+            assert torch.equal(got["payload"], op.payload.view(torch.uint8))
+            assert torch.equal(got["d"], op.d)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_experts_travel_as_payload_and_scales(ranks, recipe):
+    """One byte per element (nvfp4: half a byte) and the scales of the shard's rows or blocks, where
+    the experts' stored FP16 took two bytes per element."""
+    shard_rows = HIDDEN // WORLD
+    for r in ranks:
+        d_numel = r[recipe]["gathered"][0]["d"].numel() // WORLD
+        if recipe == "nvfp4":  # E2M1 two to a byte, one E4M3 byte per 16 x 16 block
+            per_expert = shard_rows * IN // 2 + d_numel
+        else:
+            pow2 = recipe in ("rowwise", "rowwise-wgrad-bf16", "mxfp8")  # E8M0 bytes, else FP32
+            per_expert = shard_rows * IN + (1 if pow2 else 4) * d_numel
+        assert r[recipe]["gathered"][0]["handed"] == EXPERTS * per_expert
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_forward_saves_no_copy_of_a_gathered_expert(ranks, recipe):
+    """FSDP2 frees the gathered experts after the forward and gathers them again for the backward;
+    a copy (an expert's operand, or all of them stacked) saved in the forward would hold them until
+    then."""
+    for r in ranks:
+        assert r[recipe]["saved_copies"] == []
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_resharded_expert_holds_nothing(ranks, recipe):
+    for r in ranks:
+        for key in ("gathered", "final_gathered"):
+            assert [g["held_after_reshard"] for g in r[recipe][key]] == [0] * EXPERTS
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_first_step_outputs_equal_one_process(ranks, recipe):
+    for r in ranks:
+        assert torch.equal(r[recipe]["out"], r[recipe]["ref_out"])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_losses_within_one_percent_of_one_process(ranks, recipe):
+    for r in ranks:
+        losses, ref = torch.tensor(r[recipe]["losses"]), torch.tensor(r[recipe]["ref_losses"])
+        assert torch.allclose(losses[0], ref[0], rtol=1e-6, atol=0)
+        assert bool(((losses - ref).abs() <= 0.01 * ref).all()), (losses, ref)
+        assert ref[-1] < ref[0]
