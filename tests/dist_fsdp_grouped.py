@@ -134,8 +134,21 @@ def recipe_checks(recipe: str, rank: int, world: int) -> dict:
     return res
 
 
+def torch_fully_shard_gathers(recipe: str) -> list[dict]:
+    """What the first all-gather brings for each expert with torch's own ``fully_shard`` (no fp8lm
+    call), the same model and recipe."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = small_model(recipe)
+    fully_shard(model[0])
+    fully_shard(model)
+    return gathered_experts(model[0])
+
+
 def checks(rank, world):
-    return {recipe: recipe_checks(recipe, rank, world) for recipe in RECIPES}
+    res = {recipe: recipe_checks(recipe, rank, world) for recipe in RECIPES}
+    res["torch_fully_shard"] = {r: torch_fully_shard_gathers(r) for r in (*RECIPES, "tensorwise-delayed")}
+    return res
 
 
 if __name__ == "__main__":

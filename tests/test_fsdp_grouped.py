@@ -44,6 +44,18 @@ def test_each_gathered_expert_is_the_recipes_operand_bit_for_bit(ranks, recipe):
             assert torch.equal(got["d"], op.d)
 
 
+def test_torch_fully_shard_gathers_the_experts_as_fp8lms_does(ranks):
+    """torch's own ``fully_shard`` hands an expert's all-gather the `ExpertWeights` list that holds
+    it, which knows its layer: the same operands, and E4M3 under a tensorwise recipe."""
+    for r in ranks:
+        for recipe in RECIPES:
+            for got, ours in zip(r["torch_fully_shard"][recipe], r[recipe]["gathered"]):
+                assert got["type"] == "BlockScaledTensor"
+                assert torch.equal(got["payload"], ours["payload"]) and torch.equal(got["d"], ours["d"])
+        for got in r["torch_fully_shard"]["tensorwise-delayed"]:
+            assert got["type"] == "ScalingTensor" and got["payload_dtype"] == torch.float8_e4m3fn
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_later_gathers_bring_the_trained_experts_operands(ranks, recipe):
     for e in range(EXPERTS):

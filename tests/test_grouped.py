@@ -1,6 +1,8 @@
 """FP8GroupedLinear: the experts' three GEMMs in FP8 with a scale per expert, against one FP8 GEMM
 per expert (the same numbers) and a float64 reference."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -344,3 +346,21 @@ def test_nvfp4_experts_are_one_nvfp4_linear_per_expert(recipe):
     for w, single in zip(layer.weight, singles):
         assert torch.equal(w.grad.float(), single.weight.grad.float())
     assert torch.equal(layer.weight[1].grad.float(), torch.zeros(48, 160))  # the expert without tokens
+
+
+def test_the_experts_list_knows_its_layer_through_copies_and_pickles(tmp_path):
+    """FSDP2 hands an expert's all-gather the list that holds the weight (`ExpertWeights`): it
+    names its layer, also in a deep copy, a pickled model, `fp8lm.initialize`'s FP8 layer and an
+    expert-parallel rank's local layer, and is not a submodule (the names stay ``weight.<e>``)."""
+    from fp8lm.distributed.expert_parallel import _local_experts
+
+    layer = GroupedLinear(3, 32, 16)
+    fp8 = FP8GroupedLinear.from_grouped(layer)
+    torch.save(fp8, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    local = _local_experts(fp8, range(1, 2))
+    for owner in (layer, fp8, copy.deepcopy(fp8), loaded, local):
+        assert owner.weight.grouped_layer is owner
+        assert [name for name, _ in owner.named_modules()] == ["", "weight"]
+    assert [name for name, _ in local.named_parameters()] == ["weight.1"]
+    assert sorted(fp8.state_dict()) == ["weight.0", "weight.1", "weight.2"]

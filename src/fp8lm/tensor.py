@@ -621,11 +621,12 @@ def _holds_weight(layer: torch.nn.Module, holder: torch.Tensor) -> bool:
 
 def _fp8_layer_of(module: torch.nn.Module, holder: torch.Tensor) -> torch.nn.Module | None:
     """The layer under ``module`` whose weight (or one of whose experts' weights) is ``holder``
-    and whose GEMMs run in FP8 (it says ``fp8_enabled``), or None."""
-    return next(
-        (m for m in module.modules() if getattr(m, "fp8_enabled", False) and _holds_weight(m, holder)),
-        None,
-    )
+    and whose GEMMs run in FP8 (it says ``fp8_enabled``), or None. ``module`` may be the
+    `fp8lm.nn.grouped.ExpertWeights` list that holds an expert's weight (what FSDP2 hands the
+    expert's all-gather): its ``grouped_layer`` is the layer."""
+    owner = getattr(module, "grouped_layer", None)
+    layers = module.modules() if owner is None else (owner,)
+    return next((m for m in layers if getattr(m, "fp8_enabled", False) and _holds_weight(m, holder)), None)
 
 
 def _fp8_gemm_weight_format(module: torch.nn.Module, holder: torch.Tensor) -> Format | None:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..formats import E4M3, E5M2, Format
-from ..nn.grouped import GroupedLinear
+from ..nn.grouped import ExpertWeights, GroupedLinear
 from ..nn.moe import MoE
 from ..nn.saved import GROUP_SIZE, dequantize_groups, quantize_groups
 from . import comm
@@ -189,7 +189,7 @@ def _local_experts(layer: GroupedLinear, experts: range) -> GroupedLinear:
     """A GroupedLinear holding ``layer``'s weights of ``experts`` (the same parameters, under the
     same names ``weight.<expert>``) and None for the others."""
     local = GroupedLinear(layer.num_experts, layer.in_features, layer.out_features, device="meta")
-    local.weight = nn.ParameterList(w if e in experts else None for e, w in enumerate(layer.weight))
+    local.weight = ExpertWeights(local, (w if e in experts else None for e, w in enumerate(layer.weight)))
     return local
 
 

@@ -8,9 +8,7 @@ reduce-scatter, through FSDP2's own extension points.
   `precompute_fp8_scales` agrees the scales of all weights with one MAX all-reduce per step.
   Under a fine-grained recipe each rank sends its rows as the recipe's E4M3 operand with the
   scales of its rows or blocks (`fp8lm.block_tensor`), where its shard holds whole blocks; an
-  expert's weight too, chosen by this `fully_shard` (torch's own hands an expert's all-gather
-  only its ``nn.ParameterList``, which does not say the layer's recipe: there the experts
-  travel in their stored format).
+  expert's weight too.
 - **Reduce-scatter**: `FP8ReduceScatter` (installed with ``FSDPModule.set_custom_reduce_scatter``)
   sends every chunk of FSDP's flat gradient buffer as E4M3 with its own scale, sums in FP32 on the
   owning rank and divides by the world size after the sum (`fp8_reduce_scatter`), so nothing
@@ -45,7 +43,7 @@ from ..nn.grouped import FP8GroupedLinear
 from ..nn.linear import FP8Linear
 from ..recipe import Recipe
 from ..scaling import compute_scale
-from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_gather_recipe, fsdp_shard_amax
+from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_shard_amax
 from . import comm
 from .collectives import fp8_reduce_scatter
 from .fp32_gather import AUTOCAST_DTYPES, gathered_fp32_weights, wrap_fp32_weights
@@ -166,14 +164,9 @@ def _autocast_gemm_weights(module: nn.Module, dtype: torch.dtype) -> dict[int, t
 def _choose_gather_formats(module: nn.Module) -> None:
     """E4M3 for the weight of every FP8 GEMM with one scale per tensor (a format is fixed at the
     shard's first all-gather). A fine-grained recipe's weight is gathered in its blocks where its
-    shards hold whole blocks, else in its own format (`fp8lm.tensor.fsdp_gather_recipe`): chosen
-    here for an expert's weight, whose all-gather FSDP2 hands its ``nn.ParameterList``, not the
-    `FP8GroupedLinear` whose recipe it needs (an `FP8Linear`'s gets the layer itself)."""
+    shards hold whole blocks, else in its own format (`fp8lm.tensor.fsdp_gather_recipe`)."""
     fp8_weights = _fp8_gemm_weights(module)
-    experts = {id(w): m for m in module.modules() if isinstance(m, FP8GroupedLinear) for _, w in m.held_weights()}
     for _, param, shard in _sharded_scaling_tensors(module):
-        if id(param) in experts:
-            fsdp_gather_recipe(param, experts[id(param)], param.shape, param.device_mesh.size())
         fsdp_gather_format(param, shard, E4M3 if id(param) in fp8_weights else None)
 
 

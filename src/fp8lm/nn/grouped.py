@@ -5,10 +5,10 @@ The tokens arrive as one ``(T, in)`` tensor, sorted by expert, with how many row
 takes: a `Groups` (`groups_of`: the counts, their cumulative ends and each row's expert, all on the
 rows' device), or the counts themselves (a 1-D tensor or a sequence, in expert order, summing to
 ``T``). Rows of expert ``e`` become ``x W_e^T``. Each expert's weight is a parameter of its own,
-``weight[e]`` of shape ``(out, in)`` (held in an ``nn.ParameterList``), so it is stored like every
-FP8 weight: `fp8lm.initialize` gives it one `ScalingTensor` with one scale per expert (O2: an FP16
-payload, O3: E4M3 with an FP16 master), an E4M3 gradient with its own scale, and FP8AdamW moments
-of its own. An entry may be None: an expert this rank does not hold (expert parallelism,
+``weight[e]`` of shape ``(out, in)`` (held in an `ExpertWeights`, an ``nn.ParameterList``), so it
+is stored like every FP8 weight: `fp8lm.initialize` gives it one `ScalingTensor` with one scale per
+expert (O2: an FP16 payload, O3: E4M3 with an FP16 master), an E4M3 gradient with its own scale,
+and FP8AdamW moments of its own. An entry may be None: an expert this rank does not hold (expert parallelism,
 `fp8lm.distributed.ExpertParallelMoE`), which must get no rows; the others keep their names
 (``weight.<expert>``) as in the whole layer.
 
@@ -49,8 +49,9 @@ send each expert's rows through `fp8lm.nn.finegrained.fine_grained_linear` with 
 weight (nvfp4: each expert with its own tensor scales, its tokens padded to whole 16-row groups
 for the Hadamard transform of its weight gradient, as one `FP8Linear` per expert would).
 
-Under FSDP2 (`fp8lm.distributed.fully_shard`) each expert's weight is all-gathered as the recipe's
-forward operand where its shards hold whole blocks, as an `FP8Linear`'s is (`fp8lm.block_tensor`):
+Under FSDP2 (torch's ``fully_shard`` or `fp8lm.distributed.fully_shard`) each expert's weight is
+all-gathered as an `FP8Linear`'s is: in E4M3 with a tensorwise recipe, and as a fine-grained
+recipe's forward operand where its shards hold whole blocks (`fp8lm.block_tensor`):
 a `BlockScaledTensor` per expert, which both paths multiply as it is. The rowwise path saves the
 experts' gathered bytes for the backward, not a stack of them, and requantizes them along
 out_features there (FSDP2 frees them after the forward and gathers them again).
@@ -59,7 +60,7 @@ out_features there (FSDP2 frees them after the forward and gathers them again).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,7 @@ from .linear import _carry_nonfinite
 from .scale_math import _scale_math
 
 __all__ = [
+    "ExpertWeights",
     "GroupedLinear",
     "FP8GroupedLinear",
     "Groups",
@@ -534,6 +536,18 @@ def _autocast_bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16
 
 
+class ExpertWeights(nn.ParameterList):
+    """A `GroupedLinear`'s experts' weights (``weight.<expert>``; None for an expert not held here):
+    an ``nn.ParameterList`` that knows its layer, ``grouped_layer`` (an attribute, not a
+    submodule). FSDP2 hands an expert's all-gather the module that holds the parameter, this list,
+    and the format it gathers in depends on the layer: whether its GEMMs run in FP8, and in which
+    recipe's blocks (`fp8lm.tensor.fsdp_gather_recipe`)."""
+
+    def __init__(self, layer: GroupedLinear, values: Iterable[nn.Parameter | None] = ()) -> None:
+        super().__init__(values)
+        object.__setattr__(self, "grouped_layer", layer)  # not registered: the layer is this list's parent
+
+
 class GroupedLinear(nn.Module):
     """``num_experts`` bias-free linear layers, ``in_features -> out_features``, over tokens
     sorted by expert: ``forward(x, counts)`` (module docstring). Its GEMMs are ``F.linear``, one
@@ -554,7 +568,7 @@ class GroupedLinear(nn.Module):
             if w.device.type != "meta":
                 nn.init.uniform_(w, -bound, bound)  # nn.Linear's initialization
             weights.append(self._stored_weight(w))
-        self.weight = nn.ParameterList(weights)
+        self.weight = ExpertWeights(self, weights)
 
     def _stored_weight(self, value: torch.Tensor) -> nn.Parameter:
         return nn.Parameter(value)
@@ -630,7 +644,7 @@ class FP8GroupedLinear(GroupedLinear):
         source = list(layer.weight)
         dtype = next(w.dtype for w in source if w is not None)
         new = cls(layer.num_experts, layer.in_features, layer.out_features, device="meta", dtype=dtype, **options)
-        new.weight = nn.ParameterList(None if w is None else new._stored_weight(w.detach()) for w in source)
+        new.weight = ExpertWeights(new, (None if w is None else new._stored_weight(w.detach()) for w in source))
         for w, old in zip(new.weight, source):
             if w is not None:
                 w.requires_grad_(old.requires_grad)
