@@ -10,7 +10,7 @@ import sys
 import torch
 from torch import nn
 
-from dist_fsdp_recipes import BATCH, HIDDEN, IN, LR, OUT, RECIPES, STEPS, batch
+from dist_fsdp_recipes import BATCH, HIDDEN, IN, LR, OUT, RECIPES, STEPS, _values, batch, rounding_seed
 from dist_launch import worker_main
 
 EXPERTS = 2
@@ -20,22 +20,25 @@ COUNTS = (5, 3)  # rows of the batch per expert, in order
 class Experts(nn.Module):
     """An `FP8GroupedLinear` of ``EXPERTS`` experts over the rows of ``x`` split as ``COUNTS``."""
 
-    def __init__(self, recipe: str) -> None:
+    def __init__(self, recipe: str, weight_format: str) -> None:
         super().__init__()
         from fp8lm.nn.grouped import FP8GroupedLinear
 
-        self.layer = FP8GroupedLinear(EXPERTS, IN, HIDDEN, recipe=recipe)
+        self.layer = FP8GroupedLinear(EXPERTS, IN, HIDDEN, recipe=recipe, weight_format=weight_format)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x, list(COUNTS))
 
 
-def small_model(recipe: str) -> nn.Module:
+def small_model(recipe: str, weight_format: str = "fp16") -> nn.Module:
+    """The experts and an FP8Linear under ``recipe``; ``weight_format="fp32"``: plain FP32 weights (O1)."""
     from fp8lm.nn import FP8Linear
 
     assert sum(COUNTS) == BATCH
     torch.manual_seed(0)
-    return nn.Sequential(Experts(recipe), nn.ReLU(), FP8Linear(HIDDEN, OUT, recipe=recipe))
+    return nn.Sequential(
+        Experts(recipe, weight_format), nn.ReLU(), FP8Linear(HIDDEN, OUT, recipe=recipe, weight_format=weight_format)
+    )
 
 
 def gathered_experts(experts: nn.Module) -> list[dict]:
@@ -92,21 +95,24 @@ def forward_saving(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, lis
     return out, copies
 
 
-def recipe_checks(recipe: str, rank: int, world: int) -> dict:
+def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict:
+    """The checks of one recipe: at O2 (FP16-stored weights, FP8AdamW) or O1 (plain FP32 weights,
+    torch's AdamW)."""
     import torch.distributed as dist
 
     from fp8lm.distributed import fully_shard, precompute_fp8_scales
     from fp8lm.optim import FP8AdamW
 
-    model = small_model(recipe)
+    model = small_model(recipe, "fp32" if level == "O1" else "fp16")
     reference = copy.deepcopy(model)
-    res = {"weights": [w.dequantize() for w in reference[0].layer.weight]}
+    res = {"weights": [_values(w) for w in reference[0].layer.weight]}
     fully_shard(model[0])
     fully_shard(model)
     precompute_fp8_scales(model)
     res["gathered"] = gathered_experts(model[0])
-    opt = FP8AdamW(model.parameters(), lr=LR)
-    ref_opt = FP8AdamW(reference.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW if level == "O1" else FP8AdamW
+    opt = optimizer(model.parameters(), lr=LR)
+    ref_opt = optimizer(reference.parameters(), lr=LR)
     losses, ref_losses = [], []
     for step in range(STEPS):
         precompute_fp8_scales(model)
@@ -117,29 +123,35 @@ def recipe_checks(recipe: str, rank: int, world: int) -> dict:
         else:
             out = model(x)
         loss = (out - y).square().mean()
+        torch.manual_seed(rounding_seed(step, rank))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
-        ref_loss = sum((reference(xr) - yr).square().mean() for xr, yr in map(batch, range(world))) / world
-        ref_loss.backward()
+        ref_loss = 0.0
+        for r in range(world):  # one process, the ranks' batches as micro-batches, their rounding noise
+            xr, yr = batch(r)
+            micro = (reference(xr) - yr).square().mean() / world
+            torch.manual_seed(rounding_seed(step, r))
+            micro.backward()
+            ref_loss += float(micro)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(float(ref_loss))
+        ref_losses.append(ref_loss)
     res["losses"], res["ref_losses"] = losses, ref_losses
-    res["final_shards"] = [w.to_local().dequantize() for w in model[0].layer.weight]
+    res["final_shards"] = [_values(w.to_local()) for w in model[0].layer.weight]
     res["final_gathered"] = gathered_experts(model[0])
     return res
 
 
-def torch_fully_shard_gathers(recipe: str) -> list[dict]:
+def torch_fully_shard_gathers(recipe: str, weight_format: str = "fp16") -> list[dict]:
     """What the first all-gather brings for each expert with torch's own ``fully_shard`` (no fp8lm
     call), the same model and recipe."""
     from torch.distributed.fsdp import fully_shard
 
-    model = small_model(recipe)
+    model = small_model(recipe, weight_format)
     fully_shard(model[0])
     fully_shard(model)
     return gathered_experts(model[0])
@@ -147,6 +159,7 @@ def torch_fully_shard_gathers(recipe: str) -> list[dict]:
 
 def checks(rank, world):
     res = {recipe: recipe_checks(recipe, rank, world) for recipe in RECIPES}
+    res["O1"] = {recipe: recipe_checks(recipe, rank, world, "O1") for recipe in RECIPES}
     res["torch_fully_shard"] = {r: torch_fully_shard_gathers(r) for r in (*RECIPES, "tensorwise-delayed")}
     return res
 

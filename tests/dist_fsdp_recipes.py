@@ -18,11 +18,16 @@ IN, HIDDEN, OUT = 64, 256, 96
 BATCH, STEPS, LR = 8, 4, 1e-2
 
 
-def small_model(recipe: str) -> nn.Module:
+def small_model(recipe: str, weight_format: str = "fp16") -> nn.Module:
+    """Two FP8Linear layers under ``recipe``; ``weight_format="fp32"``: plain FP32 weights (O1)."""
     from fp8lm.nn import FP8Linear
 
     torch.manual_seed(0)
-    return nn.Sequential(FP8Linear(IN, HIDDEN, recipe=recipe), nn.ReLU(), FP8Linear(HIDDEN, OUT, recipe=recipe))
+    return nn.Sequential(
+        FP8Linear(IN, HIDDEN, recipe=recipe, weight_format=weight_format),
+        nn.ReLU(),
+        FP8Linear(HIDDEN, OUT, recipe=recipe, weight_format=weight_format),
+    )
 
 
 def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +50,7 @@ def gathered(layer) -> dict:
         out["packed"] = weight._data.dtype == torch.uint8  # nvfp4: kept packed, as it travelled
         out["values"] = weight.dequantize()
     else:
-        out["payload_dtype"] = weight.payload.dtype
+        out["payload_dtype"] = getattr(weight, "payload", weight).dtype  # O1: a plain FP32 weight
     layer.reshard()
     if hasattr(weight, "held"):  # what the gathered weight still holds once FSDP2 freed it
         out["held_after_reshard"] = sum(t.untyped_storage().nbytes() for t in weight.held)
@@ -91,22 +96,40 @@ def forward_saving(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, lis
     return out, copies
 
 
-def recipe_checks(recipe: str, rank: int, world: int) -> dict:
+def rounding_seed(step: int, rank: int) -> int:
+    """The seed of a rank's backward at ``step`` (nvfp4 rounds its output gradients stochastically
+    from torch's generator), and of one process's micro-batch of that rank's batch: the same noise,
+    which alone moves four steps' losses by ~2 %."""
+    return 1000 + 100 * step + rank
+
+
+def _values(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of the values of a stored weight: a ScalingTensor's, or a plain one's (not through
+    ``Tensor.dequantize``, which makes a plain parameter a non-leaf)."""
+    from fp8lm import ScalingTensor
+
+    return weight.dequantize() if isinstance(weight, ScalingTensor) else weight.detach().clone()
+
+
+def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict:
+    """The checks of one recipe: at O2 (FP16-stored weights, FP8AdamW) or O1 (plain FP32 weights,
+    torch's AdamW)."""
     import torch.distributed as dist
 
     from fp8lm.distributed import fully_shard, precompute_fp8_scales
     from fp8lm.optim import FP8AdamW
 
-    model = small_model(recipe)
+    model = small_model(recipe, "fp32" if level == "O1" else "fp16")
     reference = copy.deepcopy(model)
-    res = {"weights": [reference[i].weight.dequantize() for i in (0, 2)]}
+    res = {"weights": [_values(reference[i].weight) for i in (0, 2)]}
     for i in (0, 2):
         fully_shard(model[i])
     fully_shard(model)
     precompute_fp8_scales(model)
     res["gathered"] = [gathered(model[i]) for i in (0, 2)]
-    opt = FP8AdamW(model.parameters(), lr=LR)
-    ref_opt = FP8AdamW(reference.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW if level == "O1" else FP8AdamW
+    opt = optimizer(model.parameters(), lr=LR)
+    ref_opt = optimizer(reference.parameters(), lr=LR)
     losses, ref_losses = [], []
     for step in range(STEPS):
         precompute_fp8_scales(model)
@@ -117,27 +140,61 @@ def recipe_checks(recipe: str, rank: int, world: int) -> dict:
         else:
             out = model(x)
         loss = (out - y).square().mean()
+        torch.manual_seed(rounding_seed(step, rank))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
-        # One process over the ranks' batches as micro-batches (nvfp4 scales each one's input per tensor).
-        ref_loss = sum((reference(xr) - yr).square().mean() for xr, yr in map(batch, range(world))) / world
-        ref_loss.backward()
+        # One process over the ranks' batches as micro-batches (nvfp4 scales each one's input per
+        # tensor), each micro-batch's backward with its rank's rounding noise.
+        ref_loss = 0.0
+        for r in range(world):
+            xr, yr = batch(r)
+            micro = (reference(xr) - yr).square().mean() / world
+            torch.manual_seed(rounding_seed(step, r))
+            micro.backward()
+            ref_loss += float(micro)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(float(ref_loss))
+        ref_losses.append(ref_loss)
     res["losses"], res["ref_losses"] = losses, ref_losses
     # After the optimizer changed the weights: the gathers since refilled the payload and scales.
-    res["final_shards"] = [model[i].weight.to_local().dequantize() for i in (0, 2)]
+    res["final_shards"] = [_values(model[i].weight.to_local()) for i in (0, 2)]
     res["final_gathered"] = [gathered(model[i]) for i in (0, 2)]
     return res
 
 
-def checks(rank, world):
-    return {recipe: recipe_checks(recipe, rank, world) for recipe in RECIPES}
+def one_rank_checks(recipe: str, level: str) -> dict:
+    """On one rank, where FSDP2 skips the all-gather and reads only its first input: what the
+    layers get, and one step's outputs and weight gradients against the unsharded model."""
+    from fp8lm.distributed import fully_shard
+
+    model = small_model(recipe, "fp32" if level == "O1" else "fp16")
+    reference = copy.deepcopy(model)
+    for i in (0, 2):
+        fully_shard(model[i])
+    fully_shard(model)
+    x, y = batch(0)
+    out, ref_out = model(x), reference(x)
+    for o in (out, ref_out):  # nvfp4's stochastic rounding draws the same noise for both
+        torch.manual_seed(1)
+        (o - y).square().mean().backward()
+    grads = [_values(m.grad.full_tensor()) for m in (model[0].weight, model[2].weight)]
+    ref_grads = [_values(reference[i].weight.grad) for i in (0, 2)]
+    return {
+        "out_equal": torch.equal(out, ref_out),
+        "grads_equal": all(torch.equal(g, r) for g, r in zip(grads, ref_grads)),
+    }
+
+
+def checks(rank, world, mode="all"):
+    if mode == "one_rank":
+        return {level: {r: one_rank_checks(r, level) for r in RECIPES} for level in ("O2", "O1")}
+    res = {recipe: recipe_checks(recipe, rank, world) for recipe in RECIPES}
+    res["O1"] = {recipe: recipe_checks(recipe, rank, world, "O1") for recipe in RECIPES}
+    return res
 
 
 if __name__ == "__main__":

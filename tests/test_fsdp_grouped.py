@@ -3,7 +3,8 @@ tests/dist_fsdp_grouped.py): each expert's weight travels as the recipe's operan
 `FP8Linear`'s does (tests/test_fsdp_recipes.py): the gathered operand is `quantize_operand` of
 the expert's weight bit for bit, the bytes are the payload and the scales, nothing the forward
 saves copies a gathered expert, a resharded expert holds no bytes, the first step's outputs are
-one process's, and a few training steps stay within 1 % of one process."""
+one process's, and a few training steps stay within 1 % of one process; at O2 (FP16-stored
+experts) and O1 (plain FP32 ones, `BlockGatheredWeight` shards)."""
 
 import pytest
 import torch
@@ -23,6 +24,13 @@ def ranks():
     return run_workers("dist_fsdp_grouped.py", WORLD, timeout=900.0)
 
 
+LEVELS = ("O2", "O1")
+
+
+def _of(r: dict, level: str, recipe: str) -> dict:
+    return r[recipe] if level == "O2" else r["O1"][recipe]
+
+
 def _operand(weight: torch.Tensor, recipe: str):
     return quantize_operand(weight, fp8lm.Recipe.from_name(recipe), "weight", dim=1)
 
@@ -32,13 +40,14 @@ def test_every_recipe_shards_these_experts_in_whole_blocks():
         assert shards_whole_blocks(fp8lm.Recipe.from_name(recipe), (HIDDEN, IN), WORLD)
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_each_gathered_expert_is_the_recipes_operand_bit_for_bit(ranks, recipe):
+def test_each_gathered_expert_is_the_recipes_operand_bit_for_bit(ranks, recipe, level):
     for r in ranks:
         for e in range(EXPERTS):
-            got = r[recipe]["gathered"][e]
+            got = _of(r, level, recipe)["gathered"][e]
             assert got["type"] == "BlockScaledTensor"
-            op = _operand(r[recipe]["weights"][e], recipe)
+            op = _operand(_of(r, level, recipe)["weights"][e], recipe)
             assert got["block"] == op.block
             assert torch.equal(got["payload"], op.payload.view(torch.uint8))
             assert torch.equal(got["d"], op.d)
@@ -56,57 +65,64 @@ def test_torch_fully_shard_gathers_the_experts_as_fp8lms_does(ranks):
             assert got["type"] == "ScalingTensor" and got["payload_dtype"] == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_later_gathers_bring_the_trained_experts_operands(ranks, recipe):
+def test_later_gathers_bring_the_trained_experts_operands(ranks, recipe, level):
     for e in range(EXPERTS):
-        op = _operand(torch.cat([r[recipe]["final_shards"][e] for r in ranks]), recipe)
+        op = _operand(torch.cat([_of(r, level, recipe)["final_shards"][e] for r in ranks]), recipe)
         for r in ranks:
-            got = r[recipe]["final_gathered"][e]
+            got = _of(r, level, recipe)["final_gathered"][e]
             assert torch.equal(got["payload"], op.payload.view(torch.uint8))
             assert torch.equal(got["d"], op.d)
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_experts_travel_as_payload_and_scales(ranks, recipe):
+def test_the_experts_travel_as_payload_and_scales(ranks, recipe, level):
     """One byte per element (nvfp4: half a byte) and the scales of the shard's rows or blocks, where
     the experts' stored FP16 took two bytes per element."""
     shard_rows = HIDDEN // WORLD
     for r in ranks:
-        d_numel = r[recipe]["gathered"][0]["d"].numel() // WORLD
+        d_numel = _of(r, level, recipe)["gathered"][0]["d"].numel() // WORLD
         if recipe == "nvfp4":  # E2M1 two to a byte, one E4M3 byte per 16 x 16 block
             per_expert = shard_rows * IN // 2 + d_numel
         else:
             pow2 = recipe in ("rowwise", "rowwise-wgrad-bf16", "mxfp8")  # E8M0 bytes, else FP32
             per_expert = shard_rows * IN + (1 if pow2 else 4) * d_numel
-        assert r[recipe]["gathered"][0]["handed"] == EXPERTS * per_expert
+        assert _of(r, level, recipe)["gathered"][0]["handed"] == EXPERTS * per_expert
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_forward_saves_no_copy_of_a_gathered_expert(ranks, recipe):
+def test_the_forward_saves_no_copy_of_a_gathered_expert(ranks, recipe, level):
     """FSDP2 frees the gathered experts after the forward and gathers them again for the backward;
     a copy (an expert's operand, or all of them stacked) saved in the forward would hold them until
     then."""
     for r in ranks:
-        assert r[recipe]["saved_copies"] == []
+        assert _of(r, level, recipe)["saved_copies"] == []
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_a_resharded_expert_holds_nothing(ranks, recipe):
+def test_a_resharded_expert_holds_nothing(ranks, recipe, level):
     for r in ranks:
         for key in ("gathered", "final_gathered"):
-            assert [g["held_after_reshard"] for g in r[recipe][key]] == [0] * EXPERTS
+            assert [g["held_after_reshard"] for g in _of(r, level, recipe)[key]] == [0] * EXPERTS
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_first_step_outputs_equal_one_process(ranks, recipe):
+def test_first_step_outputs_equal_one_process(ranks, recipe, level):
     for r in ranks:
-        assert torch.equal(r[recipe]["out"], r[recipe]["ref_out"])
+        assert torch.equal(_of(r, level, recipe)["out"], _of(r, level, recipe)["ref_out"])
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_losses_within_one_percent_of_one_process(ranks, recipe):
+def test_losses_within_one_percent_of_one_process(ranks, recipe, level):
     for r in ranks:
-        losses, ref = torch.tensor(r[recipe]["losses"]), torch.tensor(r[recipe]["ref_losses"])
+        res = _of(r, level, recipe)
+        losses, ref = torch.tensor(res["losses"]), torch.tensor(res["ref_losses"])
         assert torch.allclose(losses[0], ref[0], rtol=1e-6, atol=0)
         assert bool(((losses - ref).abs() <= 0.01 * ref).all()), (losses, ref)
         assert ref[-1] < ref[0]

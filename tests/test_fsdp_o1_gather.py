@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 import dist_fsdp_o1 as worker
+import fp8lm
 from dist_launch import run_workers
 from fp8lm import E4M3
 from fp8lm.distributed import load_fsdp_checkpoint
 from fp8lm.distributed.fp32_gather import (
     AutocastGatheredWeight,
+    BlockGatheredWeight,
     FP8GatheredWeight,
     fsdp_wire_cast,
     wrap_fp32_weights,
@@ -274,6 +276,22 @@ def test_the_autocast_wrapper_is_its_fp32_values_and_keeps_its_dtype(tmp_path):
     assert isinstance(again, AutocastGatheredWeight) and again.gather_dtype == torch.float16
     with pytest.raises(ValueError, match="torch.bfloat16 or torch.float16"):
         AutocastGatheredWeight(values, torch.float8_e4m3fn)
+
+
+def test_the_block_wrapper_is_its_fp32_values_and_keeps_its_recipe(tmp_path):
+    recipe = fp8lm.Recipe.from_name("mxfp8")
+    values = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    w = nn.Parameter(BlockGatheredWeight(values.clone(), recipe))
+    assert w.dtype == torch.float32 and type(w.detach() * 2) is torch.Tensor
+    torch.save(w, tmp_path / "w.pt")
+    kept = [w.detach(), w.detach()[1:3], copy.deepcopy(w).detach(), torch.load(tmp_path / "w.pt", weights_only=False)]
+    for t in kept:
+        assert isinstance(t.detach(), BlockGatheredWeight) and t.detach().recipe == recipe
+    flat, ctx = w.__tensor_flatten__()
+    again = BlockGatheredWeight.__tensor_unflatten__({"_inner": w.inner}, ctx, w.shape, w.stride())
+    assert isinstance(again, BlockGatheredWeight) and again.recipe == recipe and torch.equal(again.inner, values)
+    with pytest.raises(ValueError, match="fine-grained recipe"):
+        BlockGatheredWeight(values, fp8lm.Recipe.from_name("tensorwise-delayed"))
 
 
 def test_autocast_wire_is_the_cast_autocast_makes():

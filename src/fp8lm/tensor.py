@@ -647,8 +647,10 @@ def fsdp_gather_recipe(
 ) -> Recipe | None:
     """The fine-grained recipe whose forward weight operand FSDP2 all-gathers for ``holder`` (its
     sharded parameter), or None: that of the FP8 layer under ``module`` whose weight it is, when
-    the shards of a 1-D FSDP mesh hold whole blocks (`fp8lm.block_tensor.shards_whole_blocks`).
-    Kept on ``holder``, fixed at the first all-gather (FSDP2 keeps the gathered buffers)."""
+    the shards of a 1-D FSDP mesh of more than one rank hold whole blocks
+    (`fp8lm.block_tensor.shards_whole_blocks`; on one rank FSDP2 skips the all-gather and reads only
+    the first of its inputs, so the weight stays in its stored format there). Kept on ``holder``,
+    fixed at the first all-gather (FSDP2 keeps the gathered buffers)."""
     chosen = getattr(holder, "fsdp_gather_recipe", None)
     if chosen is None:
         layer = _fp8_layer_of(module, holder)
@@ -656,7 +658,8 @@ def fsdp_gather_recipe(
         one_dim = getattr(getattr(holder, "device_mesh", None), "ndim", 1) == 1
         chosen = False
         if isinstance(recipe, Recipe) and recipe.fine_grained and not getattr(layer, "high_precision", False):
-            chosen = recipe if one_dim and block_tensor.shards_whole_blocks(recipe, shape, ranks) else False
+            blocks = one_dim and ranks > 1 and block_tensor.shards_whole_blocks(recipe, shape, ranks)
+            chosen = recipe if blocks else False
         holder.fsdp_gather_recipe = chosen  # type: ignore[attr-defined]
     return chosen if isinstance(chosen, Recipe) else None
 

@@ -25,6 +25,13 @@ weight at the GEMM, and returns it as a ScalingTensor of scale 1 presenting FP32
 is FP32 like the other parameters'. Outside that autocast the layer would multiply the rounded
 weight: hence an opt-in (``fully_shard(..., autocast_dtype=torch.bfloat16)``).
 
+`BlockGatheredWeight` is the wrapper for the FP32 weight of a layer under a fine-grained recipe
+(`fp8lm.Recipe.fine_grained`) whose shards hold whole blocks of its forward weight operand
+(`fp8lm.block_tensor.shards_whole_blocks`): its all-gather sends the shard as that operand, E4M3
+(nvfp4: packed E2M1) bytes with the scales of its rows or blocks, as an O2 weight's does
+(`fp8lm.block_tensor.gather_inputs`), and returns the gathered `BlockScaledTensor`, the operand a
+single process quantizes from the whole FP32 weight, bit for bit.
+
 `wrap_fp32_weights` puts the wrappers in (`fp8lm.distributed.fully_shard` calls it before torch's
 ``fully_shard``); a model that is not sharded keeps its plain weights.
 """
@@ -37,8 +44,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from .. import block_tensor
 from ..formats import E4M3, format_of
 from ..ops.cast import amax as _amax
+from ..recipe import Recipe
 from ..scaling import compute_scale
 from ..tensor import fsdp_gathered, fsdp_wire
 from . import comm
@@ -47,6 +56,7 @@ __all__ = [
     "GatheredWeight",
     "FP8GatheredWeight",
     "AutocastGatheredWeight",
+    "BlockGatheredWeight",
     "AUTOCAST_DTYPES",
     "wrap_fp32_weights",
     "gathered_fp32_weights",
@@ -214,6 +224,37 @@ class AutocastGatheredWeight(GatheredWeight):
         return fsdp_gathered(all_gather_outputs, metadata, param_dtype, out)
 
 
+class BlockGatheredWeight(GatheredWeight):
+    """An FP32 weight shard of a layer under a fine-grained ``recipe``, holding whole blocks of its
+    forward weight operand: FSDP2 all-gathers it as that operand (the payload and the scales of
+    its rows or blocks); for every other use a plain tensor of its values (module docstring)."""
+
+    recipe: Recipe
+
+    def __init__(self, inner: torch.Tensor, recipe: Recipe):
+        super().__init__(inner)
+        if not isinstance(recipe, Recipe) or not recipe.fine_grained:
+            raise ValueError(f"BlockGatheredWeight gathers in a fine-grained recipe's blocks, got {recipe!r}")
+        self.recipe = recipe
+
+    def _context(self) -> tuple:
+        return (self.recipe,)
+
+    # -- FSDP2 all-gather extension (torch.distributed.fsdp.fully_shard) -------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's rows as the recipe's forward weight operand: payload bytes and the scales
+        of its rows or blocks (nvfp4 agrees the whole weight's amax over ``mesh`` first)."""
+        return block_tensor.gather_inputs(self._inner.float(), self.recipe, mesh.get_group())
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The gathered weight: the ranks' payloads and scales as one `BlockScaledTensor`, the
+        layer's forward weight operand as is (later gathers refill its buffers in place)."""
+        if out is None:
+            return block_tensor.gathered(all_gather_outputs, metadata, param_dtype)
+        block_tensor.refresh(getattr(out, "_local_tensor", out), all_gather_outputs, metadata)
+        return None
+
+
 def fsdp_wire_cast(shard: torch.Tensor, dtype: torch.dtype, outer_size, ranks: int) -> torch.Tensor:
     """A rank's all-gather input: ``shard`` (its rows of a parameter of ``outer_size``) cast to
     ``dtype`` as ``Tensor.to`` casts, zero-padded to FSDP's padded shard of ``ceil(dim 0 / ranks)`` rows."""
@@ -226,11 +267,17 @@ def fsdp_wire_cast(shard: torch.Tensor, dtype: torch.dtype, outer_size, ranks: i
 
 
 def _rebuild(inner: torch.Tensor, is_param: bool = False, requires_grad: bool = False, *context) -> torch.Tensor:
-    out = AutocastGatheredWeight(inner, *context) if context else FP8GatheredWeight(inner)
+    out: GatheredWeight
+    if not context:
+        out = FP8GatheredWeight(inner)
+    elif isinstance(context[0], Recipe):
+        out = BlockGatheredWeight(inner, *context)
+    else:
+        out = AutocastGatheredWeight(inner, *context)
     return nn.Parameter(out, requires_grad=requires_grad) if is_param else out.requires_grad_(requires_grad)
 
 
-torch.serialization.add_safe_globals([FP8GatheredWeight, AutocastGatheredWeight, _rebuild])
+torch.serialization.add_safe_globals([FP8GatheredWeight, AutocastGatheredWeight, BlockGatheredWeight, _rebuild])
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -248,13 +295,18 @@ def _managed(module: nn.Module, ignored: set[int]) -> list[tuple[nn.Module, str,
     return found
 
 
-def _wrapped(param: nn.Parameter, cast_dtype: torch.dtype | None) -> nn.Parameter:
-    """``param`` (plain, or a tensor-parallel DTensor) with its values in an FP8GatheredWeight, or
-    with ``cast_dtype`` in an AutocastGatheredWeight of that dtype."""
+def _wrapped(param: nn.Parameter, gather: torch.dtype | Recipe | None) -> nn.Parameter:
+    """``param`` (plain, or a tensor-parallel DTensor) with its values in an FP8GatheredWeight
+    (``gather`` None), an AutocastGatheredWeight of the dtype ``gather`` or a BlockGatheredWeight
+    of the recipe ``gather``."""
     values = _local(param)
-    local: torch.Tensor = (
-        FP8GatheredWeight(values) if cast_dtype is None else AutocastGatheredWeight(values, cast_dtype)
-    )
+    local: torch.Tensor
+    if gather is None:
+        local = FP8GatheredWeight(values)
+    elif isinstance(gather, Recipe):
+        local = BlockGatheredWeight(values, gather)
+    else:
+        local = AutocastGatheredWeight(values, gather)
     if isinstance(param, DTensor):
         local = DTensor.from_local(
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
@@ -263,24 +315,30 @@ def _wrapped(param: nn.Parameter, cast_dtype: torch.dtype | None) -> nn.Paramete
 
 
 def wrap_fp32_weights(
-    module: nn.Module, weight_ids: set[int], ignored_params=None, cast_to: dict[int, torch.dtype] | None = None
+    module: nn.Module,
+    weight_ids: set[int],
+    ignored_params=None,
+    cast_to: dict[int, torch.dtype] | None = None,
+    blocks: dict[int, Recipe] | None = None,
 ) -> int:
     """Put the plain floating-point parameters of ``module`` whose ids are in ``weight_ids`` (the
-    weights of its FP8 GEMMs with one scale per tensor) in `FP8GatheredWeight`s, and those whose
-    ids ``cast_to`` maps to an autocast dtype (the weights of high-precision GEMMs that run under
-    that autocast) in `AutocastGatheredWeight`s, for torch's ``fully_shard(module,
-    ignored_params=...)`` to shard next; a weight held twice (tied) stays plain. Registers
-    `plain_state_dict` on the owners. Returns how many it wrapped."""
-    cast_to = cast_to or {}
+    weights of its FP8 GEMMs with one scale per tensor) in `FP8GatheredWeight`s, those whose ids
+    ``cast_to`` maps to an autocast dtype (the weights of high-precision GEMMs that run under that
+    autocast) in `AutocastGatheredWeight`s, and those whose ids ``blocks`` maps to a fine-grained
+    recipe (weights whose shards will hold whole blocks of its operand) in `BlockGatheredWeight`s,
+    for torch's ``fully_shard(module, ignored_params=...)`` to shard next; a weight held twice
+    (tied) stays plain. Registers `plain_state_dict` on the owners. Returns how many it wrapped."""
+    cast_to, blocks = cast_to or {}, blocks or {}
     managed = _managed(module, {id(p) for p in ignored_params or ()})
     holders: dict[int, int] = {}
     for _, _, p in managed:
         holders[id(p)] = holders.get(id(p), 0) + 1
     count = 0
     for owner, name, p in managed:
-        wanted = id(p) in weight_ids or id(p) in cast_to
+        gather = blocks.get(id(p), cast_to.get(id(p)))
+        wanted = id(p) in weight_ids or gather is not None
         if wanted and holders[id(p)] == 1 and type(_local(p)) is torch.Tensor and p.is_floating_point():
-            owner.register_parameter(name, _wrapped(p, None if id(p) in weight_ids else cast_to[id(p)]))
+            owner.register_parameter(name, _wrapped(p, None if id(p) in weight_ids else gather))
             if not getattr(owner, "_fp8lm_plain_gathered_state", False):
                 owner.register_state_dict_post_hook(plain_state_dict)
                 owner._fp8lm_plain_gathered_state = True  # type: ignore[assignment]  # a flag

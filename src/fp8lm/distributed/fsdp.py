@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
+from ..block_tensor import shards_whole_blocks
 from ..formats import E4M3, FP32, Format, format_of
 from ..grad import QuantizeGrad
 from ..nn.grouped import FP8GroupedLinear
@@ -154,6 +155,33 @@ def _fp8_gemm_weights(module: nn.Module) -> set[int]:
     return ids
 
 
+def _block_gathered_weights(module: nn.Module, mesh) -> dict[int, Recipe]:
+    """id -> recipe for every plain FP32 weight (O1) of an FP8 GEMM under a fine-grained recipe
+    in ``module`` (FP8Linear's, each expert's of an FP8GroupedLinear) whose shards over ``mesh``
+    (FSDP2's; None: the whole world) will hold whole blocks of its forward operand. A 2-D mesh, a
+    tensor-parallel weight and one rank (where FSDP2 gathers nothing) are left out: the weight is
+    gathered in FP32 there, as an O2 weight is in its stored format
+    (`fp8lm.tensor.fsdp_gather_recipe`)."""
+    if mesh is not None and mesh.ndim != 1:
+        return {}
+    ranks = mesh.size() if mesh is not None else dist.get_world_size()
+    if ranks == 1:
+        return {}
+    found = {}
+    for m in module.modules():
+        recipe = getattr(m, "recipe", None)
+        if not isinstance(m, (FP8Linear, FP8GroupedLinear)) or not m.fp8_enabled or m.high_precision:
+            continue
+        if not isinstance(recipe, Recipe) or not recipe.fine_grained:
+            continue
+        weights = [w for _, w in m.held_weights()] if isinstance(m, FP8GroupedLinear) else [m.weight]
+        for w in weights:
+            plain = type(w) is nn.Parameter and w.dtype == torch.float32
+            if plain and shards_whole_blocks(recipe, w.shape, ranks):
+                found[id(w)] = recipe
+    return found
+
+
 def _autocast_gemm_weights(module: nn.Module, dtype: torch.dtype) -> dict[int, torch.dtype]:
     """id -> ``dtype`` for the weight of every FP8Linear in ``module`` whose GEMMs run in high
     precision (``fp8_enabled`` False: ``F.linear``, which ``torch.autocast(dtype)`` computes on the
@@ -261,7 +289,8 @@ def fully_shard(
     reshard = kwargs.get("reshard_after_forward")
     if reshard is None or isinstance(reshard, bool):  # an int reshards to fewer ranks: no all-gather extensions then
         cast_to = _autocast_gemm_weights(module, autocast_dtype) if autocast_dtype is not None else {}
-        wrap_fp32_weights(module, _fp8_gemm_weights(module), kwargs.get("ignored_params"), cast_to)
+        blocks = _block_gathered_weights(module, kwargs.get("mesh"))
+        wrap_fp32_weights(module, _fp8_gemm_weights(module), kwargs.get("ignored_params"), cast_to, blocks)
     sharded = torch_fully_shard(module, **kwargs)
     _choose_gather_formats(sharded)
     _move_grad_format_hooks(sharded, grad_hooks)
