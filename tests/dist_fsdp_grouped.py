@@ -142,6 +142,7 @@ def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict
         ref_losses.append(ref_loss)
     res["losses"], res["ref_losses"] = losses, ref_losses
     res["final_shards"] = [_values(w.to_local()) for w in model[0].layer.weight]
+    precompute_fp8_scales(model)  # after every optimizer step, as its contract says
     res["final_gathered"] = gathered_experts(model[0])
     return res
 

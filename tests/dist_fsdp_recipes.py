@@ -4,6 +4,7 @@ unsharded copy: what the first all-gather brings (and the bytes it takes), the f
 outputs, and the losses of a few training steps against one process that runs the ranks'
 batches as micro-batches of one step."""
 
+import contextlib
 import copy
 import sys
 
@@ -36,14 +37,34 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
 
 
+@contextlib.contextmanager
+def counted_all_reduces():
+    """The ``torch.distributed.all_reduce`` calls made inside (a list of their tensors' sizes)."""
+    import torch.distributed as dist
+
+    calls, original = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original
+
+
 def gathered(layer) -> dict:
     """What FSDP2's all-gather brings for ``layer``'s weight, and the bytes this rank handed."""
     from fp8lm.distributed import comm_stats, reset_comm_stats
 
     reset_comm_stats()
-    layer.unshard()
+    with counted_all_reduces() as all_reduces:
+        layer.unshard()
     weight = layer.weight
     out = {"type": type(weight).__name__, "handed": comm_stats()["all_gather_handed_bytes"]}
+    out["all_reduces"] = len(all_reduces)
     if hasattr(weight, "operand"):
         op = weight.operand
         out.update(payload=op.payload.view(torch.uint8).clone(), d=op.d.clone(), block=op.block)
@@ -162,6 +183,7 @@ def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict
     res["losses"], res["ref_losses"] = losses, ref_losses
     # After the optimizer changed the weights: the gathers since refilled the payload and scales.
     res["final_shards"] = [_values(model[i].weight.to_local()) for i in (0, 2)]
+    precompute_fp8_scales(model)  # after every optimizer step, as its contract says
     res["final_gathered"] = [gathered(model[i]) for i in (0, 2)]
     return res
 

@@ -124,6 +124,18 @@ def test_all_gather_sends_the_payload_and_the_scales(ranks, recipe, level):
 @pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_precomputed_scales_leave_the_gather_no_all_reduce(ranks, recipe, level):
+    """`precompute_fp8_scales` agrees every gathered weight's scale, and nvfp4's per-tensor amax,
+    in one all-reduce for the model: the all-gathers themselves reduce nothing (up to commit
+    eae2fe7 each nvfp4 weight's gather, forward and backward, all-reduced its amax)."""
+    for r in ranks:
+        for key in ("gathered", "final_gathered"):
+            assert [g["all_reduces"] for g in _of(r, level, recipe)[key]] == [0, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_the_forward_saves_no_copy_of_a_gathered_weight(ranks, recipe, level):
     """The backward's weight operand is the gathered one, which FSDP2 frees after the forward and
     gathers again for the backward; rowwise and mxfp8 requantize it along out_features there. A

@@ -8,7 +8,8 @@ forward operand: each rank quantizes its own rows as
 per row, 1 x 32 or 128 x 128 or 16 x 16 blocks) and sends the E4M3 bytes with the scales of its
 rows or blocks (`gather_inputs`: E8M0 bytes where they are powers of two, else float32); the gathered payload and scales are the operand of the whole
 weight, bit for bit, as a `BlockScaledTensor` (`gathered`) that `FP8Linear` multiplies directly.
-nvfp4's per-tensor scale comes from the amax of the whole weight (a MAX all-reduce); its E2M1
+nvfp4's per-tensor scale comes from the amax of the whole weight (agreed by
+`fp8lm.distributed.precompute_fp8_scales`, or else a MAX all-reduce at the gather); its E2M1
 elements travel packed two to a byte (`fp8lm.ops.nvfp4.pack_e2m1_bytes`, for an even
 in_features) with one E4M3 byte per 16 x 16 block, its format's own scale bytes, and the
 gathered tensor keeps them packed, as uint8 (unpacked for each use of its `operand`). Scale bytes
@@ -163,18 +164,20 @@ def shards_whole_blocks(recipe: Recipe, shape: tuple[int, ...] | torch.Size, ran
 
 
 def gather_inputs(
-    values: torch.Tensor, recipe: Recipe, group: dist.ProcessGroup | None
+    values: torch.Tensor, recipe: Recipe, group: dist.ProcessGroup | None, tensor_amax: torch.Tensor | None = None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple]:
     """What this rank sends for a weight whose shard (a whole number of blocks) has ``values``
     (float32): its rows as the recipe's forward weight operand, the payload as bytes (no
     backend carries float8) and the scales of its blocks; and the metadata that `gathered`
-    reads. nvfp4: the per-tensor amax is agreed over ``group`` first, and the elements (for an
-    even in_features) travel packed with their E4M3 block scale bytes."""
-    tensor_amax = None
-    if recipe.granularity == "nvfp4":
+    reads. nvfp4: the per-tensor amax of the whole weight, ``tensor_amax`` where it was agreed
+    already (`fp8lm.distributed.precompute_fp8_scales`), else agreed over ``group`` here; the
+    elements (for an even in_features) travel packed with their E4M3 block scale bytes."""
+    if recipe.granularity == "nvfp4" and tensor_amax is None:
         tensor_amax = values.abs().amax().to(torch.float32).reshape(1)
         dist.all_reduce(tensor_amax, dist.ReduceOp.MAX, group=group)
         tensor_amax = tensor_amax.reshape(())
+    elif recipe.granularity != "nvfp4":
+        tensor_amax = None
     op = quantize_operand(values, recipe, "weight", dim=1, tensor_amax=tensor_amax)
     if op.tensor_scale is not None and values.shape[1] % 2 == 0:  # as a layer saves it
         packed, stored, tensor_scale = pack_nvfp4_operand(op)

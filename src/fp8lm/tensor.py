@@ -344,7 +344,8 @@ class ScalingTensor(torch.Tensor):
         holder = next((p for p in module.parameters() if getattr(p, "_local_tensor", None) is self), self)
         recipe = fsdp_gather_recipe(holder, module, outer_size, mesh.size())
         if recipe is not None:  # the recipe's operand with the scales of this rank's blocks
-            return block_tensor.gather_inputs(self.dequantize(torch.float32), recipe, mesh.get_group())
+            amax = getattr(holder, "fsdp_gather_amax", None)  # nvfp4's, agreed by precompute_fp8_scales
+            return block_tensor.gather_inputs(self.dequantize(torch.float32), recipe, mesh.get_group(), amax)
         fmt = fsdp_gather_format(holder, self, _fp8_gemm_weight_format(module, holder))
         scale = getattr(holder, "fsdp_gather_scale", None)
         if scale is None:

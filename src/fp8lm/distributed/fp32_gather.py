@@ -243,8 +243,11 @@ class BlockGatheredWeight(GatheredWeight):
     # -- FSDP2 all-gather extension (torch.distributed.fsdp.fully_shard) -------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's rows as the recipe's forward weight operand: payload bytes and the scales
-        of its rows or blocks (nvfp4 agrees the whole weight's amax over ``mesh`` first)."""
-        return block_tensor.gather_inputs(self._inner.float(), self.recipe, mesh.get_group())
+        of its rows or blocks (nvfp4: with the whole weight's amax, the one `precompute_fp8_scales`
+        agreed, or else agreed over ``mesh`` first)."""
+        holder = next((p for p in module.parameters() if getattr(p, "_local_tensor", None) is self), self)
+        amax = getattr(holder, "fsdp_gather_amax", None)
+        return block_tensor.gather_inputs(self._inner.float(), self.recipe, mesh.get_group(), amax)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered weight: the ranks' payloads and scales as one `BlockScaledTensor`, the

@@ -42,12 +42,13 @@ from ..formats import E4M3, FP32, Format, format_of
 from ..grad import QuantizeGrad
 from ..nn.grouped import FP8GroupedLinear
 from ..nn.linear import FP8Linear
+from ..ops.cast import amax as _amax
 from ..recipe import Recipe
 from ..scaling import compute_scale
-from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_shard_amax
+from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_gather_recipe, fsdp_shard_amax
 from . import comm
 from .collectives import fp8_reduce_scatter
-from .fp32_gather import AUTOCAST_DTYPES, gathered_fp32_weights, wrap_fp32_weights
+from .fp32_gather import AUTOCAST_DTYPES, BlockGatheredWeight, gathered_fp32_weights, wrap_fp32_weights
 
 __all__ = ["fully_shard", "precompute_fp8_scales", "FP8ReduceScatter", "CountedAllGather", "CountedReduceScatter"]
 
@@ -310,20 +311,40 @@ def _fsdp_group(mesh):
 @torch.no_grad()
 def precompute_fp8_scales(model: nn.Module) -> None:
     """Agree the all-gather scale of every sharded ScalingTensor weight of ``model`` (and every
-    `FP8GatheredWeight`, O1's FP32 weights) with one MAX all-reduce of their amaxes per FSDP group
-    (instead of one per weight in each all-gather). Call it before the first forward and after
+    `FP8GatheredWeight`, O1's FP32 weights), and the per-tensor amax of every weight gathered in
+    nvfp4's blocks, with one MAX all-reduce of their amaxes per FSDP group (instead of one per
+    weight in each all-gather, forward and backward). Call it before the first forward and after
     every optimizer step; the scales hold until the next call."""
     _choose_gather_formats(model)
     by_group: dict = defaultdict(list)
-    for _, param, shard in _sharded_scaling_tensors(model):
-        by_group[_fsdp_group(param.device_mesh)].append(
-            (param, fsdp_shard_amax(shard), fsdp_gather_format(param, shard))
-        )
+    for owner, param, shard in _sharded_scaling_tensors(model):
+        group = _fsdp_group(param.device_mesh)
+        recipe = fsdp_gather_recipe(param, owner, param.shape, dist.get_world_size(group))
+        if recipe is None:
+            by_group[group].append((param, fsdp_shard_amax(shard), fsdp_gather_format(param, shard)))
+        elif recipe.granularity == "nvfp4":
+            by_group[group].append((param, fsdp_shard_amax(shard), None))
     for param, local in gathered_fp32_weights(model):
         by_group[_fsdp_group(param.device_mesh)].append((param, local.shard_amax(), E4M3))
+    for param, local in _nvfp4_block_gathered(model):
+        by_group[_fsdp_group(param.device_mesh)].append((param, _amax(local.inner).float(), None))
     for group, members in by_group.items():
         amaxes = torch.stack([value_amax for _, value_amax, _ in members])
         comm.all_reduce(amaxes, dist.ReduceOp.MAX, group)
         for (param, _, fmt), value_amax in zip(members, amaxes, strict=True):
             # Kept on the parameter, whose local tensor FSDP2 may replace.
-            param.fsdp_gather_scale = compute_scale(value_amax, fmt)  # type: ignore[attr-defined]
+            if fmt is None:  # nvfp4's tensor amax (`fp8lm.block_tensor.gather_inputs`)
+                param.fsdp_gather_amax = value_amax  # type: ignore[attr-defined]
+            else:
+                param.fsdp_gather_scale = compute_scale(value_amax, fmt)  # type: ignore[attr-defined]
+
+
+def _nvfp4_block_gathered(module: nn.Module) -> list[tuple[DTensor, BlockGatheredWeight]]:
+    """(sharded parameter, local shard) of every O1 FP32 weight gathered in nvfp4's blocks."""
+    return [
+        (p, p._local_tensor)
+        for p in module.parameters()
+        if isinstance(p, DTensor)
+        and isinstance(p._local_tensor, BlockGatheredWeight)
+        and p._local_tensor.recipe.granularity == "nvfp4"
+    ]
