@@ -2,8 +2,8 @@
 FSDP2 all-gathers a weight in that form.
 
 Under a fine-grained recipe (`fp8lm.Recipe.fine_grained`) an FSDP2-sharded `FP8Linear` weight (or
-an `FP8GroupedLinear` expert's, with `fp8lm.distributed.fully_shard`) is all-gathered as its
-forward operand: each rank quantizes its own rows as
+an `FP8GroupedLinear` expert's; at O1 a `fp8lm.distributed.fp32_gather.BlockGatheredWeight`) is
+all-gathered as its forward operand: each rank quantizes its own rows as
 `fp8lm.ops.finegrained.quantize_operand` quantizes the whole weight along in_features (one scale
 per row, 1 x 32 or 128 x 128 or 16 x 16 blocks) and sends the E4M3 bytes with the scales of its
 rows or blocks (`gather_inputs`: E8M0 bytes where they are powers of two, else float32); the gathered payload and scales are the operand of the whole

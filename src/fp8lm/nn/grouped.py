@@ -8,9 +8,9 @@ rows' device), or the counts themselves (a 1-D tensor or a sequence, in expert o
 ``weight[e]`` of shape ``(out, in)`` (held in an `ExpertWeights`, an ``nn.ParameterList``), so it
 is stored like every FP8 weight: `fp8lm.initialize` gives it one `ScalingTensor` with one scale per
 expert (O2: an FP16 payload, O3: E4M3 with an FP16 master), an E4M3 gradient with its own scale,
-and FP8AdamW moments of its own. An entry may be None: an expert this rank does not hold (expert parallelism,
-`fp8lm.distributed.ExpertParallelMoE`), which must get no rows; the others keep their names
-(``weight.<expert>``) as in the whole layer.
+and FP8AdamW moments of its own. An entry may be None: an expert this rank does not hold (expert
+parallelism, `fp8lm.distributed.ExpertParallelMoE`), which must get no rows; the others keep their
+names (``weight.<expert>``) as in the whole layer.
 
 No host synchronization: on a GPU the layers read the groups from device tensors (offsets for
 ``torch._grouped_mm`` / ``torch._scaled_grouped_mm``, each row's expert for the per-expert scales).
