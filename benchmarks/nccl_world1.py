@@ -1,6 +1,6 @@
 """The distributed code path of `fp8lm train` on one GPU with NCCL: ``torchrun --nproc_per_node 1``
-for each data-parallel layout (FP8DataParallel at O2, FP8 ZeRO at O3, FSDP2 at O2, torch's DDP at
-bf16), a few steps each. A world of one rank still builds the mesh and issues every collective,
+for each data-parallel layout (FP8DataParallel at O2, FP8 ZeRO at O3, FSDP2 at O2, with the
+tensorwise and the rowwise recipe, torch's DDP at bf16), a few steps each. A world of one rank still builds the mesh and issues every collective,
 on the process group ``cuda:nccl,cpu:gloo``: a CPU tensor handed to NCCL fails here.
 
     python benchmarks/nccl_world1.py [--device cuda] [--steps 20]
@@ -23,7 +23,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
-LAYOUTS = {"dp_O2": ("O2", []), "zero_O3": ("O3", []), "fsdp_O2": ("O2", ["--fsdp"]), "ddp_bf16": ("bf16", [])}
+LAYOUTS = {
+    "dp_O2": ("O2", []),
+    "zero_O3": ("O3", []),
+    "fsdp_O2": ("O2", ["--fsdp"]),
+    "fsdp_O2_rowwise": ("O2", ["--fsdp", "--recipe", "rowwise"]),  # one rank: the weights stay as stored
+    "ddp_bf16": ("bf16", []),
+}
 
 
 def run(name: str, level: str, flags: list[str], args: argparse.Namespace, tmp: Path) -> dict:
