@@ -350,7 +350,7 @@ def test_nvfp4_experts_are_one_nvfp4_linear_per_expert(recipe):
 
 def test_the_experts_list_knows_its_layer_through_copies_and_pickles(tmp_path):
     """FSDP2 hands an expert's all-gather the list that holds the weight (`ExpertWeights`): it
-    names its layer, also in a deep copy, a pickled model, `fp8lm.initialize`'s FP8 layer and an
+    names its layer, also in a deep copy, a pickled layer, `FP8GroupedLinear.from_grouped`'s and an
     expert-parallel rank's local layer, and is not a submodule (the names stay ``weight.<e>``)."""
     from fp8lm.distributed.expert_parallel import _local_experts
 
