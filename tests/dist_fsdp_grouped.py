@@ -10,7 +10,7 @@ import sys
 import torch
 from torch import nn
 
-from dist_fsdp_recipes import BATCH, HIDDEN, IN, LR, OUT, RECIPES, STEPS, _values, batch, rounding_seed
+from dist_fsdp_recipes import BATCH, HIDDEN, IN, OUT, RECIPES, _values, train_against_one_process
 from dist_launch import worker_main
 
 EXPERTS = 2
@@ -98,10 +98,7 @@ def forward_saving(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, lis
 def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict:
     """The checks of one recipe: at O2 (FP16-stored weights, FP8AdamW) or O1 (plain FP32 weights,
     torch's AdamW)."""
-    import torch.distributed as dist
-
     from fp8lm.distributed import fully_shard, precompute_fp8_scales
-    from fp8lm.optim import FP8AdamW
 
     model = small_model(recipe, "fp32" if level == "O1" else "fp16")
     reference = copy.deepcopy(model)
@@ -110,37 +107,7 @@ def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict
     fully_shard(model)
     precompute_fp8_scales(model)
     res["gathered"] = gathered_experts(model[0])
-    optimizer = torch.optim.AdamW if level == "O1" else FP8AdamW
-    opt = optimizer(model.parameters(), lr=LR)
-    ref_opt = optimizer(reference.parameters(), lr=LR)
-    losses, ref_losses = [], []
-    for step in range(STEPS):
-        precompute_fp8_scales(model)
-        x, y = batch(rank)
-        if step == 0:
-            out, res["saved_copies"] = forward_saving(model, x)
-            res["out"], res["ref_out"] = out.detach().clone(), reference(x).detach()
-        else:
-            out = model(x)
-        loss = (out - y).square().mean()
-        torch.manual_seed(rounding_seed(step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
-        ref_loss = 0.0
-        for r in range(world):  # one process, the ranks' batches as micro-batches, their rounding noise
-            xr, yr = batch(r)
-            micro = (reference(xr) - yr).square().mean() / world
-            torch.manual_seed(rounding_seed(step, r))
-            micro.backward()
-            ref_loss += float(micro)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(ref_loss)
-    res["losses"], res["ref_losses"] = losses, ref_losses
+    res.update(train_against_one_process(model, reference, level, rank, world, forward_saving))
     res["final_shards"] = [_values(w.to_local()) for w in model[0].layer.weight]
     precompute_fp8_scales(model)  # after every optimizer step, as its contract says
     res["final_gathered"] = gathered_experts(model[0])

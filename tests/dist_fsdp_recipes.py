@@ -14,6 +14,7 @@ from torch import nn
 from dist_launch import worker_main
 
 RECIPES = ("rowwise", "rowwise-wgrad-bf16", "blockwise", "mxfp8", "nvfp4")
+LEVELS = ("O2", "O1")  # FP16-stored weights and FP8AdamW; plain FP32 weights and torch's AdamW
 # 256 rows: 128 per rank on 2 ranks (whole 128 x 128 blocks); 96 rows: 48 per rank (not for blockwise).
 IN, HIDDEN, OUT = 64, 256, 96
 BATCH, STEPS, LR = 8, 4, 1e-2
@@ -132,31 +133,26 @@ def _values(weight: torch.Tensor) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, ScalingTensor) else weight.detach().clone()
 
 
-def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict:
-    """The checks of one recipe: at O2 (FP16-stored weights, FP8AdamW) or O1 (plain FP32 weights,
-    torch's AdamW)."""
+def train_against_one_process(model, reference, level: str, rank: int, world: int, saving) -> dict:
+    """``STEPS`` steps of the sharded ``model`` on this rank's batch next to the unsharded
+    ``reference`` in one process over the ranks' batches as micro-batches (nvfp4 scales each one's
+    input per tensor), each micro-batch's backward with its rank's rounding noise; O1: torch's
+    AdamW, else FP8AdamW. The first forward goes through ``saving`` (`forward_saving`): what it
+    saved, and the first outputs of both; the losses of every step."""
     import torch.distributed as dist
 
-    from fp8lm.distributed import fully_shard, precompute_fp8_scales
+    from fp8lm.distributed import precompute_fp8_scales
     from fp8lm.optim import FP8AdamW
 
-    model = small_model(recipe, "fp32" if level == "O1" else "fp16")
-    reference = copy.deepcopy(model)
-    res = {"weights": [_values(reference[i].weight) for i in (0, 2)]}
-    for i in (0, 2):
-        fully_shard(model[i])
-    fully_shard(model)
-    precompute_fp8_scales(model)
-    res["gathered"] = [gathered(model[i]) for i in (0, 2)]
     optimizer = torch.optim.AdamW if level == "O1" else FP8AdamW
     opt = optimizer(model.parameters(), lr=LR)
     ref_opt = optimizer(reference.parameters(), lr=LR)
-    losses, ref_losses = [], []
+    res: dict = {"losses": [], "ref_losses": []}
     for step in range(STEPS):
         precompute_fp8_scales(model)
         x, y = batch(rank)
         if step == 0:
-            out, res["saved_copies"] = forward_saving(model, x)
+            out, res["saved_copies"] = saving(model, x)
             res["out"], res["ref_out"] = out.detach().clone(), reference(x).detach()
         else:
             out = model(x)
@@ -167,9 +163,7 @@ def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict
         opt.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        losses.append(float(mean) / world)
-        # One process over the ranks' batches as micro-batches (nvfp4 scales each one's input per
-        # tensor), each micro-batch's backward with its rank's rounding noise.
+        res["losses"].append(float(mean) / world)
         ref_loss = 0.0
         for r in range(world):
             xr, yr = batch(r)
@@ -179,13 +173,43 @@ def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict
             ref_loss += float(micro)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(ref_loss)
-    res["losses"], res["ref_losses"] = losses, ref_losses
+        res["ref_losses"].append(ref_loss)
+    return res
+
+
+def recipe_checks(recipe: str, rank: int, world: int, level: str = "O2") -> dict:
+    """The checks of one recipe: at O2 (FP16-stored weights, FP8AdamW) or O1 (plain FP32 weights,
+    torch's AdamW)."""
+    from fp8lm.distributed import fully_shard, precompute_fp8_scales
+
+    model = small_model(recipe, "fp32" if level == "O1" else "fp16")
+    reference = copy.deepcopy(model)
+    res = {"weights": [_values(reference[i].weight) for i in (0, 2)]}
+    for i in (0, 2):
+        fully_shard(model[i])
+    fully_shard(model)
+    precompute_fp8_scales(model)
+    res["gathered"] = [gathered(model[i]) for i in (0, 2)]
+    res.update(train_against_one_process(model, reference, level, rank, world, forward_saving))
     # After the optimizer changed the weights: the gathers since refilled the payload and scales.
     res["final_shards"] = [_values(model[i].weight.to_local()) for i in (0, 2)]
     precompute_fp8_scales(model)  # after every optimizer step, as its contract says
     res["final_gathered"] = [gathered(model[i]) for i in (0, 2)]
     return res
+
+
+def level_results(r: dict, level: str, recipe: str) -> dict:
+    """A rank's results (`checks`) of ``recipe`` at ``level`` (O2: FP16-stored weights; O1: plain FP32)."""
+    return r[recipe] if level == "O2" else r["O1"][recipe]
+
+
+def assert_trains_as_one_process(res: dict) -> None:
+    """The losses of `train_against_one_process`: the first the same forward summed in another
+    order, every one within 1 % of one process's, and falling."""
+    losses, ref = torch.tensor(res["losses"]), torch.tensor(res["ref_losses"])
+    assert torch.allclose(losses[0], ref[0], rtol=1e-6, atol=0)
+    assert bool(((losses - ref).abs() <= 0.01 * ref).all()), (losses, ref)
+    assert ref[-1] < ref[0]  # it trains
 
 
 def one_rank_checks(recipe: str, level: str) -> dict:
@@ -213,7 +237,7 @@ def one_rank_checks(recipe: str, level: str) -> dict:
 
 def checks(rank, world, mode="all"):
     if mode == "one_rank":
-        return {level: {r: one_rank_checks(r, level) for r in RECIPES} for level in ("O2", "O1")}
+        return {level: {r: one_rank_checks(r, level) for r in RECIPES} for level in LEVELS}
     res = {recipe: recipe_checks(recipe, rank, world) for recipe in RECIPES}
     res["O1"] = {recipe: recipe_checks(recipe, rank, world, "O1") for recipe in RECIPES}
     return res

@@ -11,6 +11,8 @@ import torch
 
 import fp8lm
 from dist_fsdp_grouped import EXPERTS, HIDDEN, IN, RECIPES
+from dist_fsdp_recipes import LEVELS, assert_trains_as_one_process
+from dist_fsdp_recipes import level_results as _of
 from dist_launch import run_workers
 from fp8lm.block_tensor import shards_whole_blocks
 from fp8lm.ops.finegrained import quantize_operand
@@ -22,13 +24,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ranks():
     return run_workers("dist_fsdp_grouped.py", WORLD, timeout=900.0)
-
-
-LEVELS = ("O2", "O1")
-
-
-def _of(r: dict, level: str, recipe: str) -> dict:
-    return r[recipe] if level == "O2" else r["O1"][recipe]
 
 
 def _operand(weight: torch.Tensor, recipe: str):
@@ -121,8 +116,4 @@ def test_first_step_outputs_equal_one_process(ranks, recipe, level):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_losses_within_one_percent_of_one_process(ranks, recipe, level):
     for r in ranks:
-        res = _of(r, level, recipe)
-        losses, ref = torch.tensor(res["losses"]), torch.tensor(res["ref_losses"])
-        assert torch.allclose(losses[0], ref[0], rtol=1e-6, atol=0)
-        assert bool(((losses - ref).abs() <= 0.01 * ref).all()), (losses, ref)
-        assert ref[-1] < ref[0]
+        assert_trains_as_one_process(_of(r, level, recipe))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fp8lm
-from dist_fsdp_recipes import HIDDEN, IN, OUT, RECIPES
+from dist_fsdp_recipes import HIDDEN, IN, LEVELS, OUT, RECIPES, assert_trains_as_one_process
+from dist_fsdp_recipes import level_results as _of
 from dist_launch import run_workers
 from fp8lm.block_tensor import shards_whole_blocks
 from fp8lm.ops.finegrained import quantize_operand
@@ -27,20 +28,12 @@ def _blocked(recipe: str, rows: int, cols: int) -> bool:
     return shards_whole_blocks(fp8lm.Recipe.from_name(recipe), (rows, cols), WORLD)
 
 
-LEVELS = ("O2", "O1")
-
-
-def _of(r: dict, level: str, recipe: str) -> dict:
-    """A rank's results of ``recipe`` at ``level`` (O2: FP16-stored weights; O1: plain FP32)."""
-    return r[recipe] if level == "O2" else r["O1"][recipe]
-
-
 @pytest.mark.slow
 def test_one_rank_trains_as_the_unsharded_model():
     """On one rank FSDP2 skips the all-gather and reads only the first of its inputs: the weights
     stay in their stored format there (a recipe's payload and scales would not reach the layer)."""
     (res,) = run_workers("dist_fsdp_recipes.py", 1, "one_rank", timeout=600.0)
-    for level in ("O2", "O1"):
+    for level in LEVELS:
         for recipe in RECIPES:
             assert res[level][recipe] == {"out_equal": True, "grads_equal": True}, (level, recipe)
 
@@ -172,8 +165,4 @@ def test_first_step_outputs_equal_one_process(ranks, recipe, level):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_losses_within_one_percent_of_one_process(ranks, recipe, level):
     for r in ranks:
-        res = _of(r, level, recipe)
-        losses, ref = torch.tensor(res["losses"]), torch.tensor(res["ref_losses"])
-        assert torch.allclose(losses[0], ref[0], rtol=1e-6, atol=0)  # the same forward, summed in another order
-        assert bool(((losses - ref).abs() <= 0.01 * ref).all()), (losses, ref)
-        assert ref[-1] < ref[0]  # it trains
+        assert_trains_as_one_process(_of(r, level, recipe))

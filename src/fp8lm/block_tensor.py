@@ -41,6 +41,7 @@ from .recipe import Recipe
 
 __all__ = [
     "BlockScaledTensor",
+    "gathered_operand",
     "shards_whole_blocks",
     "gather_inputs",
     "gathered",
@@ -150,6 +151,12 @@ class BlockScaledTensor(torch.Tensor):
             lambda t: t.dequantize(t.dtype) if isinstance(t, BlockScaledTensor) else t, (args, kwargs)
         )
         return func(*args, **kwargs)
+
+
+def gathered_operand(weight: torch.Tensor) -> BlockOperand | None:
+    """``weight``'s forward GEMM operand where FSDP2 gathered it in its recipe's blocks (a
+    `BlockScaledTensor`), else None."""
+    return weight.operand if isinstance(weight, BlockScaledTensor) else None
 
 
 def shards_whole_blocks(recipe: Recipe, shape: tuple[int, ...] | torch.Size, ranks: int) -> bool:

@@ -341,7 +341,7 @@ class ScalingTensor(torch.Tensor):
         precomputed one (`fp8lm.distributed.precompute_fp8_scales`, one batched all-reduce for a
         whole model) or else a MAX all-reduce of this parameter's amax over ``mesh``."""
         # The choices live on the sharded parameter: FSDP2 replaces a padded shard's local tensor.
-        holder = next((p for p in module.parameters() if getattr(p, "_local_tensor", None) is self), self)
+        holder = fsdp_holder(module, self)
         recipe = fsdp_gather_recipe(holder, module, outer_size, mesh.size())
         if recipe is not None:  # the recipe's operand with the scales of this rank's blocks
             amax = getattr(holder, "fsdp_gather_amax", None)  # nvfp4's, agreed by precompute_fp8_scales
@@ -577,6 +577,13 @@ def _inplace(func, args, kwargs):
     return tree_map(lambda t: temps[id(t)][1] if isinstance(t, torch.Tensor) and id(t) in temps else t, out)
 
 
+def fsdp_holder(module: torch.nn.Module, shard: torch.Tensor) -> torch.Tensor:
+    """The sharded parameter of ``module`` whose local tensor is ``shard`` (FSDP2's
+    ``fsdp_pre_all_gather`` gets the shard): where a gather's choices live, since FSDP2 replaces
+    a padded shard's local tensor; ``shard`` itself when none is."""
+    return next((p for p in module.parameters() if getattr(p, "_local_tensor", None) is shard), shard)
+
+
 def fsdp_wire(shard: torch.Tensor, scale: torch.Tensor, fmt: Format, outer_size, ranks: int) -> torch.Tensor:
     """A rank's all-gather input for FSDP2: ``shard`` (its rows of a parameter of ``outer_size``)
     cast to ``fmt`` with ``scale``, zero-padded to FSDP's padded shard of ``ceil(dim 0 / ranks)``
@@ -654,15 +661,25 @@ def fsdp_gather_recipe(
     fixed at the first all-gather (FSDP2 keeps the gathered buffers)."""
     chosen = getattr(holder, "fsdp_gather_recipe", None)
     if chosen is None:
-        layer = _fp8_layer_of(module, holder)
-        recipe = getattr(layer, "recipe", None)
         one_dim = getattr(getattr(holder, "device_mesh", None), "ndim", 1) == 1
-        chosen = False
-        if isinstance(recipe, Recipe) and recipe.fine_grained and not getattr(layer, "high_precision", False):
-            blocks = one_dim and ranks > 1 and block_tensor.shards_whole_blocks(recipe, shape, ranks)
-            chosen = recipe if blocks else False
+        layer = _fp8_layer_of(module, holder)
+        chosen = (one_dim and block_gather_recipe(layer, shape, ranks)) or False
         holder.fsdp_gather_recipe = chosen  # type: ignore[attr-defined]
     return chosen if isinstance(chosen, Recipe) else None
+
+
+def block_gather_recipe(
+    layer: torch.nn.Module | None, shape: tuple[int, ...] | torch.Size, ranks: int
+) -> Recipe | None:
+    """The fine-grained recipe in whose blocks a weight of ``shape`` of ``layer`` (an FP8 layer,
+    or None) travels when FSDP2 shards it over ``ranks`` of a 1-D mesh, or None: ``layer`` runs
+    its GEMMs in FP8 under a fine-grained recipe, and the shards of more than one rank hold whole
+    blocks (`fp8lm.block_tensor.shards_whole_blocks`; on one rank FSDP2 skips the all-gather and
+    reads only the first of its inputs)."""
+    recipe = getattr(layer, "recipe", None)
+    if not isinstance(recipe, Recipe) or not recipe.fine_grained or getattr(layer, "high_precision", False):
+        return None
+    return recipe if ranks > 1 and block_tensor.shards_whole_blocks(recipe, shape, ranks) else None
 
 
 def fsdp_gather_format(holder: torch.Tensor, shard: ScalingTensor, prefer: Format | None = None) -> Format:

@@ -49,7 +49,7 @@ from ..formats import E4M3, format_of
 from ..ops.cast import amax as _amax
 from ..recipe import Recipe
 from ..scaling import compute_scale
-from ..tensor import fsdp_gathered, fsdp_wire
+from ..tensor import fsdp_gathered, fsdp_holder, fsdp_wire
 from . import comm
 
 __all__ = [
@@ -175,7 +175,7 @@ class FP8GatheredWeight(GatheredWeight):
         """This rank's rows as E4M3 bytes, padded to FSDP's padded shard, cast with the scale of
         the whole weight: the precomputed one (`precompute_fp8_scales`, kept on the sharded
         parameter) or else that of a MAX all-reduce of this weight's amax over ``mesh``."""
-        holder = next((p for p in module.parameters() if getattr(p, "_local_tensor", None) is self), self)
+        holder = fsdp_holder(module, self)
         scale = getattr(holder, "fsdp_gather_scale", None)
         if scale is None:
             value_amax = self.shard_amax().reshape(1)
@@ -245,7 +245,7 @@ class BlockGatheredWeight(GatheredWeight):
         """This rank's rows as the recipe's forward weight operand: payload bytes and the scales
         of its rows or blocks (nvfp4: with the whole weight's amax, the one `precompute_fp8_scales`
         agreed, or else agreed over ``mesh`` first)."""
-        holder = next((p for p in module.parameters() if getattr(p, "_local_tensor", None) is self), self)
+        holder = fsdp_holder(module, self)
         amax = getattr(holder, "fsdp_gather_amax", None)
         return block_tensor.gather_inputs(self._inner.float(), self.recipe, mesh.get_group(), amax)
 

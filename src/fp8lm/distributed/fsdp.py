@@ -37,7 +37,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..block_tensor import shards_whole_blocks
 from ..formats import E4M3, FP32, Format, format_of
 from ..grad import QuantizeGrad
 from ..nn.grouped import FP8GroupedLinear
@@ -45,7 +44,7 @@ from ..nn.linear import FP8Linear
 from ..ops.cast import amax as _amax
 from ..recipe import Recipe
 from ..scaling import compute_scale
-from ..tensor import ScalingTensor, fsdp_gather_format, fsdp_gather_recipe, fsdp_shard_amax
+from ..tensor import ScalingTensor, block_gather_recipe, fsdp_gather_format, fsdp_gather_recipe, fsdp_shard_amax
 from . import comm
 from .collectives import fp8_reduce_scatter
 from .fp32_gather import AUTOCAST_DTYPES, BlockGatheredWeight, gathered_fp32_weights, wrap_fp32_weights
@@ -166,19 +165,14 @@ def _block_gathered_weights(module: nn.Module, mesh) -> dict[int, Recipe]:
     if mesh is not None and mesh.ndim != 1:
         return {}
     ranks = mesh.size() if mesh is not None else dist.get_world_size()
-    if ranks == 1:
-        return {}
     found = {}
     for m in module.modules():
-        recipe = getattr(m, "recipe", None)
-        if not isinstance(m, (FP8Linear, FP8GroupedLinear)) or not m.fp8_enabled or m.high_precision:
-            continue
-        if not isinstance(recipe, Recipe) or not recipe.fine_grained:
+        if not isinstance(m, (FP8Linear, FP8GroupedLinear)) or not m.fp8_enabled:
             continue
         weights = [w for _, w in m.held_weights()] if isinstance(m, FP8GroupedLinear) else [m.weight]
         for w in weights:
-            plain = type(w) is nn.Parameter and w.dtype == torch.float32
-            if plain and shards_whole_blocks(recipe, w.shape, ranks):
+            recipe = block_gather_recipe(m, w.shape, ranks)
+            if recipe is not None and type(w) is nn.Parameter and w.dtype == torch.float32:
                 found[id(w)] = recipe
     return found
 

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..block_tensor import BlockScaledTensor, decoded_scales
+from ..block_tensor import BlockScaledTensor, decoded_scales, gathered_operand
 from ..formats import E4M3, FP16, FP32, Format, format_of
 from ..ops.block_scales import pow2_ceil
 from ..ops.cast import _eager_cast
@@ -520,11 +520,6 @@ class _BF16GroupedFunction(torch.autograd.Function):
         return (grad_x, None, *grad_ws)
 
 
-def _gathered_operand(weight: torch.Tensor) -> BlockOperand | None:
-    """An expert's forward operand where FSDP2 gathered it in the recipe's blocks."""
-    return weight.operand if isinstance(weight, BlockScaledTensor) else None
-
-
 def _plain(w: torch.Tensor) -> torch.Tensor:
     return w.dequantize() if isinstance(w, ScalingTensor) else w.detach()
 
@@ -665,7 +660,7 @@ class FP8GroupedLinear(GroupedLinear):
         """Each expert's rows through `fine_grained_linear` with its weight (module docstring); an
         expert without rows gets a zero gradient, as on the tensorwise path."""
         outputs = [
-            fine_grained_linear(rows, w, None, self.recipe, _gathered_operand(w), self.weight_grad_format)
+            fine_grained_linear(rows, w, None, self.recipe, gathered_operand(w), self.weight_grad_format)
             for rows, w in zip(x.split(groups.sizes()), weights)
         ]
         return torch.cat(outputs)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..block_tensor import BlockScaledTensor
+from ..block_tensor import gathered_operand
 from ..formats import E4M3, FP16, FP32, Format, format_of
 from ..ops.cast import saturating_cast_dequantized, saturating_cast_transposed, saturating_cast_with_amax
 from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm, wants_laid_out_operands
@@ -453,7 +453,7 @@ class FP8Linear(nn.Module):
             payload, stored_scale = weight.detach(), None
         if self.recipe.fine_grained:  # current scaling per block: no scaling state, no cached operand
             # FSDP2 may have gathered the recipe's operand (a BlockScaledTensor)
-            operand = weight.operand if isinstance(weight, BlockScaledTensor) else None
+            operand = gathered_operand(weight)
             return fine_grained_linear(x, weight, self.bias, self.recipe, operand, self.weight_grad_format)
         for meta in (self.input_meta, self.grad_output_meta):
             if meta.scale.device != x.device:
