@@ -6,10 +6,10 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,10 +17,21 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def hosted_store(world_size: int) -> torch.distributed.TCPStore:
+    """A rendezvous store served from this process on a port the kernel picks and this process
+    holds, as torchrun's agent serves one: ranks started with `agent_store_env` join it as clients.
+
+    Why: a port found free and handed to rank 0 to listen on can be taken in between (measured:
+    EADDRINUSE once in a full parallel suite, where gloo's own connections take ephemeral ports)."""
+    return torch.distributed.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=300), wait_for_workers=False
+    )
+
+
+def agent_store_env(port: int) -> dict[str, str]:
+    """The variables that make `torch.distributed.init_process_group` join the store of `hosted_store`
+    on ``port`` as a client, as a worker of torchrun's agent joins the agent's."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def forked_ranks(ranks: int, *args: str) -> list[str]:

@@ -1,7 +1,9 @@
 """Starts N local ranks of ``python -m MODULE ARGS`` (or ``python SCRIPT ARGS``) with the environment
 ``torchrun --standalone`` gives them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT`` on a free port, ...), forked from this one process after it has imported torch and
-fp8lm's training stack once.
+``MASTER_PORT``, ...), forked from this one process after it has imported torch and fp8lm's training
+stack once. As torchrun's agent does, this process serves the rendezvous store on a port it already
+holds, and the ranks join it as clients (``TORCHELASTIC_USE_AGENT_STORE``): no port is found free
+and then listened on by a rank, which another process can take in between.
 
 Why: a rank started by torchrun spends about 5 s of CPU importing torch, DTensor, Distributed
 Checkpoint and the pipelining schedules before it does anything, and torchrun's agent another 2 s;
@@ -62,9 +64,10 @@ PRELOAD = (
 )
 
 
-def run_rank(rank: int, world: int, port: int, target: list[str]) -> int:
+def run_rank(rank: int, world: int, store_env: dict[str, str], target: list[str]) -> int:
     """In the forked child: torchrun's variables, then the module or script as ``__main__``."""
     os.environ.update(
+        store_env,
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         GROUP_RANK="0",
@@ -72,8 +75,6 @@ def run_rank(rank: int, world: int, port: int, target: list[str]) -> int:
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
         ROLE_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0",
     )
@@ -118,10 +119,22 @@ def to_log(path: str) -> None:
     os.close(fd)
 
 
+def read_port(fd: int) -> int | None:
+    """In the forked child: the store's port, which the launcher writes once the store listens;
+    None when the launcher closed the pipe without one."""
+    data = b""
+    while len(data) < 4:
+        chunk = os.read(fd, 4 - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return struct.unpack("!I", data)[0]
+
+
 def launch(argv: list[str], started=None) -> int:
-    """Fork the ranks (after importing `PRELOAD`) and wait for them; ``started()`` is called once
-    they run. Returns the launcher's exit code."""
-    from dist_launch import free_port  # this script's folder is first on sys.path
+    """Fork the ranks (after importing `PRELOAD`), serve their rendezvous store and wait for them;
+    ``started()`` is called once they run. Returns the launcher's exit code."""
+    from dist_launch import agent_store_env, hosted_store  # this script's folder is first on sys.path
 
     world, target = int(argv[0]), argv[1:]
     logs = None
@@ -129,22 +142,35 @@ def launch(argv: list[str], started=None) -> int:
         logs, target = target[1], target[2:]
     for name in PRELOAD:
         __import__(name)
-    port = free_port()
     children: dict[int, int] = {}
     launcher = os.getpid()
+    # The ranks are forked before the store starts its thread (a fork copies only the forking
+    # thread) and wait on this pipe for its port.
+    port_in, port_out = os.pipe()
     for rank in range(world):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             die_with(launcher)
+            os.close(port_out)
             if logs is not None:
                 to_log(os.path.join(logs, f"rank{rank}.log"))
-            code = run_rank(rank, world, port, target)
+            port = read_port(port_in)
+            if port is None:
+                print("rank_launcher: the launcher ended before its store listened", file=sys.stderr)
+                os._exit(1)
+            code = run_rank(rank, world, agent_store_env(port), target)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
         children[pid] = rank
+    os.close(port_in)
+    try:
+        store = hosted_store(world)  # kept alive until every rank has ended
+        os.write(port_out, struct.pack("!I", store.port) * world)  # one write: each rank reads 4 bytes
+    finally:
+        os.close(port_out)
     if started is not None:
         started()
     failed = 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_launch import forked_ranks, free_port
+from dist_launch import agent_store_env, forked_ranks, hosted_store
 
 pytestmark = pytest.mark.slow  # every test here runs 2-rank training processes
 
@@ -109,20 +109,21 @@ def test_two_rank_o2_and_o3_summaries_report_fp8_communication(uninterrupted):
     assert [p.name for p in o3] == ["step_00000012.dcp", "step_00000012.pt", "step_00000016.dcp", "step_00000016.pt"]
 
 
-def launch_ranks(args: list[str]) -> list[subprocess.Popen]:
+def launch_ranks(args: list[str]) -> tuple[list[subprocess.Popen], object]:
     """Two ranks with torchrun's environment but no torchrun agent (which would itself stop the
-    survivor of a killed rank): what the survivor does on its own is under test."""
-    port = str(free_port())
+    survivor of a killed rank): what the survivor does on its own is under test. This process
+    serves their rendezvous store, as the agent would (`hosted_store` says why): the caller keeps
+    the store returned with the processes until they end."""
+    store = hosted_store(2)
     procs = []
     for rank in range(2):
         env = {
             **ENV,
+            **agent_store_env(store.port),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": "2",
             "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
         }
         procs.append(
             subprocess.Popen(
@@ -133,7 +134,7 @@ def launch_ranks(args: list[str]) -> list[subprocess.Popen]:
                 text=True,
             )
         )
-    return procs
+    return procs, store
 
 
 def wait_for(path: Path, procs) -> None:
@@ -146,7 +147,7 @@ def wait_for(path: Path, procs) -> None:
 
 def test_killed_rank_stops_the_other_with_a_clear_error_then_resume_matches(uninterrupted, work):
     out = work / "killed"
-    procs = launch_ranks(["train", "--opt-level", "O2", *run_options(out, work / "cache")])
+    procs, _store = launch_ranks(["train", "--opt-level", "O2", *run_options(out, work / "cache")])
     wait_for(out / "checkpoints" / "step_00000004.pt", procs)
     procs[1].send_signal(signal.SIGKILL)
     try:
@@ -162,7 +163,7 @@ def test_killed_rank_stops_the_other_with_a_clear_error_then_resume_matches(unin
     assert last.startswith("fp8lm train: error: rank 0: stopped: ") and "another rank" in last, last
     assert not (out / "summary.json").exists()
 
-    procs = launch_ranks(["train", "--opt-level", "O2", *run_options(out, work / "cache", "--resume")])
+    procs, _store = launch_ranks(["train", "--opt-level", "O2", *run_options(out, work / "cache", "--resume")])
     logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     whole = uninterrupted[0] / "O2"
