@@ -37,7 +37,6 @@ import pickle
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -64,16 +63,14 @@ TINY += ["--telemetry-every", "0"]
 # -- running the command ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fp8lm(args: list[str], ranks: int = 1, cwd: Path | None = None) -> list[tuple[int | None, str]]:
     """``fp8lm ARGS`` on ``ranks`` processes (torchrun's environment, each rank's stderr kept
-    apart); (exit code, stderr) per rank, exit code None for a rank that hung past the timeout."""
-    port, procs = free_port(), []
+    apart); (exit code, stderr) per rank, exit code None for a rank that hung past the timeout.
+    As torchrun's agent does, this process serves the ranks' rendezvous store on a port it holds
+    (a port found free and handed to rank 0 could be taken before rank 0 listens on it)."""
+    procs = []
+    if ranks > 1:  # kept until the ranks end
+        store = torch.distributed.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
     for r in range(ranks):
         env = dict(ENV)
         if ranks > 1:
@@ -83,7 +80,8 @@ def fp8lm(args: list[str], ranks: int = 1, cwd: Path | None = None) -> list[tupl
                 WORLD_SIZE=str(ranks),
                 LOCAL_WORLD_SIZE=str(ranks),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
+                MASTER_PORT=str(store.port),
+                TORCHELASTIC_USE_AGENT_STORE="True",
             )
         cmd = [sys.executable, "-m", "fp8lm.cli", *args]
         procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
