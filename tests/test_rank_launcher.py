@@ -29,6 +29,14 @@ if sys.argv[2] == "fail" and rank == 1:
     while not os.path.exists(printed) and time.time() < deadline:
         time.sleep(0.01)
     sys.exit(3)
+if sys.argv[2] == "store":
+    # before any rank joins a process group, the store is there to join as a client
+    import datetime, torch.distributed as dist
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=20))
+    store.set(f"rank{rank}", "here")
+    print(f"rank {rank} met rank {1 - rank}: {store.get(f'rank{1 - rank}').decode()}", flush=True)
 """
 
 
@@ -79,3 +87,15 @@ def test_launches_through_one_server_and_end_with_their_client(tmp_path):
     finally:
         for pid_file in fork_dir.glob("*.pid"):
             os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+
+def test_the_launcher_serves_the_store_the_ranks_join(tmp_path):
+    """As torchrun's agent: no rank listens on a port found free earlier (another process may have
+    taken it since); the launcher holds the store's port before the ranks start."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "FP8LM_TEST_FORK_DIR"}
+    run = [sys.executable, str(LAUNCHER), "2", str(script), str(tmp_path), "store"]
+    done = subprocess.run(run, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 met rank 1: here" in done.stdout and "rank 1 met rank 0: here" in done.stdout
