@@ -401,13 +401,16 @@ def test_block_amax_spread_is_the_binades_between_block_amaxes():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout, recipe", [(["--fsdp"], "blockwise"), (["--fsdp"], "rowwise"), (["--tp", "2"], "blockwise")]
+    "layout, recipe",
+    [(["--fsdp"], "blockwise"), (["--fsdp"], "rowwise"), (["--tp", "2"], "blockwise"), (["--tp", "2"], "nvfp4")],
 )
 def test_two_ranks_train_with_a_fine_grained_recipe(tmp_path, email_corpus, layout, recipe):
     """FSDP2 (the tiny model's shards split its 128 x 128 blocks: gathered in FP16; rowwise: its
     rows' E4M3 operand and scales, tests/test_fsdp_recipes.py) and tensor parallelism run a
     fine-grained recipe in the training app; their numerics against one process are compared in
-    tests/test_fsdp_recipes.py, not here."""
+    tests/test_fsdp_recipes.py and tests/test_tensor_parallel.py, not here. nvfp4 under tensor
+    parallelism: the telemetry of the head's vocabulary-sharded output gradient (a DTensor) reads
+    this rank's shard (it stopped the first step before)."""
     import json
     import os
     import subprocess

@@ -204,11 +204,11 @@ class Telemetry:
             def on_input(module, args, name=name):
                 if is_recomputing():  # activation checkpointing's second forward: recorded once already
                     return
+                x = _local(args[0])
                 if module.recipe.fine_grained:
-                    self._record_blocks(name, module, {"input": args[0], "weight": _weight_value(module.weight)})
+                    self._record_blocks(name, module, {"input": x, "weight": _weight_value(module.weight)})
                     return
                 meta = module.input_meta
-                x = args[0]
                 scale = _scale_in_use(module, meta, x, E4M3)
                 self._record(name, "input", E4M3, quantization_stats(x, E4M3, scale))
                 w = module.weight
@@ -218,11 +218,13 @@ class Telemetry:
                 )
 
             def on_grad_output(module, grad_output, name=name):
+                # this rank's part, as its layer quantizes it: a tensor-parallel head's logits are
+                # a DTensor sharded over the vocabulary (`_local`)
+                g = _local(grad_output[0])
                 if module.recipe.fine_grained:
-                    self._record_blocks(name, module, {"grad_output": grad_output[0]})
+                    self._record_blocks(name, module, {"grad_output": g})
                     return
                 meta = module.grad_output_meta
-                g = grad_output[0]
                 scale = _scale_in_use(module, meta, g, E5M2)
                 self._record(name, "grad_output", E5M2, quantization_stats(g, E5M2, scale))
 
