@@ -75,6 +75,54 @@ def block_checks(rank, world) -> dict:
     return res
 
 
+def named_recipe(name: str):
+    """A named recipe, or ``mxfp8-rceil``: mxfp8 with cuBLAS's round-up scales."""
+    import fp8lm
+
+    if name == "mxfp8-rceil":
+        return fp8lm.Recipe.from_name("mxfp8").replace(mx_rounding="rceil")
+    return fp8lm.Recipe.from_name(name)
+
+
+def recipe_block_checks(rank, world, recipe_name) -> dict:
+    """The GPT block of `block_checks` with FP8 layers of a fine-grained recipe: what the first
+    column-wise layer takes as its input and what the last row-wise layer's output receives as its
+    gradient, after their gathers, next to the same block's in one process; and the gathers'
+    bytes and calls."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fp8lm.distributed import comm_stats, reset_comm_stats
+    from fp8lm.nn.convert import convert_linears
+    from fp8lm.train.model import Block, GPTConfig
+
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_embd=EMBD, n_head=HEADS))
+    convert_linears(block, recipe=named_recipe(recipe_name))
+    reference = copy.deepcopy(block)
+    parallelize_module(block, init_device_mesh("cpu", (world,)), block_plan())
+    seen: dict = {}
+
+    def watch(model, tag):
+        model.attn.c_attn.register_forward_pre_hook(lambda m, args: seen.__setitem__(f"{tag}_input", args[0].detach()))
+
+        def on_output(m, args, out):  # before the style's reduce-scatter (prepend)
+            out.register_hook(lambda g: seen.__setitem__(f"{tag}_grad", g.detach().clone()))
+
+        model.mlp.c_proj.register_forward_hook(on_output, prepend=True)
+
+    watch(block, "tp")
+    watch(reference, "one")
+    g = torch.Generator().manual_seed(5)
+    x, grad_y = torch.randn(BATCH, SEQ, EMBD, generator=g), torch.randn(BATCH, SEQ, EMBD, generator=g)
+    x[:, 3] *= 300.0  # an outlier token: one scale per tensor would flatten the others
+    reset_comm_stats()
+    block(x.chunk(world, 1)[rank].clone().requires_grad_()).backward(grad_y.chunk(world, 1)[rank])
+    stats = comm_stats()
+    reference(x.clone().requires_grad_()).backward(grad_y)
+    return {**seen, "stats": stats, "grad_y": grad_y}
+
+
 def indivisible_checks(rank, world) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -142,14 +190,15 @@ def functional_checks(rank, world) -> dict:
     }
 
 
-def checks(rank, world, mode):
+def checks(rank, world, mode, *args):
     modes = {
         "block": block_checks,
+        "recipe_block": recipe_block_checks,
         "indivisible": indivisible_checks,
         "handed": handed_checks,
         "functional": functional_checks,
     }
-    return modes[mode](rank, world)
+    return modes[mode](rank, world, *args)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from dist_launch import run_workers
-from dist_tp import BATCH, EMBD, SEQ
+from dist_tp import BATCH, EMBD, SEQ, named_recipe
 from dist_tp_gpt import TOKEN_LOSS_GROWTH
 from fp8lm.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 
@@ -79,6 +79,46 @@ def test_block_handed_bytes_are_the_payloads(block_ranks):
         assert s["all_to_all_handed_bytes"] == 4 * BATCH * SEQ * EMBD
         assert s["all_reduce_handed_bytes"] == 4 * 8 + 2 * 4 * EMBD
         assert s["handed_bytes"] == sum(s[f"{k}_handed_bytes"] for k in ("all_gather", "all_to_all", "all_reduce"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8-rceil", "mxfp8", "nvfp4"])
+def test_fine_grained_layers_take_their_gathered_operands_as_in_one_process(recipe):
+    """Under rowwise, blockwise and mxfp8 with round-up scales the sequence-parallel all-gathers
+    send what the layers quantize: the first column-wise layer's input is its one-process input's
+    operand, bit for bit, and quantizes to its values again (no second rounding); the last row-wise
+    layer's output gradient is the operand of the gradient one process gets. Each of those
+    gathers is one all-gather of E4M3 bytes and block scales, with no scale agreed (all-reduce).
+    mxfp8's default floor scales and nvfp4 keep the E4M3 gathers with an agreed per-tensor scale
+    (`gathers_in_blocks` says why)."""
+    from fp8lm.ops.finegrained import quantize_operand
+
+    rec = named_recipe(recipe)
+    ranks = run_workers("dist_tp.py", 2, "recipe_block", recipe, timeout=TIMEOUT)
+    for r in ranks:
+        tp_in, one_in = r["tp_input"].reshape(-1, EMBD), r["one_input"].reshape(-1, EMBD)
+        assert tp_in.shape == one_in.shape == (BATCH * SEQ, EMBD)
+        operand = quantize_operand(one_in, rec, "input", 1)
+        again = quantize_operand(tp_in, rec, "input", 1)
+        grad_operand = quantize_operand(r["grad_y"].reshape(-1, EMBD), rec, "grad_output", 1).dequantize()
+        tp_grad = r["tp_grad"].reshape(-1, EMBD)
+        s = r["stats"]
+        if recipe in ("mxfp8", "nvfp4"):
+            assert not torch.equal(tp_in, operand.dequantize())
+            assert s["all_reduce_calls"] == 6  # 4 agreed scales and the 2 row-wise biases' gradients
+            continue
+        assert torch.equal(tp_in, operand.dequantize())
+        # the same values (a power-of-two scale may halve where a block's amax rounded down)
+        assert torch.equal(again.dequantize(), operand.dequantize())
+        assert torch.equal(r["one_grad"].reshape(-1, EMBD), r["grad_y"].reshape(-1, EMBD))
+        assert torch.equal(tp_grad, grad_operand)
+        # the 2 row-wise biases' gradients alone: no scale is agreed for a gather
+        assert s["all_reduce_calls"] == 2
+        rows = BATCH * SEQ // 2  # each rank's rows of one gathered activation or gradient
+        per_row = {"rowwise": 1, "blockwise": 4, "mxfp8-rceil": EMBD // 32}[recipe]  # scale bytes
+        gathers = 4 * rows * (EMBD + per_row)
+        assert s["all_gather_calls"] == 8  # the 4 gathers, and the 4 FP8 reductions' scale gathers
+        assert s["all_gather_handed_bytes"] == gathers + 4 * 4 * 2
 
 
 @pytest.mark.slow

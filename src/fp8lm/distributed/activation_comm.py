@@ -11,6 +11,14 @@ Formats on the wire:
   `fp8_all_reduce`): E4M3 with one scale per chunk and the sum in FP32. Each chunk has its own
   scale, so E4M3's extra mantissa bit buys more than E5M2's range.
 
+Under the rowwise and blockwise recipes (and mxfp8 with ``mx_rounding="rceil"``:
+`gathers_in_blocks` says why not the others) an all-gather whose consumer is a layer of that
+recipe sends instead what the layer will quantize: each row of the last dimension as the recipe's
+operand of that role (`block_all_gather`; E4M3 with one scale per row, per 1 x 32 or per 1 x 128
+tile). Those blocks lie within one rank's rows, so each rank quantizes its own and the gathered
+operand is the whole tensor's, bit for bit: the layer's quantization of the gathered values gives
+the same values again (no second rounding), and no scale is agreed (no all-reduce).
+
 Each function here is an autograd pair: the forward collective and the backward one that its
 gradient needs (a gather's gradient is a reduce-scatter, a reduce-scatter's is a gather).
 """
@@ -22,8 +30,11 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..block_tensor import decoded_scales, pow2_scales
 from ..formats import E4M3, E5M2, Format
 from ..ops.cast import amax, saturating_cast
+from ..ops.finegrained import BlockOperand, quantize_operand
+from ..recipe import Recipe
 from ..scaling import compute_scale
 from . import comm
 from .collectives import fp8_all_reduce, fp8_reduce_scatter
@@ -34,6 +45,8 @@ __all__ = [
     "GRADIENT_FORMAT",
     "REDUCTION_FORMAT",
     "agreed_scale_all_gather",
+    "block_all_gather",
+    "gathers_in_blocks",
     "reduce_scatter_along",
     "gather_from_shards",
     "reduce_scatter_to_shards",
@@ -75,6 +88,63 @@ def agreed_scale_all_gather(x: torch.Tensor, dim: int, group=None, fmt: Format =
     return dequantize_payload(gathered, scale.reciprocal()).to(x.dtype).movedim(0, dim)
 
 
+def gathers_in_blocks(recipe: Recipe | None, dim: int, ndim: int) -> bool:
+    """Whether an all-gather along ``dim`` of an ``ndim``-D tensor for a layer of ``recipe`` sends
+    the recipe's operand (`block_all_gather`): rowwise, blockwise, or mxfp8 with
+    ``mx_rounding="rceil"``, along any dimension but the last (whose rows the blocks lie in).
+
+    Not mxfp8's default floor scales (the OCP rule): they saturate a block's largest values by up
+    to an eighth, and the layer's weight-gradient GEMM quantizes the gathered values again along
+    the tokens, where one process quantizes the unclipped ones: a bias that one process does not
+    have (on the main job, 6 steps on 2 ranks ended further from one process for 5 seeds of 5).
+    Nor nvfp4: its per-tensor scale needs the whole tensor's amax, and the layer rounds its
+    gradients stochastically."""
+    if recipe is None or recipe.granularity not in ("rowwise", "blockwise", "mxfp8"):
+        return False
+    if recipe.granularity == "mxfp8" and recipe.mx_rounding == "floor":
+        return False
+    return dim % ndim != ndim - 1
+
+
+def block_all_gather(x: torch.Tensor, dim: int, recipe: Recipe, role: str, group=None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (not the last), each rank's rows of the last
+    dimension sent as ``recipe``'s ``role`` operand (`fp8lm.ops.finegrained.quantize_operand`
+    along them: E4M3 bytes, and the scales of its rows or tiles, as E8M0 bytes where they are
+    powers of two) in one all-gather; returned as the gathered operand's values in ``x``'s dtype:
+    the whole tensor's operand, as the layer quantizes it (module doc)."""
+    if not gathers_in_blocks(recipe, dim, x.dim()):
+        raise ValueError(
+            "block_all_gather takes rowwise, blockwise or mxfp8 with mx_rounding='rceil' (gathers_in_blocks), "
+            f"along a dimension other than the last; got {recipe}, dim {dim} of {x.dim()}"
+        )
+    _, world = comm.check_group(group)
+    leading = x.detach().movedim(dim, 0).contiguous()
+    op = quantize_operand(leading.reshape(-1, leading.shape[-1]), recipe, role, dim=1)
+    e8m0 = pow2_scales(recipe)  # powers of two travel as their exponent byte, exactly
+    scales = op.d.to(torch.float8_e8m0fnu) if e8m0 else op.d.contiguous()
+    payload, scale_bytes = op.payload.contiguous().view(torch.uint8), scales.view(torch.uint8)
+    sizes = [payload.numel(), scale_bytes.numel()]
+    gathered = torch.empty((world, sum(sizes)), dtype=torch.uint8, device=x.device)
+    comm.all_gather(gathered.view(-1), torch.cat([payload.reshape(-1), scale_bytes.reshape(-1)]), group)
+    payloads, scale_rows = gathered.split(sizes, dim=1)
+    d = scale_rows.contiguous()
+    whole = BlockOperand(
+        payloads.contiguous().view(op.payload.dtype).view(-1, op.payload.shape[1]),
+        (decoded_scales(d) if e8m0 else d.view(torch.float32)).view(-1, op.d.shape[1]),
+        op.block,
+    )
+    values = whole.dequantize().to(x.dtype).view(world * leading.shape[0], *leading.shape[1:])
+    return values.movedim(0, dim)
+
+
+def _gather(x: torch.Tensor, dim: int, group, fmt: Format, recipe: Recipe | None, role: str) -> torch.Tensor:
+    """`block_all_gather` where the recipe takes it (`gathers_in_blocks`), else `agreed_scale_all_gather`."""
+    if gathers_in_blocks(recipe, dim, x.dim()):
+        assert recipe is not None  # gathers_in_blocks says so
+        return block_all_gather(x, dim, recipe, role, group)
+    return agreed_scale_all_gather(x, dim, group, fmt)
+
+
 def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, fmt: Format = REDUCTION_FORMAT) -> torch.Tensor:
     """The sum of ``x`` over ``group``, this rank's slice along ``dim`` (equal slices), sent as FP8
     with one scale per slice and summed in FP32 (`fp8_reduce_scatter`); in ``x``'s dtype."""
@@ -101,24 +171,24 @@ def _local_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 class _GatherFromShards(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx, x, dim, group, recipe):
         ctx.dim, ctx.group = dim, group
-        return agreed_scale_all_gather(x, dim, group, ACTIVATION_FORMAT)
+        return _gather(x, dim, group, ACTIVATION_FORMAT, recipe, "input")
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_along(grad, ctx.dim, ctx.group, REDUCTION_FORMAT), None, None
+        return reduce_scatter_along(grad, ctx.dim, ctx.group, REDUCTION_FORMAT), None, None, None
 
 
 class _ReduceScatterToShards(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, dim, group, recipe):
+        ctx.dim, ctx.group, ctx.recipe = dim, group, recipe
         return reduce_scatter_along(x, dim, group, REDUCTION_FORMAT)
 
     @staticmethod
     def backward(ctx, grad):
-        return agreed_scale_all_gather(grad, ctx.dim, ctx.group, GRADIENT_FORMAT), None, None
+        return _gather(grad, ctx.dim, ctx.group, GRADIENT_FORMAT, ctx.recipe, "grad_output"), None, None, None
 
 
 class _AllReducePartial(torch.autograd.Function):
@@ -164,16 +234,18 @@ class _ReduceReplicatedGrad(torch.autograd.Function):
         return comm.all_reduce(grad.contiguous(), group=ctx.group), None
 
 
-def gather_from_shards(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """Sequence shards -> the whole sequence (E4M3, one agreed scale), for layers whose input
+def gather_from_shards(x: torch.Tensor, dim: int, group=None, recipe: Recipe | None = None) -> torch.Tensor:
+    """Sequence shards -> the whole sequence (E4M3, one agreed scale; or, for layers of a
+    fine-grained ``recipe``, as their input operand: `block_all_gather`), for layers whose input
     gradient is a partial sum over the group: backward reduce-scatters it (FP8 per chunk, FP32 sum)."""
-    return _GatherFromShards.apply(x, dim, group)
+    return _GatherFromShards.apply(x, dim, group, recipe)
 
 
-def reduce_scatter_to_shards(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+def reduce_scatter_to_shards(x: torch.Tensor, dim: int, group=None, recipe: Recipe | None = None) -> torch.Tensor:
     """Partial sums -> this rank's shard of their sum along ``dim``; backward all-gathers the
-    gradient in E5M2 with one agreed scale."""
-    return _ReduceScatterToShards.apply(x, dim, group)
+    gradient in E5M2 with one agreed scale (or, for the output of a layer of a fine-grained
+    ``recipe``, as that layer's output-gradient operand: `block_all_gather`)."""
+    return _ReduceScatterToShards.apply(x, dim, group, recipe)
 
 
 def all_reduce_partial(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -3,12 +3,15 @@
 
 - `FP8ColwiseParallel`: the weight (and bias) sharded by output rows, ``Shard(0)``; an input in
   ``Shard(1)`` (sequence parallel) is all-gathered as E4M3 bytes with one scale agreed over the
-  TP group, and its gradient goes back through the FP8 reduce-scatter; a plain replicated input
-  gets its gradient summed with the FP8 all-reduce. Output: the local ``Shard(-1)`` slice.
+  TP group (under rowwise, blockwise or round-up mxfp8: as the layer's input operand, in its
+  blocks, `fp8lm.distributed.activation_comm.block_all_gather`), and its gradient goes back
+  through the FP8 reduce-scatter; a plain replicated input gets its gradient summed with the FP8
+  all-reduce. Output: the local ``Shard(-1)`` slice.
 - `FP8RowwiseParallel`: the weight sharded by input columns, ``Shard(1)``, the bias replicated and
   added once after the reduction; the partial outputs are summed with FP8 payloads, one scale per
   chunk and FP32 sums: reduce-scattered to ``Shard(1)`` under sequence parallelism (backward: the
-  gradient all-gathered as E5M2), all-reduced to ``Replicate()`` otherwise.
+  gradient all-gathered as E5M2, or in the layer's output-gradient blocks as above), all-reduced
+  to ``Replicate()`` otherwise.
 - `PrepareFP8ModuleInput`: torch's `PrepareModuleInput` with the layout changes in FP8:
   ``Shard(d) -> Replicate()`` is the E4M3 all-gather (for tensor-parallel consumers, whose input
   gradients are partial sums: backward reduce-scatters them), ``Replicate() -> Shard(d)`` a local
@@ -26,6 +29,8 @@ rank by rank.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +39,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.placement_types import Placement
 
 from ..grad import QuantizeGrad
+from ..nn.grouped import FP8GroupedLinear
 from ..nn.linear import FP8Linear
+from ..recipe import Recipe
 from .activation_comm import (
     all_reduce_partial,
     copy_to_parallel_region,
@@ -62,13 +69,16 @@ def _shard_dim(placement: Placement, ndim: int) -> int | None:
     raise ValueError(f"FP8 parallel styles take Shard or Replicate layouts, got {placement}")
 
 
-def _change_layout(x: torch.Tensor, current: Placement, desired: Placement, group) -> torch.Tensor:
-    """``x`` (a local tensor in layout ``current``) in layout ``desired``, through FP8 collectives."""
+def _change_layout(
+    x: torch.Tensor, current: Placement, desired: Placement, group, recipe: Recipe | None = None
+) -> torch.Tensor:
+    """``x`` (a local tensor in layout ``current``) in layout ``desired``, through FP8 collectives;
+    a gather for layers of a fine-grained ``recipe`` sends their input operand (`gather_from_shards`)."""
     have, want = _shard_dim(current, x.dim()), _shard_dim(desired, x.dim())
     if have == want:
         return x
     if want is None:
-        return gather_from_shards(x, have, group)
+        return gather_from_shards(x, have, group, recipe)
     if have is None:
         return scatter_to_shards(x, want, group)
     raise ValueError(f"FP8 parallel styles cannot redistribute {current} to {desired}: go through Replicate()")
@@ -132,6 +142,13 @@ class _LocalShards:
         self.saved = {}
 
 
+def layers_recipe(module: nn.Module) -> Recipe | None:
+    """The recipe every FP8 layer in ``module`` runs (`FP8Linear`, `FP8GroupedLinear`), or None
+    when they differ or there is none: what an input gathered for them all is sent as."""
+    recipes = {layer.recipe for layer in module.modules() if isinstance(layer, (FP8Linear, FP8GroupedLinear))}
+    return recipes.pop() if len(recipes) == 1 else None
+
+
 def _check_linear(style: str, module: nn.Module) -> None:
     if not isinstance(module, FP8Linear):
         raise TypeError(
@@ -173,7 +190,7 @@ class FP8ColwiseParallel(ColwiseParallel):
                 # A replicated DTensor's producer reduces the gradient; a plain input is reduced here.
                 x = x if was_dtensor else copy_to_parallel_region(x, group)
             else:
-                x = _change_layout(x, layout, Replicate(), group)
+                x = _change_layout(x, layout, Replicate(), group, mod.recipe)
             shards.swap_in(mod)
             return (x, *args[1:])
 
@@ -209,7 +226,10 @@ class FP8RowwiseParallel(RowwiseParallel):
 
         def prepare_output(mod, args, out):
             dim = _shard_dim(output_layout, out.dim())
-            out = all_reduce_partial(out, group) if dim is None else reduce_scatter_to_shards(out, dim, group)
+            if dim is None:
+                out = all_reduce_partial(out, group)
+            else:
+                out = reduce_scatter_to_shards(out, dim, group, mod.recipe)
             bias = shards.local.get("bias")
             if bias is not None:
                 # On a shard of the tokens, the bias gradient is partial: summed over the group.
@@ -232,14 +252,25 @@ class FP8RowwiseParallel(RowwiseParallel):
 class PrepareFP8ModuleInput(PrepareModuleInput):
     """torch's `PrepareModuleInput` (same arguments) whose layout changes go through FP8
     collectives (module docstring). ``Shard(d) -> Replicate()`` is meant for inputs that feed
-    tensor-parallel layers: its backward sums the ranks' gradients."""
+    tensor-parallel layers: its backward sums the ranks' gradients. Where the module's FP8 layers
+    all run one fine-grained recipe (`fp8lm.Recipe.fine_grained`), that gather sends their input
+    operand (`fp8lm.distributed.activation_comm.block_all_gather`)."""
+
+    recipe: Recipe | None = None  # of the module it is applied to (`_apply`)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # One style may be applied to several modules (a plan's "blocks.*.attn"): each gets its
+        # own copy, which knows that module's recipe.
+        style = copy.copy(self)
+        style.recipe = layers_recipe(module)
+        return PrepareModuleInput._apply(style, module, device_mesh)
 
     def _prepare_input_arg(self, input, mesh: DeviceMesh, input_layout, desired_layout):
         if input_layout is None:
             return input
         x, current, _ = _local_input(input, input_layout)
         desired = desired_layout or current
-        x = _change_layout(x, current, desired, mesh.get_group())
+        x = _change_layout(x, current, desired, mesh.get_group(), self.recipe)
         return x if self.use_local_output else DTensor.from_local(x, mesh, (desired,), run_check=False)
 
     def __repr__(self) -> str:
