@@ -235,16 +235,17 @@ class _ReduceReplicatedGrad(torch.autograd.Function):
 
 
 def gather_from_shards(x: torch.Tensor, dim: int, group=None, recipe: Recipe | None = None) -> torch.Tensor:
-    """Sequence shards -> the whole sequence (E4M3, one agreed scale; or, for layers of a
-    fine-grained ``recipe``, as their input operand: `block_all_gather`), for layers whose input
-    gradient is a partial sum over the group: backward reduce-scatters it (FP8 per chunk, FP32 sum)."""
+    """Sequence shards -> the whole sequence (E4M3, one agreed scale; or, for layers of a ``recipe``
+    that gathers in blocks, `gathers_in_blocks`, as their input operand: `block_all_gather`), for
+    layers whose input gradient is a partial sum over the group: backward reduce-scatters it (FP8
+    per chunk, FP32 sum)."""
     return _GatherFromShards.apply(x, dim, group, recipe)
 
 
 def reduce_scatter_to_shards(x: torch.Tensor, dim: int, group=None, recipe: Recipe | None = None) -> torch.Tensor:
     """Partial sums -> this rank's shard of their sum along ``dim``; backward all-gathers the
-    gradient in E5M2 with one agreed scale (or, for the output of a layer of a fine-grained
-    ``recipe``, as that layer's output-gradient operand: `block_all_gather`)."""
+    gradient in E5M2 with one agreed scale (or, for the output of a layer of a ``recipe`` that
+    gathers in blocks, `gathers_in_blocks`, as that layer's output-gradient operand)."""
     return _ReduceScatterToShards.apply(x, dim, group, recipe)
 
 

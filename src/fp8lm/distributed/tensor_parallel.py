@@ -57,6 +57,7 @@ __all__ = [
     "PrepareFP8ModuleInput",
     "ChunkedColwiseParallel",
     "CastPrepareModuleInput",
+    "layers_recipe",
 ]
 
 
@@ -73,7 +74,8 @@ def _change_layout(
     x: torch.Tensor, current: Placement, desired: Placement, group, recipe: Recipe | None = None
 ) -> torch.Tensor:
     """``x`` (a local tensor in layout ``current``) in layout ``desired``, through FP8 collectives;
-    a gather for layers of a fine-grained ``recipe`` sends their input operand (`gather_from_shards`)."""
+    a gather for layers of ``recipe`` sends their input operand where the recipe gathers in blocks
+    (`gather_from_shards`)."""
     have, want = _shard_dim(current, x.dim()), _shard_dim(desired, x.dim())
     if have == want:
         return x
@@ -253,8 +255,9 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
     """torch's `PrepareModuleInput` (same arguments) whose layout changes go through FP8
     collectives (module docstring). ``Shard(d) -> Replicate()`` is meant for inputs that feed
     tensor-parallel layers: its backward sums the ranks' gradients. Where the module's FP8 layers
-    all run one fine-grained recipe (`fp8lm.Recipe.fine_grained`), that gather sends their input
-    operand (`fp8lm.distributed.activation_comm.block_all_gather`)."""
+    all run one recipe that gathers in blocks (rowwise, blockwise, round-up mxfp8:
+    `fp8lm.distributed.activation_comm.gathers_in_blocks`), that gather sends their input operand
+    (`block_all_gather`)."""
 
     recipe: Recipe | None = None  # of the module it is applied to (`_apply`)
 
