@@ -244,3 +244,19 @@ def test_old_shard_folders_are_removed_with_their_checkpoints(tmp_path):
         "step_00000003.dcp",
         "step_00000003.pt",
     ]
+
+
+def test_a_folder_written_and_read_in_one_process_gives_no_dcp_warning(tmp_path):
+    """DCP warns that it runs in one process even when told to; fp8lm does so on purpose (an
+    export, `fp8lm generate`, a reshard, a one-process run), so no such warning reaches the user."""
+    import warnings
+
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        save_checkpoint(tmp_path / SHARDS, model, opt)
+        load_sharded(tmp_path / SHARDS, model, opt)
+    assert not [w for w in seen if "torch.distributed is disabled" in str(w.message)]

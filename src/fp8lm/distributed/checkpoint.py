@@ -41,7 +41,15 @@ from ..optim import FP8Adam, FP8AdamW, SkipsNonFiniteSteps
 from ..optim.sharded import agree_shard_scales, requantize_to
 from ..optim.state import init_state
 from ..tensor import ScalingTensor
-from .dcp_reader import CheckpointError, CheckpointReader, PlainDataLoadPlanner, check_finite, is_tensor, read_dcp
+from .dcp_reader import (
+    CheckpointError,
+    CheckpointReader,
+    PlainDataLoadPlanner,
+    alone_quietly,
+    check_finite,
+    is_tensor,
+    read_dcp,
+)
 from .zero import FP8ZeroOptimizer
 
 __all__ = [
@@ -101,7 +109,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     # which rows a chunked tensor-parallel layer ordered rank by rank (fp8lm.distributed.reshard)
     chunked = {name: f"{chunks},{tp}" for name, (chunks, tp) in row_chunked(model).items()}
     state = {"model": model_state, "optim": optim_state, "row_chunks": chunked, "weight_scales": weight_scales(model)}
-    dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not torch.distributed.is_initialized())
+    with alone_quietly():
+        dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not torch.distributed.is_initialized())
     if isinstance(optimizer, (FP8Adam, FP8AdamW)):
         optimizer.forget_amaxes()  # the next step as a run resumed from here takes it
     elif isinstance(optimizer, FP8ZeroOptimizer) and isinstance(optimizer.shard, (FP8Adam, FP8AdamW)):

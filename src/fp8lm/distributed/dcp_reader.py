@@ -9,8 +9,11 @@ Every refusal is a `CheckpointError`, raised by `read_dcp` as itself on every ra
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -19,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-__all__ = ["CheckpointError", "CheckpointReader", "PlainDataLoadPlanner", "check_finite", "read_dcp", "is_tensor"]
+__all__ = ["CheckpointError", "CheckpointReader", "PlainDataLoadPlanner", "alone_quietly", "check_finite", "read_dcp", "is_tensor"]
 
 # Everything the .metadata pickle of a DCP checkpoint holds besides builtin containers and dtypes.
 _METADATA_GLOBALS = {
@@ -103,6 +106,17 @@ class PlainDataLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, plain)
 
 
+@contextlib.contextmanager
+def alone_quietly() -> Iterator[None]:
+    """Silence DCP's warning that it reads or writes in one process ("torch.distributed is
+    disabled, unavailable or uninitialized, assuming the intent is to ..."), which it gives even
+    when asked to (``no_dist=True``): fp8lm reads a sharded folder alone on purpose (an export,
+    `fp8lm generate`, a reshard), and a user would take the warning for a fault."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+        yield
+
+
 def read_dcp(state: dict, path: str, planner: DefaultLoadPlanner, coordinated: bool = True) -> None:
     """``dcp.load`` of ``state`` from ``path`` through the trusting-nothing reader, raising a
     `CheckpointError` of any rank as itself (DCP wraps every rank's failure in one multi-line
@@ -110,7 +124,8 @@ def read_dcp(state: dict, path: str, planner: DefaultLoadPlanner, coordinated: b
     expects as a tensor that the folder stores as pickled bytes is refused before any read."""
     _refuse_bytes_for_tensors(state, path)
     try:
-        dcp.load(state, storage_reader=CheckpointReader(path), planner=planner, no_dist=not coordinated)
+        with alone_quietly():
+            dcp.load(state, storage_reader=CheckpointReader(path), planner=planner, no_dist=not coordinated)
     except CheckpointException as e:
         ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
         if ours:
