@@ -22,7 +22,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-__all__ = ["CheckpointError", "CheckpointReader", "PlainDataLoadPlanner", "alone_quietly", "check_finite", "read_dcp", "is_tensor"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointReader",
+    "PlainDataLoadPlanner",
+    "alone_quietly",
+    "check_finite",
+    "read_dcp",
+    "is_tensor",
+]
 
 # Everything the .metadata pickle of a DCP checkpoint holds besides builtin containers and dtypes.
 _METADATA_GLOBALS = {
