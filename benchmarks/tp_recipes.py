@@ -8,8 +8,8 @@ copy, for each recipe and both gathers: the relative L2 error against float64 of
 input gradient and the weight gradients (those of ``attn.c_proj``, ``mlp.c_fc`` and
 ``mlp.c_proj``: ``c_attn``'s rows are ordered rank by rank), for tensor parallelism and for one
 process, and the distance between the two; and what each rank hands to the collectives in one
-step. Mean of ``--seeds`` seeds. ``mxfp8-rceil``: mxfp8 with ``mx_rounding="rceil"`` (mxfp8's
-default floor scales and nvfp4 gather per tensor either way). The per-tensor gather is today's
+step. Mean of ``--seeds`` seeds. ``mxfp8-rceil``: mxfp8 with ``mx_rounding="rceil"`` (nvfp4
+gathers per tensor either way). The per-tensor gather is today's
 code with `gathers_in_blocks` answering no::
 
     torchrun --standalone --nproc_per_node 2 benchmarks/tp_recipes.py \\

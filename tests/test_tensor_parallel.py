@@ -84,39 +84,45 @@ def test_block_handed_bytes_are_the_payloads(block_ranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8-rceil", "mxfp8", "nvfp4"])
 def test_fine_grained_layers_take_their_gathered_operands_as_in_one_process(recipe):
-    """Under rowwise, blockwise and mxfp8 with round-up scales the sequence-parallel all-gathers
-    send what the layers quantize: the first column-wise layer's input is its one-process input's
-    operand, bit for bit, and quantizes to its values again (no second rounding); the last row-wise
-    layer's output gradient is the operand of the gradient one process gets. Each of those
-    gathers is one all-gather of E4M3 bytes and block scales, with no scale agreed (all-reduce).
-    mxfp8's default floor scales and nvfp4 keep the E4M3 gathers with an agreed per-tensor scale
+    """Under rowwise, blockwise and mxfp8 the sequence-parallel all-gathers send what the layers
+    quantize: the first column-wise layer's input is its one-process input's operand, bit for bit
+    (mxfp8: with round-up scales, `wire_recipe`), and quantizes to one process's operand values
+    (mxfp8's floor scales: but in the few blocks whose largest value rounded up to the next power
+    of two); the last row-wise layer's output gradient is the operand of the gradient one process
+    gets. Each of those gathers is one all-gather of E4M3 bytes and block scales, with no scale
+    agreed (all-reduce). nvfp4 keeps the E4M3 gathers with an agreed per-tensor scale
     (`gathers_in_blocks` says why)."""
+    from fp8lm.distributed.activation_comm import wire_recipe
     from fp8lm.ops.finegrained import quantize_operand
 
     rec = named_recipe(recipe)
     ranks = run_workers("dist_tp.py", 2, "recipe_block", recipe, timeout=TIMEOUT)
     for r in ranks:
         tp_in, one_in = r["tp_input"].reshape(-1, EMBD), r["one_input"].reshape(-1, EMBD)
+        grad_y, tp_grad = r["grad_y"].reshape(-1, EMBD), r["tp_grad"].reshape(-1, EMBD)
         assert tp_in.shape == one_in.shape == (BATCH * SEQ, EMBD)
-        operand = quantize_operand(one_in, rec, "input", 1)
-        again = quantize_operand(tp_in, rec, "input", 1)
-        grad_operand = quantize_operand(r["grad_y"].reshape(-1, EMBD), rec, "grad_output", 1).dequantize()
-        tp_grad = r["tp_grad"].reshape(-1, EMBD)
+        operand = quantize_operand(one_in, rec, "input", 1).dequantize()
         s = r["stats"]
-        if recipe in ("mxfp8", "nvfp4"):
-            assert not torch.equal(tp_in, operand.dequantize())
+        if recipe == "nvfp4":
+            assert not torch.equal(tp_in, operand)
             assert s["all_reduce_calls"] == 6  # 4 agreed scales and the 2 row-wise biases' gradients
             continue
-        assert torch.equal(tp_in, operand.dequantize())
-        # the same values (a power-of-two scale may halve where a block's amax rounded down)
-        assert torch.equal(again.dequantize(), operand.dequantize())
-        assert torch.equal(r["one_grad"].reshape(-1, EMBD), r["grad_y"].reshape(-1, EMBD))
-        assert torch.equal(tp_grad, grad_operand)
+        wire = wire_recipe(rec)
+        assert torch.equal(tp_in, quantize_operand(one_in, wire, "input", 1).dequantize())
+        again = quantize_operand(tp_in, rec, "input", 1).dequantize()
+        if recipe == "mxfp8":
+            assert not torch.equal(tp_in, operand)  # nothing clipped on the wire, unlike the operand
+            assert (again != operand).float().mean() < 0.01
+        else:
+            # the same values (a power-of-two scale may halve where a block's amax rounded down)
+            assert torch.equal(again, operand)
+        assert torch.equal(r["one_grad"].reshape(-1, EMBD), grad_y)
+        assert torch.equal(tp_grad, quantize_operand(grad_y, wire, "grad_output", 1).dequantize())
         # the 2 row-wise biases' gradients alone: no scale is agreed for a gather
         assert s["all_reduce_calls"] == 2
         rows = BATCH * SEQ // 2  # each rank's rows of one gathered activation or gradient
-        per_row = {"rowwise": 1, "blockwise": 4, "mxfp8-rceil": EMBD // 32}[recipe]  # scale bytes
-        gathers = 4 * rows * (EMBD + per_row)
+        per_row = {"rowwise": 1, "blockwise": 4, "mxfp8-rceil": EMBD // 32, "mxfp8": EMBD // 32}[recipe]
+        gathers = 4 * rows * (EMBD + per_row)  # E4M3 bytes and scale bytes
         assert s["all_gather_calls"] == 8  # the 4 gathers, and the 4 FP8 reductions' scale gathers
         assert s["all_gather_handed_bytes"] == gathers + 4 * 4 * 2
 

@@ -110,7 +110,7 @@ def activations() -> None:
     ac._GatherFromShards.backward(ctx, x)
     ac.reduce_scatter_to_shards(x, 1)
     ac._ReduceScatterToShards.backward(ctx, x)
-    for name in ("rowwise", "blockwise"):  # in the layers' blocks: E8M0 and float32 scales
+    for name in ("rowwise", "blockwise", "mxfp8"):  # in the layers' blocks: E8M0 and float32 scales
         recipe = fp8lm.Recipe.from_name(name)
         ac.gather_from_shards(x, 1, None, recipe)
         ac._ReduceScatterToShards.backward(SimpleNamespace(dim=1, group=None, recipe=recipe), x)

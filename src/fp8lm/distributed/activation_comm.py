@@ -11,13 +11,13 @@ Formats on the wire:
   `fp8_all_reduce`): E4M3 with one scale per chunk and the sum in FP32. Each chunk has its own
   scale, so E4M3's extra mantissa bit buys more than E5M2's range.
 
-Under the rowwise and blockwise recipes (and mxfp8 with ``mx_rounding="rceil"``:
-`gathers_in_blocks` says why not the others) an all-gather whose consumer is a layer of that
-recipe sends instead what the layer will quantize: each row of the last dimension as the recipe's
-operand of that role (`block_all_gather`; E4M3 with one scale per row, per 1 x 32 or per 1 x 128
-tile). Those blocks lie within one rank's rows, so each rank quantizes its own and the gathered
-operand is the whole tensor's, bit for bit: the layer's quantization of the gathered values gives
-the same values again (no second rounding), and no scale is agreed (no all-reduce).
+Under the rowwise, blockwise and mxfp8 recipes (`gathers_in_blocks`) an all-gather whose
+consumer is a layer of that recipe sends instead what the layer will quantize: each row of the
+last dimension as the recipe's operand of that role (`block_all_gather`; E4M3 with one scale per
+row, per 1 x 128 or per 1 x 32 tile, mxfp8's rounded up: `wire_recipe`). Those blocks lie within
+one rank's rows, so each rank quantizes its own and the gathered operand is the whole tensor's,
+bit for bit: the layer's quantization of the gathered values gives the same values again (no
+second rounding; mxfp8: above E4M3's subnormals), and no scale is agreed (no all-reduce).
 
 Each function here is an autograd pair: the forward collective and the backward one that its
 gradient needs (a gather's gradient is a reduce-scatter, a reduce-scatter's is a gather).
@@ -47,6 +47,7 @@ __all__ = [
     "agreed_scale_all_gather",
     "block_all_gather",
     "gathers_in_blocks",
+    "wire_recipe",
     "reduce_scatter_along",
     "gather_from_shards",
     "reduce_scatter_to_shards",
@@ -90,36 +91,45 @@ def agreed_scale_all_gather(x: torch.Tensor, dim: int, group=None, fmt: Format =
 
 def gathers_in_blocks(recipe: Recipe | None, dim: int, ndim: int) -> bool:
     """Whether an all-gather along ``dim`` of an ``ndim``-D tensor for a layer of ``recipe`` sends
-    the recipe's operand (`block_all_gather`): rowwise, blockwise, or mxfp8 with
-    ``mx_rounding="rceil"``, along any dimension but the last (whose rows the blocks lie in).
-
-    Not mxfp8's default floor scales (the OCP rule): they saturate a block's largest values by up
-    to an eighth, and the layer's weight-gradient GEMM quantizes the gathered values again along
-    the tokens, where one process quantizes the unclipped ones: a bias that one process does not
-    have (on the main job, 6 steps on 2 ranks ended further from one process for 5 seeds of 5).
-    Nor nvfp4: its per-tensor scale needs the whole tensor's amax, and the layer rounds its
-    gradients stochastically."""
+    the recipe's operand (`block_all_gather`): rowwise, blockwise or mxfp8, along any dimension
+    but the last (whose rows the blocks lie in). Not nvfp4: its per-tensor scale needs the whole
+    tensor's amax, and the layer rounds its gradients stochastically."""
     if recipe is None or recipe.granularity not in ("rowwise", "blockwise", "mxfp8"):
         return False
-    if recipe.granularity == "mxfp8" and recipe.mx_rounding == "floor":
-        return False
     return dim % ndim != ndim - 1
+
+
+def wire_recipe(recipe: Recipe) -> Recipe:
+    """The recipe `block_all_gather` quantizes with for a layer of ``recipe``: the recipe itself,
+    but mxfp8 with round-up scales (``mx_rounding="rceil"``).
+
+    Why: mxfp8's default floor scales (the OCP rule) saturate a block's largest values by up to an
+    eighth. Sent so, the clipped values would reach the layer's weight-gradient GEMM, which
+    quantizes the gathered values again along the tokens, where one process quantizes the
+    unclipped ones: a bias (on the main job, 6 steps on 2 ranks ended further from one process for
+    5 seeds of 5). Round-up scales clip nothing, and the layer's floor quantization of their values
+    is one process's operand: where the floor scale is half the round-up one, it doubles each
+    value, exact above E4M3's subnormals (``2**-6`` of the round-up scale)."""
+    if recipe.granularity == "mxfp8" and recipe.mx_rounding == "floor":
+        return recipe.replace(mx_rounding="rceil")
+    return recipe
 
 
 def block_all_gather(x: torch.Tensor, dim: int, recipe: Recipe, role: str, group=None) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` (not the last), each rank's rows of the last
     dimension sent as ``recipe``'s ``role`` operand (`fp8lm.ops.finegrained.quantize_operand`
-    along them: E4M3 bytes, and the scales of its rows or tiles, as E8M0 bytes where they are
-    powers of two) in one all-gather; returned as the gathered operand's values in ``x``'s dtype:
-    the whole tensor's operand, as the layer quantizes it (module doc)."""
+    along them, with `wire_recipe`: E4M3 bytes, and the scales of its rows or tiles, as E8M0
+    bytes where they are powers of two) in one all-gather; returned as the gathered operand's
+    values in ``x``'s dtype, from which the layer's quantization gives its operand of the whole
+    tensor (module doc)."""
     if not gathers_in_blocks(recipe, dim, x.dim()):
         raise ValueError(
-            "block_all_gather takes rowwise, blockwise or mxfp8 with mx_rounding='rceil' (gathers_in_blocks), "
-            f"along a dimension other than the last; got {recipe}, dim {dim} of {x.dim()}"
+            "block_all_gather takes rowwise, blockwise or mxfp8 (gathers_in_blocks), along a dimension "
+            f"other than the last; got {recipe}, dim {dim} of {x.dim()}"
         )
     _, world = comm.check_group(group)
     leading = x.detach().movedim(dim, 0).contiguous()
-    op = quantize_operand(leading.reshape(-1, leading.shape[-1]), recipe, role, dim=1)
+    op = quantize_operand(leading.reshape(-1, leading.shape[-1]), wire_recipe(recipe), role, dim=1)
     e8m0 = pow2_scales(recipe)  # powers of two travel as their exponent byte, exactly
     scales = op.d.to(torch.float8_e8m0fnu) if e8m0 else op.d.contiguous()
     payload, scale_bytes = op.payload.contiguous().view(torch.uint8), scales.view(torch.uint8)

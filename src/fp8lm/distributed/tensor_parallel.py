@@ -3,7 +3,7 @@
 
 - `FP8ColwiseParallel`: the weight (and bias) sharded by output rows, ``Shard(0)``; an input in
   ``Shard(1)`` (sequence parallel) is all-gathered as E4M3 bytes with one scale agreed over the
-  TP group (under rowwise, blockwise or round-up mxfp8: as the layer's input operand, in its
+  TP group (under rowwise, blockwise or mxfp8: as the layer's input operand, in its
   blocks, `fp8lm.distributed.activation_comm.block_all_gather`), and its gradient goes back
   through the FP8 reduce-scatter; a plain replicated input gets its gradient summed with the FP8
   all-reduce. Output: the local ``Shard(-1)`` slice.
@@ -255,7 +255,7 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
     """torch's `PrepareModuleInput` (same arguments) whose layout changes go through FP8
     collectives (module docstring). ``Shard(d) -> Replicate()`` is meant for inputs that feed
     tensor-parallel layers: its backward sums the ranks' gradients. Where the module's FP8 layers
-    all run one recipe that gathers in blocks (rowwise, blockwise, round-up mxfp8:
+    all run one recipe that gathers in blocks (rowwise, blockwise, mxfp8:
     `fp8lm.distributed.activation_comm.gathers_in_blocks`), that gather sends their input operand
     (`block_all_gather`)."""
 

@@ -11,7 +11,7 @@ module                 style
                        a local slice; backward all-gathers its gradient in E5M2)
 ``blocks.*.ln_1/2``    torch's ``SequenceParallel``
 ``blocks.*.attn``      `PrepareFP8ModuleInput` ``Shard(1) -> Replicate()`` (E4M3 all-gather; in
-                       the layers' blocks under rowwise, blockwise, round-up mxfp8)
+                       the layers' blocks under rowwise, blockwise, mxfp8)
 ``...attn.c_attn``     `FP8ColwiseParallel` ``chunks=3`` (each rank keeps its heads' q, k and v)
 ``...attn.c_q/c_kv``   llama: `FP8ColwiseParallel`, and ``chunks=2`` for k and v (each rank keeps
                        its query heads and the key/value heads they share; ``n_kv_head`` divides
