@@ -1,6 +1,6 @@
-"""Worker for tests/test_gpt_parallel.py: the "tiny" GPT under its FP8 tensor-parallel plan or cut
-into FP8 pipeline stages (gloo ranks), one forward and backward, next to the same FP8 model in one
-process and a float64 copy."""
+"""Worker for tests/test_tensor_parallel.py and tests/test_pipeline.py: the "tiny" GPT under its
+FP8 tensor-parallel plan (``tp [RECIPE]``) or cut into FP8 pipeline stages (gloo ranks), one
+forward and backward, next to the same FP8 model in one process and a float64 copy."""
 
 import copy
 import sys
@@ -17,7 +17,7 @@ BATCH, MICRO = 4, 2
 TOKEN_LOSS_GROWTH = 2.5
 
 
-def models():
+def models(recipe: str | None = None):
     import fp8lm
     from fp8lm.train.model import GPT, preset
 
@@ -25,7 +25,7 @@ def models():
     cfg = preset("tiny")
     plain = GPT(cfg)
     exact = copy.deepcopy(plain).double()
-    model, _ = fp8lm.initialize(plain, opt_level="O1")
+    model, _ = fp8lm.initialize(plain, opt_level="O1", recipe=recipe)
     exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     return cfg, model, copy.deepcopy(model), exact
 
@@ -57,7 +57,7 @@ def reference(res: dict, ref, exact, x, y) -> dict:
     return res
 
 
-def tp_checks(rank, world) -> dict:
+def tp_checks(rank, world, recipe: str | None = None) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     from fp8lm import clip_grad_norm_
@@ -65,7 +65,7 @@ def tp_checks(rank, world) -> dict:
     from fp8lm.distributed.grad_sync import GradientSync, SyncPlan
     from fp8lm.train.gpt_parallel import tensor_parallel_plan
 
-    cfg, model, ref, exact = models()
+    cfg, model, ref, exact = models(recipe)
     dims = ParallelDims(tp=world)
     run_mesh = dims.build_mesh("cpu")
     mesh = run_mesh["tp"]
@@ -124,8 +124,8 @@ def pp_checks(rank, world) -> dict:
     return reference(res, ref, exact, x, y)
 
 
-def checks(rank, world, mode):
-    return {"tp": tp_checks, "pp": pp_checks}[mode](rank, world)
+def checks(rank, world, mode, *args):
+    return {"tp": tp_checks, "pp": pp_checks}[mode](rank, world, *args)
 
 
 if __name__ == "__main__":
