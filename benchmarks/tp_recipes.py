@@ -44,26 +44,6 @@ def named_recipe(name: str) -> fp8lm.Recipe:
     return fp8lm.Recipe.from_name(name)
 
 
-def block_plan() -> dict:
-    """The GPT plan's part for one block (`fp8lm.train.gpt_parallel.tensor_parallel_plan`)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    from fp8lm.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
-
-    gather = PrepareFP8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-    return {
-        "ln_1": SequenceParallel(),
-        "ln_2": SequenceParallel(),
-        "attn": gather,
-        "attn.c_attn": FP8ColwiseParallel(chunks=3),
-        "attn.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
-        "mlp": gather,
-        "mlp.c_fc": FP8ColwiseParallel(),
-        "mlp.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
-    }
-
-
 def values(t: torch.Tensor) -> torch.Tensor:
     t = t.full_tensor() if hasattr(t, "full_tensor") else t
     return t.dequantize() if hasattr(t, "dequantize") else t.detach()
@@ -84,6 +64,7 @@ def one_seed(recipe: fp8lm.Recipe, seed: int, width: int, tokens: int, rank: int
     from torch.distributed.tensor.parallel import parallelize_module
 
     from fp8lm.nn.convert import convert_linears
+    from fp8lm.train.gpt_parallel import block_plan
     from fp8lm.train.model import Block, GPTConfig
 
     torch.manual_seed(seed)
@@ -93,7 +74,7 @@ def one_seed(recipe: fp8lm.Recipe, seed: int, width: int, tokens: int, rank: int
     one = copy.deepcopy(block)
     exact = Block(cfg).double()
     exact.load_state_dict({k: v.double() for k, v in one.state_dict().items()})
-    parallelize_module(block, init_device_mesh("cpu", (world,)), block_plan())
+    parallelize_module(block, init_device_mesh("cpu", (world,)), block_plan(cfg))
     g = torch.Generator().manual_seed(1000 + seed)
     shape = (SEQUENCES, tokens // SEQUENCES, width)
     x, grad_y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)

@@ -13,22 +13,10 @@ BATCH, SEQ, EMBD, HEADS = 2, 16, 64, 4
 
 
 def block_plan():
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import SequenceParallel
+    from fp8lm.train.gpt_parallel import block_plan
+    from fp8lm.train.model import GPTConfig
 
-    from fp8lm.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
-
-    gather = PrepareFP8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-    return {
-        "ln_1": SequenceParallel(),
-        "ln_2": SequenceParallel(),
-        "attn": gather,
-        "attn.c_attn": FP8ColwiseParallel(chunks=3),
-        "attn.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
-        "mlp": gather,
-        "mlp.c_fc": FP8ColwiseParallel(),
-        "mlp.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
-    }
+    return block_plan(GPTConfig(n_embd=EMBD, n_head=HEADS))
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ from ..distributed.tensor_parallel import (
 from .model import GPT, GPTConfig, embed
 
 __all__ = [
+    "block_plan",
     "tensor_parallel_plan",
     "torch_tensor_parallel_plan",
     "PipelineStageModule",
@@ -67,25 +68,33 @@ __all__ = [
 ]
 
 
-def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
-    """The plan of the module docstring for a GPT of ``config``."""
+def block_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
+    """The plan of one block of a GPT of ``config`` (module docstring, ``blocks.*``), by names
+    inside the block: what `tensor_parallel_plan` applies to every block."""
     gather = PrepareFP8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
     if config.arch == "llama":  # q, and k with v: each rank keeps its query heads and their key/value heads
         attention = {"c_q": FP8ColwiseParallel(), "c_kv": FP8ColwiseParallel(chunks=2)}
     else:
         attention = {"c_attn": FP8ColwiseParallel(chunks=3)}
     return {
+        "ln_1": SequenceParallel(),
+        "ln_2": SequenceParallel(),
+        "attn": gather,
+        **{f"attn.{name}": style for name, style in attention.items()},
+        "attn.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
+        "mlp": gather,
+        "mlp.c_fc": FP8ColwiseParallel(chunks=2 if config.mlp == "swiglu" else 1),
+        "mlp.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
+    """The plan of the module docstring for a GPT of ``config``."""
+    return {
         "blocks.0": PrepareFP8ModuleInput(
             input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True
         ),
-        "blocks.*.ln_1": SequenceParallel(),
-        "blocks.*.ln_2": SequenceParallel(),
-        "blocks.*.attn": gather,
-        **{f"blocks.*.attn.{name}": style for name, style in attention.items()},
-        "blocks.*.attn.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
-        "blocks.*.mlp": gather,
-        "blocks.*.mlp.c_fc": FP8ColwiseParallel(chunks=2 if config.mlp == "swiglu" else 1),
-        "blocks.*.mlp.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
+        **{f"blocks.*.{name}": style for name, style in block_plan(config).items()},
         "ln_f": SequenceParallel(),
         "lm_head": FP8ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
     }
