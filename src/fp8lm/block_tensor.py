@@ -101,10 +101,7 @@ class BlockScaledTensor(torch.Tensor):
     @property
     def operand(self) -> BlockOperand:
         """The payload, scales and block as a GEMM operand (a packed payload unpacked to E4M3 bytes)."""
-        payload = self._data
-        if payload.dtype == torch.uint8:  # packed nvfp4
-            payload = nvfp4.unpack_e2m1_as_e4m3(payload)
-        return BlockOperand(payload, decoded_scales(self._d, self._tensor_scale), self._block, self._tensor_scale)
+        return gathered_operand(self)  # type: ignore[return-value]  # self is one
 
     @property
     def held(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +152,14 @@ class BlockScaledTensor(torch.Tensor):
 
 def gathered_operand(weight: torch.Tensor) -> BlockOperand | None:
     """``weight``'s forward GEMM operand where FSDP2 gathered it in its recipe's blocks (a
-    `BlockScaledTensor`), else None."""
-    return weight.operand if isinstance(weight, BlockScaledTensor) else None
+    `BlockScaledTensor`), else None. A function of the inner tensors, not a property: torch.compile
+    traces it into the graph, where it would take a property's new tensors for inputs of their own."""
+    if not isinstance(weight, BlockScaledTensor):
+        return None
+    payload = weight._data
+    if payload.dtype == torch.uint8:  # packed nvfp4
+        payload = nvfp4.unpack_e2m1_as_e4m3(payload)
+    return BlockOperand(payload, decoded_scales(weight._d, weight._tensor_scale), weight._block, weight._tensor_scale)
 
 
 def shards_whole_blocks(recipe: Recipe, shape: tuple[int, ...] | torch.Size, ranks: int) -> bool:

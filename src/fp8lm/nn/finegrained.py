@@ -123,7 +123,7 @@ def _weight_grad(
 
 class _FineGrainedLinear(torch.autograd.Function):
     """``y = x W^T + b`` with the GEMMs of a fine-grained recipe (module doc). The weight's values
-    are ``payload / stored_scale`` (float32; ``payload`` itself without a stored scale), read
+    are ``payload / stored_scale`` (float32; ``weight`` itself where ``payload`` is None), read
     inside the quantization, or those of ``weight_operand``; ``weight`` receives the gradient,
     stored in ``weight_grad_format`` (`_stored_weight_grad`) or, without one, in its own dtype."""
 
@@ -132,12 +132,14 @@ class _FineGrainedLinear(torch.autograd.Function):
         ctx,
         x: torch.Tensor,
         weight: torch.Tensor,
-        payload: torch.Tensor,
+        payload: torch.Tensor | None,
         stored_scale: torch.Tensor | None,
         bias: torch.Tensor | None,
         recipe: Recipe,
         weight_operand: BlockOperand | None,
         weight_grad_format: Format | None,
+        held_payload: torch.Tensor | None = None,
+        held_d: torch.Tensor | None = None,
     ):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
@@ -149,6 +151,9 @@ class _FineGrainedLinear(torch.autograd.Function):
         ctx.empty = x.numel() == 0
         if ctx.empty:  # no rows (an expert without tokens): nothing to multiply, a zero weight gradient
             return x.new_zeros(*x.shape[:-1], weight.shape[0], dtype=out_dtype)
+        # a plain weight is its own payload: passed once, as torch.compile traces no Function
+        # that takes one tensor twice
+        payload = weight if payload is None else payload
         with torch.autocast(device_type, enabled=False):
             x2 = x.detach().reshape(-1, x.shape[-1])
             b = None if bias is None else bias.detach()
@@ -156,7 +161,8 @@ class _FineGrainedLinear(torch.autograd.Function):
             if ctx.fp4:
                 y, saved = _fp4_forward(ctx, x2, payload.detach(), stored_scale, b)
             else:
-                y, saved = _block_forward(ctx, x2, payload.detach(), stored_scale, b, weight_operand)
+                held = None if held_payload is None or held_d is None else (held_payload, held_d)
+                y, saved = _block_forward(ctx, x2, payload.detach(), stored_scale, b, weight_operand, held)
         ctx.save_for_backward(*saved)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -177,7 +183,7 @@ class _FineGrainedLinear(torch.autograd.Function):
             grad_w = _stored_gradient(grad_w, ctx)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
             grad_b = g2.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, None, None, grad_b, None, None, None
+        return grad_x, grad_w, None, None, grad_b, None, None, None, None, None
 
 
 def _block_forward(
@@ -187,8 +193,10 @@ def _block_forward(
     stored_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     weight_operand: BlockOperand | None,
+    held: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """The forward GEMM on `BlockOperand`\\ s (`block_mm`), and what the backward needs, quantized."""
+    """The forward GEMM on `BlockOperand`\\ s (`block_mm`), and what the backward needs, quantized.
+    ``held``: ``weight_operand``'s bytes as FSDP2 gathered them (`_gathered_bytes`), or None."""
     recipe = ctx.recipe
     w_op = weight_operand or quantize_operand(payload, recipe, "weight", dim=1, stored_scale=stored_scale)
     x_op = quantize_operand(x2, recipe, "input", dim=1)
@@ -203,7 +211,7 @@ def _block_forward(
         keep = square or weight_operand is not None
         w_dgrad = w_op if keep else quantize_operand(payload, recipe, "weight", dim=0, stored_scale=stored_scale)
     x_wgrad = _weight_grad_input(x2, recipe) if ctx.needs_input_grad[1] else None
-    gathered = _gathered_bytes(payload, recipe) if w_dgrad is not None and w_dgrad is weight_operand else None
+    gathered = held if w_dgrad is not None and w_dgrad is weight_operand else None
     return y, [*_save(ctx, "w_block", w_dgrad, gathered), *_save(ctx, "x_block", x_wgrad)]
 
 
@@ -212,7 +220,8 @@ def _gathered_bytes(weight: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor,
     `BlockScaledTensor`: views of the all-gather buffers) in the form `_restore` reads: float8
     elements with float32 scales or E8M0 codes, or nvfp4's packed elements with E4M3 scale bytes,
     which `pack_nvfp4_operand` gives (an nvfp4 weight held otherwise, such as one gathered
-    unpacked for an odd in_features, is packed anew)."""
+    unpacked for an odd in_features, is packed anew). Read outside the autograd Function, whose
+    body torch.compile traces without a source for a subclass's inner tensors."""
     if not isinstance(weight, BlockScaledTensor):
         return None
     payload, d = weight.held
@@ -328,4 +337,7 @@ def fine_grained_linear(
         payload, stored_scale = weight.payload, weight.scale
     else:
         payload, stored_scale = weight, None
-    return _FineGrainedLinear.apply(x, weight, payload, stored_scale, bias, recipe, weight_operand, weight_grad_format)
+    held_payload, held_d = (weight_operand is not None and _gathered_bytes(payload, recipe)) or (None, None)
+    stored_payload = None if payload is weight else payload
+    args = (x, weight, stored_payload, stored_scale, bias, recipe, weight_operand, weight_grad_format)
+    return _FineGrainedLinear.apply(*args, held_payload, held_d)
