@@ -53,6 +53,26 @@ def test_every_collective_runs_on_the_cuda_device(traced, scenario):
     assert result["mixed"] == [], f"{scenario}: ops on CPU and CUDA tensors together: {result['mixed']}"
 
 
+# Scenarios with no host sync: on a GPU the step never waits for the device in them. The others
+# read by design: `fp8_all_gather` checks that the shards' sizes agree, shared scaling counts the
+# values it saturates, and FP8 ZeRO answers on the host whether the step's gradients are finite.
+WITHOUT_SYNC = (
+    "training_loop",
+    "data_parallel_local",
+    "activations",
+    "pipeline",
+    "fsdp_reduce_scatter",
+    "clip_over_ranks",
+)
+
+
+@pytest.mark.parametrize("scenario", WITHOUT_SYNC)
+def test_the_step_collectives_do_not_sync_the_host(traced, scenario):
+    """The non-finite checks of the scales (per tensor-parallel gather, per FP8 reduction segment,
+    per pipeline send) are made on the device: reading them on the host once synced every one."""
+    assert traced[scenario]["syncs"] == [], traced[scenario]["syncs"]
+
+
 def test_the_trace_covers_every_scenario(traced):
     assert sorted(traced) == sorted(SCENARIOS)
 

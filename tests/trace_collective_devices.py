@@ -193,9 +193,13 @@ class MixedDevices(cuda_trace.OpLog):
         super().__init__()
         self.mixed: list[str] = []
         self.truth = True  # what a host check (``bool(t)``) answers: False takes the non-finite branches
+        self.syncs: list[str] = []  # the ops that wait for the device: a host sync in the step on a GPU
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ == "is_nonzero":
+        name = func.overloadpacket.__name__
+        if name in cuda_trace.SYNC_OPS or cuda_trace.to_host(name, args, kwargs or {}):
+            self.syncs.append(name)
+        if name == "is_nonzero":
             return self.truth
         devices = {t.device.type for t in cuda_trace.tensors_in((args, kwargs or {}))}
         if len(devices) > 1:
@@ -205,12 +209,14 @@ class MixedDevices(cuda_trace.OpLog):
 
 def trace(scenario, log: MixedDevices) -> dict:
     log.mixed, log.truth = [], scenario is not nonfinite
+    log.syncs = []
     with comm.recording_devices() as handed:
         try:
             scenario()
         except Exception:
             return {"handed": [], "mixed": log.mixed, "error": traceback.format_exc(limit=-4)}
-    return {"handed": [[kind, str(device)] for kind, device in handed], "mixed": log.mixed, "error": None}
+    handed_over = [[kind, str(device)] for kind, device in handed]
+    return {"handed": handed_over, "mixed": log.mixed, "syncs": log.syncs, "error": None}
 
 
 def main() -> None:

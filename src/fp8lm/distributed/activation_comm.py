@@ -66,14 +66,12 @@ def _agreed_scale(x: torch.Tensor, fmt: Format, group) -> torch.Tensor:
     """One scale for ``x`` on every rank of ``group``: from the largest amax; NaN when any rank's
     ``x`` holds an inf or NaN (a MAX reduction need not propagate NaN, so a flag travels with it)."""
     local = amax(x).float()
-    finite = bool(torch.isfinite(local))
-    # on x's device, as the all-reduce needs (NCCL has no CPU backend)
-    flag = torch.full((), 0.0 if finite else 1.0, device=local.device)
-    box = torch.stack([local if finite else torch.zeros_like(local), flag])
+    # On x's device, as the all-reduce needs (NCCL has no CPU backend), and chosen there: reading
+    # the flag on the host would sync it at every gather.
+    finite = torch.isfinite(local)
+    box = torch.stack([torch.where(finite, local, torch.zeros_like(local)), (~finite).float()])
     comm.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
-    if box[1] > 0:
-        return torch.full((), math.nan, device=local.device)
-    return compute_scale(box[0], fmt)
+    return torch.where(box[1] > 0, torch.full_like(box[0], math.nan), compute_scale(box[0], fmt))
 
 
 def agreed_scale_all_gather(x: torch.Tensor, dim: int, group=None, fmt: Format = ACTIVATION_FORMAT) -> torch.Tensor:

@@ -53,7 +53,8 @@ def pack_fp8(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     holds an inf or NaN, so the receiver reads NaN rather than saturated values)."""
     values = x.detach().reshape(-1)
     a = amax(values)
-    scale = compute_scale(a, fmt) if torch.isfinite(a) else torch.full((), math.nan, device=x.device)
+    # chosen on the device: reading the flag would sync the host at every send
+    scale = torch.where(torch.isfinite(a), compute_scale(a, fmt), torch.full((), math.nan, device=x.device))
     raw = torch.zeros(4 * carrier_numel(values.numel()), dtype=torch.uint8, device=x.device)
     raw[: values.numel()] = saturating_cast(values, scale, fmt).view(torch.uint8)
     raw[values.numel() : values.numel() + SCALE_BYTES] = scale.reshape(1).float().to(x.device).view(torch.uint8)

@@ -145,10 +145,11 @@ def quantize_segment(t: torch.Tensor, fmt: Format, dst: torch.Tensor) -> torch.T
     if isinstance(t, ScalingTensor) and t.payload.dtype == fmt.dtype:
         dst.copy_(t.payload.reshape(-1))  # already in the wire format: send as is
         finite = torch.isfinite(amax(t.payload)) & torch.isfinite(t.scale)
-        return t.scale.reshape(()).float() if finite else _nan_scale(dst.device)
+        return torch.where(finite, t.scale.reshape(()).float(), _nan_scale(dst.device))
     value = _as_fp32(t).reshape(-1)
     a = amax(value)
-    scale = compute_scale(a, fmt) if torch.isfinite(a) else _nan_scale(dst.device)
+    # chosen on the device: reading the flag would sync the host once per segment
+    scale = torch.where(torch.isfinite(a), compute_scale(a, fmt), _nan_scale(dst.device))
     dst.copy_(saturating_cast(value, scale, fmt))
     return scale
 
