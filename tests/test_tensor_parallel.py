@@ -158,6 +158,29 @@ def test_torch_functional_collectives_are_counted_by_what_is_handed_over():
 
 
 @pytest.mark.slow
+def test_compiled_blocks_compute_the_eager_step():
+    """The tiny GPT under its plan with each block compiled (graph breaks allowed: the styles'
+    collectives break the graph; ``fullgraph=True`` does not trace them, docs/distributed.md): the
+    eager loss, and the eager gradients of its FP8 weights bit for bit. Biases and norm gains
+    differ in their last bits: the decompositions sum their gradients in another order."""
+    from dist_tp_compile import CASES
+
+    for rank, res in enumerate(run_workers("dist_tp_compile.py", 2, timeout=TIMEOUT)):
+        for case in CASES:
+            compiled, eager = res[case]["compiled"], res[case]["eager"]
+            assert "error" not in compiled, (rank, case, compiled)
+            assert compiled["loss"] == eager["loss"], (rank, case)
+            assert compiled["grads"].keys() == eager["grads"].keys()
+            for name, grad in eager["grads"].items():
+                if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+                    assert torch.equal(compiled["grads"][name], grad), (rank, case, name)
+                else:
+                    torch.testing.assert_close(
+                        compiled["grads"][name], grad, rtol=0, atol=1e-6 * grad.abs().max().item()
+                    )
+
+
+@pytest.mark.slow
 def test_indivisible_shard_is_one_clear_error():
     for r in run_workers("dist_tp.py", 2, "indivisible", timeout=TIMEOUT):
         assert "divisible by chunks x tensor-parallel size" in r["error"]
