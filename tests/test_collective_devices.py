@@ -2,7 +2,8 @@
 backend, so a CPU buffer next to CUDA gradients fails on GPUs while gloo on CPU (every other
 distributed test) accepts it. Checked without a GPU: trace_collective_devices.py runs the
 distributed code on fake CUDA tensors over torch's fake process group and reports the device of
-each tensor handed over (`fp8lm.distributed.comm.recording_devices`)."""
+each tensor handed over (`fp8lm.distributed.comm.recording_devices`), and the ops that wait for
+the device: the step's collectives have none."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Runs fp8lm's distributed code on fake CUDA tensors over torch's fake process group (no GPU, no
 peers: nothing is computed or sent) and prints, as JSON, the device of every tensor each scenario
-handed to torch.distributed (`fp8lm.distributed.comm.recording_devices`), or the error it raised.
+handed to torch.distributed (`fp8lm.distributed.comm.recording_devices`) and the ops that waited
+for the device (``syncs``: host synchronisations on a GPU), or the error it raised.
 Run by test_collective_devices.py in its own process: the fake process group and modes are global.
 
 NCCL has no CPU backend, so on a GPU every one of these devices must be CUDA.
