@@ -8,10 +8,10 @@ import sys
 
 import torch
 
+from dist_fsdp_compile import BACKEND
 from dist_launch import worker_main
 
 CASES = (("O2", "tensorwise-delayed"), ("O1", "blockwise"))  # blockwise: its block gathers, O1's plain weights
-BACKEND = "aot_eager_decomp_partition"
 
 
 def forward_backward(level: str, recipe: str, compiled: bool) -> dict:

@@ -46,6 +46,7 @@ __all__ = [
     "gather_inputs",
     "gathered",
     "refresh",
+    "refill",
     "pow2_scales",
     "decoded_scales",
     "GATHER_TAG",
@@ -242,9 +243,15 @@ def refresh(out: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: tupl
     tensor_scale = metadata[4]
     if not isinstance(out, BlockScaledTensor):
         return
-    # As FSDP2 refills its own buffers: the backward's gather brings the values the forward saved
-    # (the input-gradient GEMM saves the gathered operand itself), so autograd must not see a change.
     if tensor_scale is not None:
         assert out._tensor_scale is not None  # gathered with one
-        with torch.autograd._unsafe_preserve_version_counter(out._tensor_scale):
-            out._tensor_scale.copy_(tensor_scale)
+        refill(out._tensor_scale, tensor_scale)
+
+
+def refill(stored: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a later all-gather's ``value`` into a gathered weight's ``stored`` scale, keeping its
+    version counter, as FSDP2 refills its own buffers: the backward's gather brings the value the
+    forward used, and a forward that saved it (the input-gradient GEMM saves a gathered operand;
+    torch.compile's partitioner may save a scale) must not see a change."""
+    with torch.autograd._unsafe_preserve_version_counter(stored):
+        stored.copy_(value)

@@ -605,12 +605,8 @@ def fsdp_gathered(all_gather_outputs, metadata, param_dtype: torch.dtype, out=No
     payload = wire.view(payload_dtype)
     if out is not None:  # later all-gathers refill the same payload storage
         # Under 2-D (FSDP2 x tensor parallel) FSDP2 hands back the DTensor it built around
-        # this ScalingTensor: the scale to refresh is its local tensor's. As FSDP2 refills its
-        # payload buffers: the backward's gather brings the scale the forward used, so a graph
-        # that saved it for the backward (torch.compile's may) must not see a change.
-        stored = getattr(out, "_local_tensor", out).scale
-        with torch.autograd._unsafe_preserve_version_counter(stored):
-            stored.copy_(scale)
+        # this ScalingTensor: the scale to refresh is its local tensor's.
+        block_tensor.refill(getattr(out, "_local_tensor", out).scale, scale)
         return None
     return ScalingTensor(payload, scale.clone(), param_dtype), (payload,)
 

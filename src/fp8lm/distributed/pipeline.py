@@ -34,9 +34,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from ..formats import E4M3, E5M2, Format
 from ..ops.cast import amax, saturating_cast
-from ..scaling import compute_scale
 from . import accounting, comm
-from .reduction import dequantize_payload
+from .reduction import dequantize_payload, scale_or_nan
 
 __all__ = ["FP8StageOutput", "FP8StageInput", "FP8PipelineStage", "carrier_numel", "pack_fp8", "unpack_fp8"]
 
@@ -52,9 +51,7 @@ def pack_fp8(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     """``x`` as ``fmt`` bytes with its scale appended, in a float32 carrier (a NaN scale when ``x``
     holds an inf or NaN, so the receiver reads NaN rather than saturated values)."""
     values = x.detach().reshape(-1)
-    a = amax(values)
-    # chosen on the device: reading the flag would sync the host at every send
-    scale = torch.where(torch.isfinite(a), compute_scale(a, fmt), torch.full((), math.nan, device=x.device))
+    scale = scale_or_nan(amax(values), fmt)
     raw = torch.zeros(4 * carrier_numel(values.numel()), dtype=torch.uint8, device=x.device)
     raw[: values.numel()] = saturating_cast(values, scale, fmt).view(torch.uint8)
     raw[values.numel() : values.numel() + SCALE_BYTES] = scale.reshape(1).float().to(x.device).view(torch.uint8)

@@ -46,6 +46,7 @@ __all__ = [
     "SCALINGS",
     "scaling_strategy",
     "quantize_segment",
+    "scale_or_nan",
     "dequantize_payload",
 ]
 
@@ -138,6 +139,13 @@ def _nan_scale(device: torch.device) -> torch.Tensor:
     return torch.full((), math.nan, dtype=torch.float32, device=device)
 
 
+def scale_or_nan(a: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """The scale of a tensor of amax ``a`` in ``fmt``, NaN where ``a`` is not finite (so the
+    receiver reads NaN rather than saturated values). Chosen on the device: reading the flag on
+    the host would sync it at every call."""
+    return torch.where(torch.isfinite(a), compute_scale(a, fmt), _nan_scale(a.device))
+
+
 def quantize_segment(t: torch.Tensor, fmt: Format, dst: torch.Tensor) -> torch.Tensor:
     """Write ``t`` (flattened) into ``dst`` in ``fmt`` with its own scale and return that scale (a
     float32 scalar). A `ScalingTensor` whose payload is already ``fmt`` is copied as is; a
@@ -147,9 +155,7 @@ def quantize_segment(t: torch.Tensor, fmt: Format, dst: torch.Tensor) -> torch.T
         finite = torch.isfinite(amax(t.payload)) & torch.isfinite(t.scale)
         return torch.where(finite, t.scale.reshape(()).float(), _nan_scale(dst.device))
     value = _as_fp32(t).reshape(-1)
-    a = amax(value)
-    # chosen on the device: reading the flag would sync the host once per segment
-    scale = torch.where(torch.isfinite(a), compute_scale(a, fmt), _nan_scale(dst.device))
+    scale = scale_or_nan(amax(value), fmt)
     dst.copy_(saturating_cast(value, scale, fmt))
     return scale
 

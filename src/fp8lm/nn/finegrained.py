@@ -337,7 +337,8 @@ def fine_grained_linear(
         payload, stored_scale = weight.payload, weight.scale
     else:
         payload, stored_scale = weight, None
-    held_payload, held_d = (weight_operand is not None and _gathered_bytes(payload, recipe)) or (None, None)
+    held = _gathered_bytes(payload, recipe) if weight_operand is not None else None
+    held_payload, held_d = held or (None, None)
     stored_payload = None if payload is weight else payload
     args = (x, weight, stored_payload, stored_scale, bias, recipe, weight_operand, weight_grad_format)
     return _FineGrainedLinear.apply(*args, held_payload, held_d)
