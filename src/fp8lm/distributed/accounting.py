@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import torch
+
 __all__ = [
     "KINDS",
     "collective_bytes",
@@ -74,14 +76,46 @@ def ddp_bytes(numel: int, bytes_per_element: int, world_size: int) -> float:
     return collective_bytes("all_reduce", numel * bytes_per_element, world_size)
 
 
-def record(kind: str, full_bytes: float, world_size: int, handed_bytes: int = 0) -> None:
+def record(
+    kind: str, full_bytes: float, world_size: int, handed_bytes: int = 0, sent: torch.Tensor | None = None
+) -> None:
     """Count one collective of ``kind`` over ``full_bytes`` (the whole tensor, all ranks' parts) to
-    which this rank handed a tensor of ``handed_bytes``."""
+    which this rank handed a tensor of ``handed_bytes``. ``sent``: the tensor it hands over (any
+    tensor of the collective), which a graph ``torch.compile`` traces needs: there the count is
+    an op of the graph (`record_collective`) on that tensor, run each time the graph runs."""
     if not _counting:
         return
-    _bytes[kind] += collective_bytes(kind, full_bytes, world_size)
+    cost = collective_bytes(kind, full_bytes, world_size)
+    if torch.compiler.is_compiling():
+        if sent is None:
+            raise ValueError(f"counting a {kind} in a compiled graph needs the tensor it sends (sent=)")
+        record_collective(sent, kind, cost, int(handed_bytes))
+        return
+    _count(kind, cost, handed_bytes)
+
+
+def _count(kind: str, cost: float, handed_bytes: int) -> None:
+    _bytes[kind] += cost
     _handed[kind] += handed_bytes
     _calls[kind] += 1
+
+
+@torch.library.custom_op("fp8lm::record_collective", mutates_args=())
+def record_collective(sent: torch.Tensor, kind: str, cost: float, handed_bytes: int) -> None:
+    """`record` as an op of a compiled graph (dynamo reads Python counters once, when it traces).
+    It reads nothing of ``sent``: the tensor places the op in the pass (forward or backward) that
+    issues the collective, where AOTAutograd's partitioner keeps it (an op without tensor inputs
+    it copies into the forward graph as well)."""
+    _count(kind, cost, handed_bytes)
+
+
+@record_collective.register_fake
+def _(sent: torch.Tensor, kind: str, cost: float, handed_bytes: int) -> None:
+    return None
+
+
+# An op without outputs is dead code to the graphs' passes unless it is known to have effects.
+torch.fx.node.has_side_effect(torch.ops.fp8lm.record_collective.default)
 
 
 def comm_stats() -> dict:

@@ -235,7 +235,9 @@ class _ReduceReplicatedGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param, group):
         ctx.group = group
-        return param.view_as(param)
+        # A copy, not a view: a Function's view output may not be modified in place, which a
+        # compiled graph does to the bias it adds (the copy is of a bias: small).
+        return param.clone()
 
     @staticmethod
     def backward(ctx, grad):

@@ -3,6 +3,8 @@
 Every function here issues one call of torch.distributed on ``group`` (the default group when
 None), records the bytes this rank sends in `fp8lm.distributed.comm_stats` under its kind (see
 `accounting`), and returns the output tensor, or the ``Work`` handle with ``async_op=True``.
+Under ``torch.compile`` every collective is issued blocking (the form dynamo traces) and
+``async_op=True`` gets a handle whose ``wait`` returns at once.
 Tensors of a float8 dtype travel as their ``uint8`` bits (no backend carries float8); summing
 them is refused, since no backend can add float8 values (use the FP8 collectives instead).
 Anything in fp8lm that communicates (data parallelism, ZeRO, and sharded, tensor- or
@@ -96,6 +98,32 @@ def group_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+class _Completed:
+    """The handle of a collective issued synchronously although the caller asked for one in flight:
+    its ``wait`` has nothing left to wait for."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+_COMPLETED = _Completed()
+
+
+def _issued_async(async_op: bool) -> bool:
+    """Whether to issue a collective asynchronously: as asked, except under ``torch.compile``,
+    which traces collectives only in their blocking form (into functional collectives whose
+    waits the compiler places, overlapping them with the graph's other work)."""
+    return async_op and not torch.compiler.is_compiling()
+
+
+def _handle(work, async_op: bool, output: torch.Tensor):
+    """What a collective returns: its handle when asked for one (`_COMPLETED` if it was issued
+    synchronously, `_issued_async`), else its output tensor."""
+    if not async_op:
+        return output
+    return _COMPLETED if work is None else work
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -118,18 +146,18 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     """Reduce ``tensor`` over the ranks in place with ``op``."""
     _summable(tensor, "all_reduce")
     note_devices("all_reduce", tensor)
-    accounting.record("all_reduce", _nbytes(tensor), dist.get_world_size(group), _nbytes(tensor))
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return work if async_op else tensor
+    accounting.record("all_reduce", _nbytes(tensor), dist.get_world_size(group), _nbytes(tensor), tensor)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=_issued_async(async_op))
+    return _handle(work, async_op, tensor)
 
 
 def all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op: bool = False):
     """Every rank's ``input_tensor`` concatenated in rank order into ``output`` (``world_size`` times as
     many elements)."""
     note_devices("all_gather", output, input_tensor)
-    accounting.record("all_gather", _nbytes(output), dist.get_world_size(group), _nbytes(input_tensor))
-    work = _all_gather_tensor(_wire(output), _wire(input_tensor), group=group, async_op=async_op)
-    return work if async_op else output
+    accounting.record("all_gather", _nbytes(output), dist.get_world_size(group), _nbytes(input_tensor), input_tensor)
+    work = _all_gather_tensor(_wire(output), _wire(input_tensor), group=group, async_op=_issued_async(async_op))
+    return _handle(work, async_op, output)
 
 
 def reduce_scatter(
@@ -138,9 +166,11 @@ def reduce_scatter(
     """Rank ``r``'s ``output`` becomes chunk ``r`` of ``input_tensor`` reduced over the ranks with ``op``."""
     _summable(input_tensor, "reduce_scatter")
     note_devices("reduce_scatter", output, input_tensor)
-    accounting.record("reduce_scatter", _nbytes(input_tensor), dist.get_world_size(group), _nbytes(input_tensor))
-    work = _reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=async_op)
-    return work if async_op else output
+    accounting.record(
+        "reduce_scatter", _nbytes(input_tensor), dist.get_world_size(group), _nbytes(input_tensor), input_tensor
+    )
+    work = _reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=_issued_async(async_op))
+    return _handle(work, async_op, output)
 
 
 def all_to_all(
@@ -162,26 +192,26 @@ def all_to_all(
     if input_splits is not None and world > 1 and input_tensor.shape[0]:
         row = full // input_tensor.shape[0]
         full = (full - input_splits[rank] * row) * world / (world - 1)  # its cost share: the rows that leave
-    accounting.record(kind, full, world, _nbytes(input_tensor))
+    accounting.record(kind, full, world, _nbytes(input_tensor), input_tensor)
     work = dist.all_to_all_single(
         _wire(output),
         _wire(input_tensor),
         output_split_sizes=output_splits,
         input_split_sizes=input_splits,
         group=group,
-        async_op=async_op,
+        async_op=_issued_async(async_op),
     )
-    return work if async_op else output
+    return _handle(work, async_op, output)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """Rank ``src``'s ``tensor`` (``src`` counted within ``group``) copied into every rank's."""
     note_devices("broadcast", tensor)
     handed = _nbytes(tensor) if dist.get_rank(group) == src else 0
-    accounting.record("broadcast", _nbytes(tensor), dist.get_world_size(group), handed)
+    accounting.record("broadcast", _nbytes(tensor), dist.get_world_size(group), handed, tensor)
     source = dist.get_global_rank(group, src) if group is not None else src
-    work = dist.broadcast(_wire(tensor), src=source, group=group, async_op=async_op)
-    return work if async_op else tensor
+    work = dist.broadcast(_wire(tensor), src=source, group=group, async_op=_issued_async(async_op))
+    return _handle(work, async_op, tensor)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, async_op: bool = False):
@@ -197,7 +227,8 @@ def recv(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
 
 def _point_to_point(kind: str, tensor: torch.Tensor, peer: int, group, async_op: bool):
     note_devices(kind, tensor)
-    accounting.record(kind, _nbytes(tensor), dist.get_world_size(group), _nbytes(tensor) if kind == "send" else 0)
+    handed = _nbytes(tensor) if kind == "send" else 0
+    accounting.record(kind, _nbytes(tensor), dist.get_world_size(group), handed, tensor)
     peer = dist.get_global_rank(group, peer) if group is not None else peer
     blocking, non_blocking = (dist.send, dist.isend) if kind == "send" else (dist.recv, dist.irecv)
     if async_op:

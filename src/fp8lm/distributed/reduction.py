@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -95,18 +94,12 @@ class FlatLayout:
     def pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """``(segment, start, stop)`` for the parts of segments in ``rank``'s shard; start and
         stop are positions in the shard."""
-        return self._pieces[rank]
-
-    @cached_property
-    def _pieces(self) -> list[list[tuple[int, int, int]]]:
-        out: list[list[tuple[int, int, int]]] = [[] for _ in range(self.world_size)]
+        low, high = rank * self.chunk, (rank + 1) * self.chunk
+        out = []
         for s, (off, n) in enumerate(zip(self.offsets, self.lengths, strict=True)):
-            pos, end = off, off + n
-            while pos < end:
-                r = pos // self.chunk
-                stop = min(end, (r + 1) * self.chunk)
-                out[r].append((s, pos - r * self.chunk, stop - r * self.chunk))
-                pos = stop
+            start, stop = max(off, low), min(off + n, high)
+            if start < stop:
+                out.append((s, start - low, stop - low))
         return out
 
 
@@ -335,11 +328,13 @@ class FP8Reduction:
 
     def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 payload of the whole flat buffer and the scale of each segment."""
-        flat = torch.zeros(self.layout.numel, dtype=self.fmt.dtype, device=self.device)
+        # uint8, written through FP8 views: inductor's CPU code cannot yet write slices of an FP8
+        # buffer ("Promotion for Float8 Types is not supported")
+        flat = torch.zeros(self.layout.numel, dtype=torch.uint8, device=self.device)
         scales = torch.ones(self.layout.num_segments, dtype=torch.float32, device=self.device)
         for s, (t, off, n) in enumerate(zip(self.tensors, self.layout.offsets, self.layout.lengths, strict=True)):
-            scales[s] = self.strategy.quantize_input(s, t, flat[off : off + n])
-        return flat.view(torch.uint8), scales
+            scales[s] = self.strategy.quantize_input(s, t, flat[off : off + n].view(self.fmt.dtype))
+        return flat, scales
 
     # stage 2 ---------------------------------------------------------------------------------
     def reduce(self) -> torch.Tensor:
@@ -363,12 +358,12 @@ class FP8Reduction:
         """Quantize the shard sum and launch the all-gather of the payloads."""
         pieces = self.layout.pieces(self.rank)
         self.out_scales = self.strategy.output_scales(self.shard, pieces, self.layout.num_segments, self.group)
-        out = torch.zeros(self.layout.chunk, dtype=self.fmt.dtype, device=self.device)
+        out = torch.zeros(self.layout.chunk, dtype=torch.uint8, device=self.device)  # uint8: `_pack` says why
         for s, a, b in pieces:
-            out[a:b] = self.strategy.quantize_output(self.shard[a:b], self.out_scales[s])
+            out[a:b] = self.strategy.quantize_output(self.shard[a:b], self.out_scales[s]).view(torch.uint8)
         self.shard = None
         self._gathered = torch.empty(self.layout.numel, dtype=torch.uint8, device=self.device)
-        self._works = [comm.all_gather(self._gathered, out.view(torch.uint8), self.group, async_op=True)]
+        self._works = [comm.all_gather(self._gathered, out, self.group, async_op=True)]
         return self
 
     def results(self) -> list[ScalingTensor]:

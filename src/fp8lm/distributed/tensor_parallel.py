@@ -125,7 +125,9 @@ def _distribute(module: nn.Module, name: str, placement: Placement, chunks: int,
 
 class _LocalShards:
     """While an FP8Linear's forward runs, its DTensor parameters are swapped for their local
-    tensors (differentiable ``to_local`` views), so its FP8 GEMMs see fp8lm's storage formats."""
+    tensors (differentiable ``to_local`` views), so its FP8 GEMMs see fp8lm's storage formats; the
+    layer reads the weight's stored bytes from the DTensor's own local tensor
+    (`FP8Linear.weight_storage`), which torch.compile can trace into."""
 
     def __init__(self, held_back: tuple[str, ...] = ()) -> None:
         self.held_back = held_back  # parameters the style applies itself (a row-wise bias)
@@ -138,10 +140,17 @@ class _LocalShards:
                 self.saved[name] = param
                 self.local[name] = param.to_local()
                 module._parameters[name] = None if name in self.held_back else self.local[name]  # type: ignore[assignment]
+        if "weight" in self.saved:
+            module.weight_storage = self.saved["weight"]._local_tensor
 
     def restore(self, module: nn.Module, *_) -> None:
         module._parameters.update(self.saved)
-        self.saved = {}
+        module.weight_storage = None
+        # Nothing of the forward stays behind: a compiled graph would return what does as an
+        # output, whose gradient never comes.
+        # (cleared, not replaced: the graph would still return what the old dicts held).
+        self.saved.clear()
+        self.local.clear()
 
 
 def layers_recipe(module: nn.Module) -> Recipe | None:

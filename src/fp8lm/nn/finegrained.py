@@ -320,6 +320,7 @@ def fine_grained_linear(
     recipe: Recipe,
     weight_operand: BlockOperand | None = None,
     weight_grad_format: Format | None = None,
+    stored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the GEMMs of the fine-grained ``recipe`` (module doc).
     Output in the autocast dtype under ``torch.autocast``, else ``x``'s dtype. ``weight``: a plain
@@ -328,13 +329,16 @@ def fine_grained_linear(
     quantized (`quantize_operand` of the weight along in_features, as FSDP2 gathers it): the
     input-gradient GEMM's operand is quantized from its values where its blocks are not the
     forward's (rowwise, mxfp8). ``weight_grad_format``: the weight's gradient is stored in it, as
-    `fp8lm.nn.FP8Linear` stores it; without one it is a plain tensor of the weight's dtype."""
+    `fp8lm.nn.FP8Linear` stores it; without one it is a plain tensor of the weight's dtype.
+    ``stored``: where ``weight`` is a view of a stored tensor made in the forward (a tensor-parallel
+    local shard, `FP8Linear.weight_storage`), that tensor: its payload and scale are read."""
     if not recipe.fine_grained:
         raise ValueError(f"fine_grained_linear takes a fine-grained recipe, got granularity {recipe.granularity!r}")
     if x.device.type == "cuda" and not torch.compiler.is_compiling():
         warn_if_emulated(recipe, x.device)
-    if isinstance(weight, ScalingTensor):
-        payload, stored_scale = weight.payload, weight.scale
+    stored = weight if stored is None else stored
+    if isinstance(stored, ScalingTensor):
+        payload, stored_scale = stored.payload, stored.scale
     else:
         payload, stored_scale = weight, None
     held = _gathered_bytes(payload, recipe) if weight_operand is not None else None

@@ -385,6 +385,11 @@ class FP8Linear(nn.Module):
         self.high_precision = False
         # Checkpoints of a layer converted from a GPT-2 Conv1D keep Conv1D's (in, out) weight layout.
         self.transposed_checkpoint = False
+        # Set by the tensor-parallel styles while a forward runs: the local shard of the weight
+        # (a DTensor's local tensor), which ``self.weight`` is then a differentiable view of. The
+        # GEMMs read the stored bytes from it: torch.compile can trace into a graph input's inner
+        # tensors, not into those of a view made inside the graph.
+        self.weight_storage: torch.Tensor | None = None
         self._weight_operand = _WeightOperandCache()
         self.input_meta = ScalingMeta(recipe.input_format, history_len=recipe.steps, margin=recipe.margin)
         self.grad_output_meta = ScalingMeta(recipe.grad_output_format, history_len=recipe.steps, margin=recipe.margin)
@@ -447,14 +452,17 @@ class FP8Linear(nn.Module):
         if not self.fp8_enabled or self.high_precision or x.numel() == 0:  # an empty batch has no amax to scale by
             return F.linear(x, self.weight, self.bias)
         weight = self.weight
-        if isinstance(weight, ScalingTensor):
-            payload, stored_scale = weight.payload, weight.scale
+        stored = weight if self.weight_storage is None else self.weight_storage
+        if isinstance(stored, ScalingTensor):
+            payload, stored_scale = stored.payload, stored.scale
         else:
             payload, stored_scale = weight.detach(), None
         if self.recipe.fine_grained:  # current scaling per block: no scaling state, no cached operand
             # FSDP2 may have gathered the recipe's operand (a BlockScaledTensor)
             operand = gathered_operand(weight)
-            return fine_grained_linear(x, weight, self.bias, self.recipe, operand, self.weight_grad_format)
+            return fine_grained_linear(
+                x, weight, self.bias, self.recipe, operand, self.weight_grad_format, stored=self.weight_storage
+            )
         for meta in (self.input_meta, self.grad_output_meta):
             if meta.scale.device != x.device:
                 meta.to(x.device)
