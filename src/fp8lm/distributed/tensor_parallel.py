@@ -19,7 +19,9 @@
 
 They compose with torch's ``SequenceParallel`` for norms. Weights become ``nn.Parameter``
 DTensors whose local tensors keep fp8lm's storage (a `ScalingTensor` with its payload and scale);
-the layer computes on the local shards with its own FP8 GEMMs, and the wire formats are those of
+the layer computes on the local shards with its own FP8 GEMMs (`FP8Linear` takes its DTensor
+parameters' local tensors itself: nothing is swapped in a hook, so a compiled block, activation
+checkpointing included, has no side effect to trace), and the wire formats are those of
 `fp8lm.distributed.activation_comm`. Each rank keeps its slice of its own copy of the module (all
 copies must be equal: built from one seed or loaded from one checkpoint), so applying a style
 sends nothing. ``chunks=k`` (column-wise only) shards each of ``k`` equal row blocks separately,
@@ -123,36 +125,6 @@ def _distribute(module: nn.Module, name: str, placement: Placement, chunks: int,
         module.row_chunks = {**getattr(module, "row_chunks", {}), name: (chunks, mesh.size())}
 
 
-class _LocalShards:
-    """While an FP8Linear's forward runs, its DTensor parameters are swapped for their local
-    tensors (differentiable ``to_local`` views), so its FP8 GEMMs see fp8lm's storage formats; the
-    layer reads the weight's stored bytes from the DTensor's own local tensor
-    (`FP8Linear.weight_storage`), which torch.compile can trace into."""
-
-    def __init__(self, held_back: tuple[str, ...] = ()) -> None:
-        self.held_back = held_back  # parameters the style applies itself (a row-wise bias)
-        self.saved: dict[str, nn.Parameter] = {}
-        self.local: dict[str, torch.Tensor] = {}
-
-    def swap_in(self, module: nn.Module) -> None:
-        for name, param in list(module._parameters.items()):
-            if isinstance(param, DTensor):
-                self.saved[name] = param
-                self.local[name] = param.to_local()
-                module._parameters[name] = None if name in self.held_back else self.local[name]  # type: ignore[assignment]
-        if "weight" in self.saved:
-            module.weight_storage = self.saved["weight"]._local_tensor
-
-    def restore(self, module: nn.Module, *_) -> None:
-        module._parameters.update(self.saved)
-        module.weight_storage = None
-        # Nothing of the forward stays behind: a compiled graph would return what does as an
-        # output, whose gradient never comes.
-        # (cleared, not replaced: the graph would still return what the old dicts held).
-        self.saved.clear()
-        self.local.clear()
-
-
 def layers_recipe(module: nn.Module) -> Recipe | None:
     """The recipe every FP8 layer in ``module`` runs (`FP8Linear`, `FP8GroupedLinear`), or None
     when they differ or there is none: what an input gathered for them all is sent as."""
@@ -193,7 +165,7 @@ class FP8ColwiseParallel(ColwiseParallel):
         _check_linear(type(self).__name__, module)
         for name in ("weight", "bias"):
             _distribute(module, name, Shard(0), self.chunks, device_mesh)
-        shards, group = _LocalShards(), device_mesh.get_group()
+        group = device_mesh.get_group()
 
         def prepare_input(mod, args):
             x, layout, was_dtensor = _local_input(args[0], self.input_layouts[0])
@@ -202,14 +174,12 @@ class FP8ColwiseParallel(ColwiseParallel):
                 x = x if was_dtensor else copy_to_parallel_region(x, group)
             else:
                 x = _change_layout(x, layout, Replicate(), group, mod.recipe)
-            shards.swap_in(mod)
             return (x, *args[1:])
 
         def prepare_output(mod, args, out):
             return out if self.use_local_output else DTensor.from_local(out, device_mesh, (Shard(-1),), run_check=False)
 
         module.register_forward_pre_hook(prepare_input)
-        module.register_forward_hook(shards.restore, always_call=True)
         module.register_forward_hook(prepare_output)
         return module
 
@@ -226,14 +196,13 @@ class FP8RowwiseParallel(RowwiseParallel):
         _check_linear(type(self).__name__, module)
         _distribute(module, "weight", Shard(1), 1, device_mesh)
         _distribute(module, "bias", Replicate(), 1, device_mesh)
-        shards, group = _LocalShards(held_back=("bias",)), device_mesh.get_group()
+        module.bias_after_reduction = True  # added to the reduced output below
+        group = device_mesh.get_group()
         output_layout = self.output_layouts[0]
 
         def prepare_input(mod, args):
             x, layout, _ = _local_input(args[0], self.input_layouts[0])
-            x = _change_layout(x, layout, Shard(-1), group)
-            shards.swap_in(mod)
-            return (x, *args[1:])
+            return (_change_layout(x, layout, Shard(-1), group), *args[1:])
 
         def prepare_output(mod, args, out):
             dim = _shard_dim(output_layout, out.dim())
@@ -241,7 +210,7 @@ class FP8RowwiseParallel(RowwiseParallel):
                 out = all_reduce_partial(out, group)
             else:
                 out = reduce_scatter_to_shards(out, dim, group, mod.recipe)
-            bias = shards.local.get("bias")
+            bias = None if mod.bias is None else mod.bias.to_local()
             if bias is not None:
                 # On a shard of the tokens, the bias gradient is partial: summed over the group.
                 out = out + (bias if dim is None else reduce_replicated_grad(bias, group)).to(out.dtype)
@@ -253,7 +222,6 @@ class FP8RowwiseParallel(RowwiseParallel):
 
         module.register_forward_pre_hook(prepare_input)
         module.register_forward_hook(prepare_output)
-        module.register_forward_hook(shards.restore, always_call=True)
         return module
 
     def __repr__(self) -> str:

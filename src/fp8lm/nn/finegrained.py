@@ -331,7 +331,7 @@ def fine_grained_linear(
     forward's (rowwise, mxfp8). ``weight_grad_format``: the weight's gradient is stored in it, as
     `fp8lm.nn.FP8Linear` stores it; without one it is a plain tensor of the weight's dtype.
     ``stored``: where ``weight`` is a view of a stored tensor made in the forward (a tensor-parallel
-    local shard, `FP8Linear.weight_storage`), that tensor: its payload and scale are read."""
+    parameter's local tensor), that tensor: its payload and scale are read."""
     if not recipe.fine_grained:
         raise ValueError(f"fine_grained_linear takes a fine-grained recipe, got granularity {recipe.granularity!r}")
     if x.device.type == "cuda" and not torch.compiler.is_compiling():

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..block_tensor import gathered_operand
 from ..formats import E4M3, FP16, FP32, Format, format_of
@@ -385,11 +386,9 @@ class FP8Linear(nn.Module):
         self.high_precision = False
         # Checkpoints of a layer converted from a GPT-2 Conv1D keep Conv1D's (in, out) weight layout.
         self.transposed_checkpoint = False
-        # Set by the tensor-parallel styles while a forward runs: the local shard of the weight
-        # (a DTensor's local tensor), which ``self.weight`` is then a differentiable view of. The
-        # GEMMs read the stored bytes from it: torch.compile can trace into a graph input's inner
-        # tensors, not into those of a view made inside the graph.
-        self.weight_storage: torch.Tensor | None = None
+        # Set by fp8lm's row-wise tensor-parallel style: the output is a partial sum that the
+        # style reduces over the ranks, and it adds the bias after.
+        self.bias_after_reduction = False
         self._weight_operand = _WeightOperandCache()
         self.input_meta = ScalingMeta(recipe.input_format, history_len=recipe.steps, margin=recipe.margin)
         self.grad_output_meta = ScalingMeta(recipe.grad_output_format, history_len=recipe.steps, margin=recipe.margin)
@@ -448,11 +447,25 @@ class FP8Linear(nn.Module):
         layer.transposed_checkpoint = conv1d
         return layer
 
+    def _local_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The weight and bias this rank multiplies, and the tensor that holds the weight's stored
+        bytes. For the DTensor parameters of the tensor-parallel styles: their local tensors,
+        differentiable ``to_local()`` views for the GEMMs, and the DTensor's own local tensor for
+        the bytes (torch.compile traces into a graph input's inner tensors, not into those of a
+        tensor made inside the graph); no bias where the style adds it after its reduction."""
+        weight, bias, stored = self.weight, self.bias, self.weight
+        if isinstance(weight, DTensor):
+            stored, weight = weight._local_tensor, weight.to_local()
+        if self.bias_after_reduction:
+            bias = None
+        elif isinstance(bias, DTensor):
+            bias = bias.to_local()
+        return weight, bias, stored
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias, stored = self._local_parameters()
         if not self.fp8_enabled or self.high_precision or x.numel() == 0:  # an empty batch has no amax to scale by
-            return F.linear(x, self.weight, self.bias)
-        weight = self.weight
-        stored = weight if self.weight_storage is None else self.weight_storage
+            return F.linear(x, weight, bias)
         if isinstance(stored, ScalingTensor):
             payload, stored_scale = stored.payload, stored.scale
         else:
@@ -460,27 +473,25 @@ class FP8Linear(nn.Module):
         if self.recipe.fine_grained:  # current scaling per block: no scaling state, no cached operand
             # FSDP2 may have gathered the recipe's operand (a BlockScaledTensor)
             operand = gathered_operand(weight)
-            return fine_grained_linear(
-                x, weight, self.bias, self.recipe, operand, self.weight_grad_format, stored=self.weight_storage
-            )
+            return fine_grained_linear(x, weight, bias, self.recipe, operand, self.weight_grad_format, stored=stored)
         for meta in (self.input_meta, self.grad_output_meta):
             if meta.scale.device != x.device:
                 meta.to(x.device)
         eager = None
         if not torch.compiler.is_compiling():
             weight_op = weight_amax = None  # an emulated GEMM also reads the weight upcast: not kept between steps
-            if isinstance(weight, ScalingTensor) and choose_backend(x.device, self.recipe.backend) == "scaled_mm":
+            if isinstance(stored, ScalingTensor) and choose_backend(x.device, self.recipe.backend) == "scaled_mm":
                 laid_out = wants_laid_out_operands(x.device, self.recipe.backend)
-                weight_op = self._weight_operand.get(weight, self.recipe.weight_format, laid_out)
-            elif isinstance(weight, ScalingTensor):
-                weight_amax = weight.known_payload_amax()
+                weight_op = self._weight_operand.get(stored, self.recipe.weight_format, laid_out)
+            elif isinstance(stored, ScalingTensor):
+                weight_amax = stored.known_payload_amax()
             eager = _Eager(weight_op, weight_amax, self.input_meta, self.grad_output_meta)
         return _FP8LinearFunction.apply(
             x,
             weight,
             payload,
             stored_scale,
-            self.bias,
+            bias,
             self.input_meta.state,
             self.grad_output_meta.state,
             self.recipe,
