@@ -115,8 +115,8 @@ def block_amax_spread(x: torch.Tensor, recipe: Recipe | str, role: str) -> float
 
 
 def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's part of a gradient: the local shard of a DTensor's (FSDP2, tensor parallel),
-    an FP8 `ScalingTensor` where the gradient is stored in FP8. Its records describe the shard: a
+    """This rank's part of a gradient (or weight): the local shard of a DTensor's (FSDP2, tensor
+    parallel), an FP8 `ScalingTensor` where the gradient is stored in FP8. Its records describe the shard: a
     training loop merges those of one layer's shards (the app takes each figure's worst)."""
     return grad._local_tensor if isinstance(grad, DTensor) else grad
 
@@ -205,13 +205,13 @@ class Telemetry:
                 if is_recomputing():  # activation checkpointing's second forward: recorded once already
                     return
                 x = _local(args[0])
+                w = _local(module.weight)  # this rank's shard of a tensor-parallel layer's weight
                 if module.recipe.fine_grained:
-                    self._record_blocks(name, module, {"input": x, "weight": _weight_value(module.weight)})
+                    self._record_blocks(name, module, {"input": x, "weight": _weight_value(w)})
                     return
                 meta = module.input_meta
                 scale = _scale_in_use(module, meta, x, E4M3)
                 self._record(name, "input", E4M3, quantization_stats(x, E4M3, scale))
-                w = module.weight
                 value = w.dequantize() if isinstance(w, ScalingTensor) else w.detach()
                 self._record(
                     name, "weight", E4M3, quantization_stats(value, E4M3, compute_scale(value.abs().amax(), E4M3))

@@ -453,7 +453,8 @@ class FP8Linear(nn.Module):
         differentiable ``to_local()`` views for the GEMMs, and the DTensor's own local tensor for
         the bytes (torch.compile traces into a graph input's inner tensors, not into those of a
         tensor made inside the graph); no bias where the style adds it after its reduction."""
-        weight, bias, stored = self.weight, self.bias, self.weight
+        weight: torch.Tensor = self.weight
+        bias, stored = self.bias, weight
         if isinstance(weight, DTensor):
             stored, weight = weight._local_tensor, weight.to_local()
         if self.bias_after_reduction:
