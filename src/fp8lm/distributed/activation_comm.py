@@ -235,8 +235,8 @@ class _ReduceReplicatedGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param, group):
         ctx.group = group
-        # A copy, not a view: a Function's view output may not be modified in place, which a
-        # compiled graph does to the bias it adds (the copy is of a bias: small).
+        # A copy, not a view: tracing the view, dynamo stopped ("a view ... created inside a
+        # custom Function ... modified inplace"); the copy is of a bias, small.
         return param.clone()
 
     @staticmethod
