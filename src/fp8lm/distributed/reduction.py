@@ -26,7 +26,7 @@ owns ``[r * chunk, (r + 1) * chunk)``. Contiguous layouts serve data parallelism
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,12 @@ class FlatLayout:
     lengths: tuple[int, ...]
     world_size: int
     chunk: int
+    # per rank, (segment, start, stop) of the parts in its shard: computed once, with the layout
+    # (a reduction reads it at every step; not a cached_property, whose lock dynamo cannot trace)
+    _pieces: tuple[list[tuple[int, int, int]], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pieces", tuple(self._rank_pieces(r) for r in range(self.world_size)))
 
     @classmethod
     def contiguous(cls, lengths, world_size: int) -> FlatLayout:
@@ -94,6 +100,9 @@ class FlatLayout:
     def pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """``(segment, start, stop)`` for the parts of segments in ``rank``'s shard; start and
         stop are positions in the shard."""
+        return self._pieces[rank]
+
+    def _rank_pieces(self, rank: int) -> list[tuple[int, int, int]]:
         low, high = rank * self.chunk, (rank + 1) * self.chunk
         out = []
         for s, (off, n) in enumerate(zip(self.offsets, self.lengths, strict=True)):
