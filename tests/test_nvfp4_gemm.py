@@ -6,6 +6,8 @@ No GPU runs here, so the call is checked the way cuBLAS reads it: a float64 kern
 the formats' definitions (the E2M1 code table, the 128 x 4 tile layout of the scales) stands in
 for ``torch.nn.functional.scaled_mm`` and must give the emulation's result."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -411,3 +413,37 @@ def test_fullgraph_compile_of_the_fp4_layout_path_gives_the_eager_numbers(fp4_ke
     compiled_y, compiled_grads = step(torch.compile(layer, fullgraph=True, backend="aot_eager"))
     assert torch.equal(compiled_y, eager_y)
     assert all(torch.equal(a, b) for a, b in zip(compiled_grads, eager_grads))
+
+
+def test_the_fp4_layout_weight_is_quantized_once_per_change_of_the_weight(fp4_kernel, monkeypatch):
+    """On the FP4 path, too, the weight's operands (its 16 x 16 blocks, laid out for both its
+    GEMMs) are quantized once and serve the following micro-batches, with the same results as
+    a layer that quantizes them in every forward."""
+    from fp8lm.nn import finegrained as layer_gemms
+
+    monkeypatch.setattr(layer_gemms, "fp4_gemm_kernel", lambda device: "cublas")
+    roles, real = [], layer_gemms.quantize_fp4
+    monkeypatch.setattr(
+        layer_gemms,
+        "quantize_fp4",
+        lambda x, recipe, role, *a, **k: roles.append(role) or real(x, recipe, role, *a, **k),
+    )
+    torch.manual_seed(0)
+    kept = fp8lm.nn.FP8Linear(64, 32, recipe=NVFP4.replace(backend="scaled_mm"))
+    anew = copy.deepcopy(kept)
+
+    def micro_batch(layer, seed):
+        x = torch.randn(2, 48, 64, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        torch.manual_seed(seed)  # the same stochastic rounding
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().pow(2).sum().backward()
+        return y.detach(), x.grad, layer.weight.grad.dequantize().clone()
+
+    for seed in range(3):
+        roles.clear()
+        kept_results = micro_batch(kept, seed)
+        assert roles.count("weight") == (1 if seed == 0 else 0)
+        anew._weight_operand.clear()
+        for a, b in zip(kept_results, micro_batch(anew, seed)):
+            assert torch.equal(a, b)

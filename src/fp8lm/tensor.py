@@ -47,6 +47,7 @@ __all__ = [
     "fsdp_gather_format",
     "fsdp_gather_recipe",
     "fsdp_gathered",
+    "fsdp_unsharded",
     "fsdp_wire",
     "fsdp_shard_amax",
 ]
@@ -603,12 +604,20 @@ def fsdp_gathered(all_gather_outputs, metadata, param_dtype: torch.dtype, out=No
     (wire,) = all_gather_outputs
     payload_dtype, scale = metadata
     payload = wire.view(payload_dtype)
+    payload._fsdp_unsharded = True  # read by `fsdp_unsharded`
     if out is not None:  # later all-gathers refill the same payload storage
         # Under 2-D (FSDP2 x tensor parallel) FSDP2 hands back the DTensor it built around
         # this ScalingTensor: the scale to refresh is its local tensor's.
         block_tensor.refill(getattr(out, "_local_tensor", out).scale, scale)
         return None
     return ScalingTensor(payload, scale.clone(), param_dtype), (payload,)
+
+
+def fsdp_unsharded(t: ScalingTensor) -> bool:
+    """Whether ``t`` is a weight FSDP2 all-gathered through `fsdp_gathered` (or a view of one, as
+    the parameter FSDP2 makes of it): its payload lives in FSDP2's all-gather buffer, freed after
+    each use, rather than in a parameter of its own."""
+    return any(getattr(p, "_fsdp_unsharded", False) for p in (t._data, t._shared_with) if p is not None)
 
 
 def fsdp_shard_amax(shard: ScalingTensor) -> torch.Tensor:

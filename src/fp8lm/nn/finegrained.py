@@ -15,6 +15,11 @@ two elements to a byte with E4M3 block scales; only BF16 copies are saved where 
 weight-gradient GEMM is BF16. An operand FSDP2 gathered is saved as it is, so that FSDP2 frees it
 after the forward as it frees any gathered parameter; where the input gradient needs the weight
 in other blocks (rowwise, mxfp8) the backward requantizes the operand gathered again for it.
+An `fp8lm.nn.FP8Linear` on an FP8 GEMM backend keeps its stored weight's operands between
+forwards while the weight is unchanged (`WeightOperands`, in the layer's operand cache, as the
+tensorwise FP8 operand is kept), so that the micro-batches of one optimizer step and evaluation
+batches quantize it once; not while torch.compile traces (the graph quantizes it), nor for a
+plain weight or one FSDP2 all-gathered.
 
 The GEMMs (`block_mm`) are ``torch._scaled_mm`` with row-wise scales for the rowwise recipes
 where the recipe's backend resolves to it (CUDA of compute capability 9.0+, dims multiples of
@@ -66,6 +71,49 @@ __all__ = ["fine_grained_linear"]
 def _e8m0(recipe: Recipe) -> bool:
     """Whether the recipe's scales are E8M0 (mxfp8: powers of two), for `block_mm`'s MX GEMM."""
     return recipe.granularity == "mxfp8"
+
+
+# Recipes whose weight blocks are square: one quantization of the weight serves both its GEMMs.
+_SQUARE_WEIGHT_BLOCKS = ("blockwise", "nvfp4")
+
+
+class WeightOperands:
+    """A stored weight's operands for a fine-grained recipe's GEMMs, each quantized at its first
+    use and kept in ``kept``: a dict that `fp8lm.nn.FP8Linear` keeps while its weight is unchanged
+    (its operand cache), so that the micro-batches of one optimizer step quantize the weight once,
+    as the tensorwise path casts it once; a new dict per call otherwise. The weight's values are
+    ``payload / stored_scale`` (``payload`` itself without a stored scale). A weight is quantized
+    without randomness (nvfp4 rounds only gradients stochastically), so a kept operand has the
+    bytes a new quantization would give."""
+
+    def __init__(
+        self, payload: torch.Tensor, stored_scale: torch.Tensor | None, recipe: Recipe, kept: dict | None = None
+    ) -> None:
+        self.payload, self.stored_scale, self.recipe = payload.detach(), stored_scale, recipe
+        self.kept = {} if kept is None else kept
+
+    def block(self, dim: int) -> BlockOperand:
+        """The weight quantized along ``dim``: 1 (in_features) for the forward GEMM, 0
+        (out_features) for the input gradient's, which is the forward's operand where the
+        recipe's weight blocks are square."""
+        if dim == 0 and self.recipe.granularity in _SQUARE_WEIGHT_BLOCKS:
+            dim = 1
+        key = ("block", self.recipe, dim)
+        if key not in self.kept:
+            self.kept[key] = quantize_operand(
+                self.payload, self.recipe, "weight", dim=dim, stored_scale=self.stored_scale
+            )
+        return self.kept[key]
+
+    def fp4(self, kernel: str, both_ways: bool) -> tuple[FP4Operand, ...]:
+        """The weight quantized straight into ``kernel``'s FP4 layout (`quantize_fp4`) along
+        in_features and, with ``both_ways``, also along out_features (its 16 x 16 blocks)."""
+        key = ("fp4", self.recipe, kernel)
+        operands = self.kept.get(key)
+        if operands is None or (both_ways and len(operands) < 2):
+            operands = quantize_fp4(self.payload, self.recipe, "weight", 1, kernel, self.stored_scale, both_ways)
+            self.kept[key] = operands
+        return operands if both_ways else operands[:1]
 
 
 def _save(
@@ -140,6 +188,7 @@ class _FineGrainedLinear(torch.autograd.Function):
         weight_grad_format: Format | None,
         held_payload: torch.Tensor | None = None,
         held_d: torch.Tensor | None = None,
+        kept: dict | None = None,
     ):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
@@ -158,11 +207,12 @@ class _FineGrainedLinear(torch.autograd.Function):
             x2 = x.detach().reshape(-1, x.shape[-1])
             b = None if bias is None else bias.detach()
             ctx.fp4 = None if weight_operand is not None else _fp4_kernel(x2, weight.shape, recipe, backend, out_dtype)
+            weights = WeightOperands(payload, stored_scale, recipe, kept)
             if ctx.fp4:
-                y, saved = _fp4_forward(ctx, x2, payload.detach(), stored_scale, b)
+                y, saved = _fp4_forward(ctx, x2, weights, b)
             else:
                 held = None if held_payload is None or held_d is None else (held_payload, held_d)
-                y, saved = _block_forward(ctx, x2, payload.detach(), stored_scale, b, weight_operand, held)
+                y, saved = _block_forward(ctx, x2, weights, b, weight_operand, held)
         ctx.save_for_backward(*saved)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -183,14 +233,13 @@ class _FineGrainedLinear(torch.autograd.Function):
             grad_w = _stored_gradient(grad_w, ctx)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
             grad_b = g2.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, None, None, grad_b, None, None, None, None, None
+        return grad_x, grad_w, None, None, grad_b, None, None, None, None, None, None
 
 
 def _block_forward(
     ctx,
     x2: torch.Tensor,
-    payload: torch.Tensor,
-    stored_scale: torch.Tensor | None,
+    weights: WeightOperands,
     bias: torch.Tensor | None,
     weight_operand: BlockOperand | None,
     held: tuple[torch.Tensor, torch.Tensor] | None,
@@ -198,18 +247,17 @@ def _block_forward(
     """The forward GEMM on `BlockOperand`\\ s (`block_mm`), and what the backward needs, quantized.
     ``held``: ``weight_operand``'s bytes as FSDP2 gathered them (`_gathered_bytes`), or None."""
     recipe = ctx.recipe
-    w_op = weight_operand or quantize_operand(payload, recipe, "weight", dim=1, stored_scale=stored_scale)
+    w_op = weight_operand or weights.block(1)
     x_op = quantize_operand(x2, recipe, "input", dim=1)
     y = block_mm(x_op, w_op.t(), ctx.out_dtype, bias, ctx.backend, _e8m0(recipe))
     w_dgrad = None
     # Square weight blocks serve both GEMMs. A gathered operand (FSDP2) is saved as it is: FSDP2
     # frees it after the forward and gathers it again for the backward, which requantizes it
     # along out_features there (rowwise, mxfp8) rather than keep a copy of the unsharded weight.
-    square = recipe.granularity in ("blockwise", "nvfp4")
+    square = recipe.granularity in _SQUARE_WEIGHT_BLOCKS
     ctx.requantize_weight = weight_operand is not None and not square
     if ctx.needs_input_grad[0]:
-        keep = square or weight_operand is not None
-        w_dgrad = w_op if keep else quantize_operand(payload, recipe, "weight", dim=0, stored_scale=stored_scale)
+        w_dgrad = w_op if weight_operand is not None else weights.block(0)
     x_wgrad = _weight_grad_input(x2, recipe) if ctx.needs_input_grad[1] else None
     gathered = held if w_dgrad is not None and w_dgrad is weight_operand else None
     return y, [*_save(ctx, "w_block", w_dgrad, gathered), *_save(ctx, "x_block", x_wgrad)]
@@ -272,7 +320,7 @@ def _fp4_kernel(
 
 
 def _fp4_forward(
-    ctx, x2: torch.Tensor, payload: torch.Tensor, stored_scale: torch.Tensor | None, bias: torch.Tensor | None
+    ctx, x2: torch.Tensor, weights: WeightOperands, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """The forward GEMM on the FP4 kernel ``ctx.fp4``; saved for the backward, laid out for its
     GEMMs: the weight along out_features (from the forward's quantization: its 16 x 16 blocks)
@@ -280,7 +328,7 @@ def _fp4_forward(
     recipe, kernel = ctx.recipe, ctx.fp4
     x_fp4 = quantize_fp4(x2, recipe, "input", 1, kernel)[0]
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    w_fp4, *w_dgrad = quantize_fp4(payload, recipe, "weight", 1, kernel, stored_scale, both_ways=need_x)
+    w_fp4, *w_dgrad = weights.fp4(kernel, both_ways=need_x)
     y = fp4_mm(x_fp4, w_fp4, ctx.out_dtype, bias, kernel)
     x_wgrad = None
     if need_w:
@@ -321,6 +369,7 @@ def fine_grained_linear(
     weight_operand: BlockOperand | None = None,
     weight_grad_format: Format | None = None,
     stored: torch.Tensor | None = None,
+    kept_operands: dict | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the GEMMs of the fine-grained ``recipe`` (module doc).
     Output in the autocast dtype under ``torch.autocast``, else ``x``'s dtype. ``weight``: a plain
@@ -331,7 +380,10 @@ def fine_grained_linear(
     forward's (rowwise, mxfp8). ``weight_grad_format``: the weight's gradient is stored in it, as
     `fp8lm.nn.FP8Linear` stores it; without one it is a plain tensor of the weight's dtype.
     ``stored``: where ``weight`` is a view of a stored tensor made in the forward (a tensor-parallel
-    parameter's local tensor), that tensor: its payload and scale are read."""
+    parameter's local tensor), that tensor: its payload and scale are read. ``kept_operands``: a
+    dict in which the weight's quantized operands are kept for later calls (`WeightOperands`;
+    eager only), which the caller empties whenever the weight changes; a kept operand is used
+    as it is."""
     if not recipe.fine_grained:
         raise ValueError(f"fine_grained_linear takes a fine-grained recipe, got granularity {recipe.granularity!r}")
     if x.device.type == "cuda" and not torch.compiler.is_compiling():
@@ -345,4 +397,6 @@ def fine_grained_linear(
     held_payload, held_d = held or (None, None)
     stored_payload = None if payload is weight else payload
     args = (x, weight, stored_payload, stored_scale, bias, recipe, weight_operand, weight_grad_format)
-    return _FineGrainedLinear.apply(*args, held_payload, held_d)
+    if torch.compiler.is_compiling():  # the graph quantizes the weight in every call
+        kept_operands = None
+    return _FineGrainedLinear.apply(*args, held_payload, held_d, kept_operands)

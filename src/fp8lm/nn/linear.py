@@ -11,8 +11,11 @@ The weight is an ``nn.Parameter`` wrapping a `ScalingTensor` with an FP16 payloa
 (2 bytes per element, presenting as float32): optimizers, ``clip_grad_norm_`` and checkpoints see
 ordinary float values. On an FP8 GEMM backend (``torch._scaled_mm``) its FP8 copy is made once per
 change of the weight (optimizer step, load, FSDP2 all-gather), not once per forward, and kept
-between steps (1 byte per element, 2 on CUDA with its transpose); under ``torch.compile`` it is
-made in the graph every forward. On CUDA each cast also writes the transposed payload that the
+between steps (1 byte per element, 2 on CUDA with its transpose); a fine-grained recipe's
+operands likewise (1 byte per element and its scales; 2 where its two GEMMs read the weight in
+different blocks, rowwise and mxfp8; nvfp4 on an FP4 GEMM, its two layouts of packed E2M1, 1 in
+all); under ``torch.compile`` they
+are made in the graph every forward. On CUDA each cast also writes the transposed payload that the
 backward GEMMs read, so no FP8 operand is copied to change its layout. A weight whose payload is
 already in the GEMM's format (an E4M3 weight, FSDP2's FP8 all-gather) is its own operand: it is
 saved for the backward as it is and transposed there, so that FSDP2 can free the gathered weight
@@ -43,7 +46,7 @@ from ..ops.gemm import FP8Operand, choose_backend, emulation_dtype, fp8_mm, want
 from ..ops.library import traceable_amax, traceable_cast, traceable_cast_dequantized, traceable_upcast
 from ..recipe import SCALING_MODES, Recipe, recipe_from
 from ..scaling import ScalingMeta, ScalingSpec, compute_scale, record_, scale_for_amax_
-from ..tensor import ScalingTensor, quantize
+from ..tensor import ScalingTensor, fsdp_unsharded, quantize
 from .finegrained import fine_grained_linear
 from .scale_math import _scale_math, _stored_weight_grad
 from .state import dequantize_entries
@@ -207,13 +210,14 @@ def _weight_operand(
 
 
 class _WeightOperandCache:
-    """An FP8Linear's FP8 operand of its ScalingTensor weight, made once per change of the weight
-    (an optimizer step, a load, an in-place op, FSDP2's all-gather) rather than once per forward.
-    Valid while the weight, its payload and its scale are the tensors it was made from, unchanged:
-    every in-place change bumps a tensor's version (torch's ops, `ScalingTensor.requantize_`, the
-    optimizer's custom op). The layer clears it where it replaces its state in other ways (loads,
-    ``.to()``). Copies and pickles of the layer start empty; the payload is held weakly (an
-    all-gathered weight is freed after its forward)."""
+    """An FP8Linear's GEMM operands of its ScalingTensor weight (the tensorwise FP8 operand, or a
+    fine-grained recipe's `fp8lm.nn.finegrained.WeightOperands`), made once per change of the
+    weight (an optimizer step, a load, an in-place op, FSDP2's all-gather) rather than once per
+    forward. Valid while the weight, its payload and its scale are the tensors they were made from,
+    unchanged: every in-place change bumps a tensor's version (torch's ops,
+    `ScalingTensor.requantize_`, the optimizer's custom op). The layer clears it where it replaces
+    its state in other ways (loads, ``.to()``). Copies and pickles of the layer start empty; the
+    payload is held weakly (an all-gathered weight is freed after its forward)."""
 
     def __init__(self) -> None:
         self._entry: tuple | None = None
@@ -221,18 +225,28 @@ class _WeightOperandCache:
     def clear(self) -> None:
         self._entry = None
 
+    def operands(self, weight: ScalingTensor) -> dict:
+        """The operands made of ``weight`` as it is now, by key: the dict kept since its last
+        change, or a new empty one."""
+        payload, scale = weight.payload, weight.scale
+        versions = (weight._version, payload._version, scale._version)
+        if self._entry is not None:
+            payload_ref, scale_ref, made_at, operands = self._entry
+            if payload_ref() is payload and scale_ref() is scale and made_at == versions:
+                return operands
+        operands = {}
+        self._entry = (weakref.ref(payload), weakref.ref(scale), versions, operands)
+        return operands
+
     def get(self, weight: ScalingTensor, fmt: Format, relaid: bool) -> FP8Operand:
         """`_weight_operand` of ``weight`` for an FP8 GEMM (no emulation), made anew when ``weight``
-        changed since the cached one was made."""
-        payload, scale = weight.payload, weight.scale
-        key = (weight._version, payload._version, scale._version, fmt, relaid)
-        if self._entry is not None:
-            payload_ref, scale_ref, cached_key, operand = self._entry
-            if payload_ref() is payload and scale_ref() is scale and cached_key == key:
-                return operand
-        operand = _weight_operand(payload, scale, fmt, None, relaid, weight.known_payload_amax())
-        self._entry = (weakref.ref(payload), weakref.ref(scale), key, operand)
-        return operand
+        changed since the kept one was made."""
+        operands = self.operands(weight)
+        key = ("tensorwise", fmt, relaid)
+        if key not in operands:
+            payload, scale = weight.payload, weight.scale
+            operands[key] = _weight_operand(payload, scale, fmt, None, relaid, weight.known_payload_amax())
+        return operands[key]
 
     def __deepcopy__(self, memo) -> _WeightOperandCache:
         return _WeightOperandCache()
@@ -463,6 +477,18 @@ class FP8Linear(nn.Module):
             bias = bias.to_local()
         return weight, bias, stored
 
+    def _kept_block_operands(self, x: torch.Tensor, stored: torch.Tensor) -> dict | None:
+        """Where a fine-grained recipe's weight operands are kept between forwards (eagerly, on an
+        FP8 GEMM backend, as the tensorwise operand is kept): the cache's dict for the stored
+        weight as it is now; None for a plain weight (a write through ``.data`` leaves its version
+        as it was) and for a weight FSDP2 all-gathered in its own format, whose operands would
+        otherwise stay as large as the unsharded weight."""
+        if torch.compiler.is_compiling() or not isinstance(stored, ScalingTensor) or fsdp_unsharded(stored):
+            return None
+        if choose_backend(x.device, self.recipe.backend) != "scaled_mm":
+            return None
+        return self._weight_operand.operands(stored)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias, stored = self._local_parameters()
         if not self.fp8_enabled or self.high_precision or x.numel() == 0:  # an empty batch has no amax to scale by
@@ -471,10 +497,13 @@ class FP8Linear(nn.Module):
             payload, stored_scale = stored.payload, stored.scale
         else:
             payload, stored_scale = weight.detach(), None
-        if self.recipe.fine_grained:  # current scaling per block: no scaling state, no cached operand
+        if self.recipe.fine_grained:  # current scaling per block: no scaling state
             # FSDP2 may have gathered the recipe's operand (a BlockScaledTensor)
             operand = gathered_operand(weight)
-            return fine_grained_linear(x, weight, bias, self.recipe, operand, self.weight_grad_format, stored=stored)
+            kept = self._kept_block_operands(x, stored) if operand is None else None
+            return fine_grained_linear(
+                x, weight, bias, self.recipe, operand, self.weight_grad_format, stored=stored, kept_operands=kept
+            )
         for meta in (self.input_meta, self.grad_output_meta):
             if meta.scale.device != x.device:
                 meta.to(x.device)
