@@ -129,3 +129,35 @@ def test_peak_memory_follows_storages_until_they_are_freed():
         y = x * 2  # 4000, kept for sin's backward
         y.sin().sum().backward()  # at most y, cos(y) and the gradient grad * cos(y) at once
     assert 12000 <= peak.peak <= 12016  # and the loss and its gradient
+
+
+@pytest.mark.parametrize(("recipe", "bytes_per_element"), [("tensorwise-delayed", 1), ("rowwise", 2), ("blockwise", 1)])
+def test_kept_weight_operands_are_counted_and_alive_tensors_agree(recipe, bytes_per_element):
+    """On an FP8 GEMM backend the FP8 layers keep their weights' GEMM operands between forwards
+    (1 byte per element with one scale or square blocks, 2 where the two GEMMs read the weight in
+    different blocks): real storage, reported as ``weight_operands``, so the total still equals
+    the tensors alive."""
+    gc.collect()
+    before = _alive_storages()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    recipe = fp8lm.Recipe.from_name(recipe).replace(backend="scaled_mm")  # torch's CPU kernel, or the emulation
+    model, opt = fp8lm.initialize(model, opt, "O2", recipe=recipe, optimizer_options={"kernel": "eager"})
+    idx = torch.randint(0, 256, (2, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx, idx)[1]
+    loss.backward()
+    opt.step()
+    del idx, loss  # not training state
+    report = fp8lm.memory_report(model, opt)
+    torch._dynamo.reset()
+    gc.collect()
+    alive = {k: v[0] for k, v in _alive_storages().items() if k not in before}
+    del before
+    assert sum(alive.values()) == report["total"]
+    fp8_layers = [m for m in model.modules() if isinstance(m, fp8lm.nn.FP8Linear) and m.fp8_enabled]
+    elements = sum(m.weight.numel() for m in fp8_layers)
+    assert elements and all(m.kept_operands() for m in fp8_layers)
+    # the payloads, and their scales: one per tensor, per row, or per 128 x 128 block
+    assert bytes_per_element * elements < report["weight_operands"] < (bytes_per_element + 0.1) * elements

@@ -24,10 +24,21 @@ from .tensor import ScalingTensor
 
 __all__ = ["memory_report", "REPORT_KEYS", "PeakMemory"]
 
-# Kinds of storage, in the order of the report. ``buffers``: module buffers and other tensors a
-# module holds as attributes; ``other``: optimizer state that is none of the named kinds (e.g. the
-# step counters of torch's optimizers).
-REPORT_KEYS = ("weights", "master_weights", "gradients", "exp_avg", "exp_avg_sq", "scales", "buffers", "other")
+# Kinds of storage, in the order of the report. ``weight_operands``: the GEMM operands that FP8
+# layers keep of their weights between forwards (``kept_operands()``); ``buffers``: module buffers
+# and other tensors a module holds as attributes; ``other``: optimizer state that is none of the
+# named kinds (e.g. the step counters of torch's optimizers).
+REPORT_KEYS = (
+    "weights",
+    "master_weights",
+    "gradients",
+    "exp_avg",
+    "exp_avg_sq",
+    "scales",
+    "weight_operands",
+    "buffers",
+    "other",
+)
 
 # Optimizer state keys -> report kind (fp8lm's optimizers and torch's Adam/AdamW).
 _STATE_KINDS = {
@@ -75,7 +86,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     Returns a dict with the bytes of ``weights``, ``master_weights`` (optimizer-held masters; 0 when
     the weights are the masters), ``gradients``, ``exp_avg``, ``exp_avg_sq``, ``scales`` (of
-    ScalingTensors, optimizer state and the FP8 layers' scaling state), ``buffers``, ``other``, their
+    ScalingTensors, optimizer state and the FP8 layers' scaling state), ``weight_operands`` (the
+    GEMM operands FP8 layers keep of their weights between forwards on an FP8 GEMM backend),
+    ``buffers``, ``other``, their
     ``total``, ``num_params`` (elements of the model's distinct parameters) and
     ``bytes_per_param`` (``total / num_params``).
     """
@@ -96,6 +109,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         kind = "scales" if isinstance(module, ScalingMeta) else "buffers"  # an FP8 layer's scaling state
         for buf in module._buffers.values():
             tally.add(kind, buf)
+        kept_operands = getattr(module, "kept_operands", None)  # an FP8 layer's (duck-typed: nn is a higher layer)
+        for t in kept_operands() if callable(kept_operands) else ():
+            tally.add("weight_operands", t)
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():

@@ -238,6 +238,11 @@ class _WeightOperandCache:
         self._entry = (weakref.ref(payload), weakref.ref(scale), versions, operands)
         return operands
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the kept operands hold (payloads, their other layouts, scales)."""
+        operands = [] if self._entry is None else list(self._entry[3].values())
+        return [t for operand in operands for t in _operand_tensors(operand)]
+
     def get(self, weight: ScalingTensor, fmt: Format, relaid: bool) -> FP8Operand:
         """`_weight_operand` of ``weight`` for an FP8 GEMM (no emulation), made anew when ``weight``
         changed since the kept one was made."""
@@ -253,6 +258,20 @@ class _WeightOperandCache:
 
     def __reduce__(self):
         return (_WeightOperandCache, ())
+
+
+def _operand_tensors(operand) -> list[torch.Tensor]:
+    """The tensors of a kept operand: an `FP8Operand` (its payload layouts, inverse scale and
+    cached upcasts) or a tuple of tensors (`BlockOperand`, `FP4Operand`, the FP4 layouts)."""
+    if isinstance(operand, torch.Tensor):
+        return [operand]
+    if isinstance(operand, FP8Operand):
+        return [
+            t for t in (operand._base, operand._relaid, operand.scale_inv, *operand._cache.values()) if t is not None
+        ]
+    if isinstance(operand, tuple):
+        return [t for part in operand for t in _operand_tensors(part)]
+    return []
 
 
 class _Eager(NamedTuple):
@@ -476,6 +495,12 @@ class FP8Linear(nn.Module):
         elif isinstance(bias, DTensor):
             bias = bias.to_local()
         return weight, bias, stored
+
+    def kept_operands(self) -> list[torch.Tensor]:
+        """The tensors of the weight operands this layer keeps between forwards (made once per
+        change of the weight on an FP8 GEMM backend; see the module doc): what
+        `fp8lm.memory_report` counts as ``weight_operands``."""
+        return self._weight_operand.tensors()
 
     def _kept_block_operands(self, x: torch.Tensor, stored: torch.Tensor) -> dict | None:
         """Where a fine-grained recipe's weight operands are kept between forwards (eagerly, on an
