@@ -150,3 +150,35 @@ def test_torch_compile_quantizes_in_the_graph(weight_quantizations):
     with torch.no_grad():
         compiled(x)
     assert layer._weight_operand.operands(layer.weight) == {}
+
+
+@pytest.mark.parametrize("name", ["blockwise", "mxfp8", "nvfp4"])
+def test_experts_keep_their_operands_too(weight_quantizations, name):
+    """An FP8GroupedLinear's blockwise, mxfp8 and nvfp4 experts (one fine-grained GEMM each) keep
+    their weights' operands as FP8Linear does: each expert's weight is quantized once, an
+    expert without tokens not at all, with the results of experts that quantize in every forward."""
+    torch.manual_seed(0)
+    kept = fp8lm.nn.FP8GroupedLinear(4, 128, 64, recipe=recipe(name))
+    anew = copy.deepcopy(kept)
+    counts = [48, 0, 16, 64]  # 128 tokens; the second expert gets none
+
+    def micro_batch(layer, seed):
+        x = torch.randn(128, 128, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        torch.manual_seed(seed)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x, counts)
+        y.float().square().mean().backward()
+        return y.detach(), x.grad, *(w.grad.dequantize().clone() for w in layer.weight)
+
+    per_expert = 1 if name in SQUARE else 2
+    for seed in range(3):
+        before = len(weight_quantizations)
+        kept_results = micro_batch(kept, seed)
+        assert len(weight_quantizations) - before == (3 * per_expert if seed == 0 else 0)
+        for cache in anew._weight_operands:
+            cache.clear()
+        for a, b in zip(kept_results, micro_batch(anew, seed)):
+            assert torch.equal(a, b)
+    assert kept.kept_operands() and fp8lm.memory_report(kept)["weight_operands"] > 0
+    kept.load_state_dict(kept.state_dict())
+    assert kept.kept_operands() == []

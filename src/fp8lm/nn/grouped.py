@@ -47,7 +47,9 @@ from a ``scatter_reduce`` of the column amaxes): E4M3 throughout, so on CUDA all
 ``torch._scaled_grouped_mm`` (row-wise scales are its native form). Blockwise, mxfp8 and nvfp4
 send each expert's rows through `fp8lm.nn.finegrained.fine_grained_linear` with that expert's
 weight (nvfp4: each expert with its own tensor scales, its tokens padded to whole 16-row groups
-for the Hadamard transform of its weight gradient, as one `FP8Linear` per expert would).
+for the Hadamard transform of its weight gradient, as one `FP8Linear` per expert would), each
+expert keeping its weight's operands between forwards as an `FP8Linear` does (on an FP8 GEMM
+backend; the tensorwise and rowwise paths quantize their experts' weights in every forward).
 
 Under FSDP2 (torch's ``fully_shard`` or `fp8lm.distributed.fully_shard`) each expert's weight is
 all-gathered as an `FP8Linear`'s is: in E4M3 with a tensorwise recipe, and as a fine-grained
@@ -76,7 +78,7 @@ from ..recipe import Recipe, recipe_from
 from ..scaling import compute_scale
 from ..tensor import ScalingTensor, quantize
 from .finegrained import fine_grained_linear
-from .linear import _carry_nonfinite
+from .linear import _carry_nonfinite, _WeightOperandCache
 from .scale_math import _scale_math
 
 __all__ = [
@@ -624,6 +626,8 @@ class FP8GroupedLinear(GroupedLinear):
         self.fp8_enabled = True
         self.high_precision = False
         super().__init__(num_experts, in_features, out_features, device, dtype)
+        # Blockwise, mxfp8 and nvfp4 experts keep their weights' operands, as FP8Linear does.
+        self._weight_operands = [_WeightOperandCache() for _ in range(num_experts)]
 
     def _stored_weight(self, value: torch.Tensor) -> nn.Parameter:
         value = value.detach()
@@ -657,13 +661,34 @@ class FP8GroupedLinear(GroupedLinear):
         return _FP8GroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, *weights)
 
     def _fine_grained(self, x: torch.Tensor, groups: Groups, weights: list) -> torch.Tensor:
-        """Each expert's rows through `fine_grained_linear` with its weight (module docstring); an
-        expert without rows gets a zero gradient, as on the tensorwise path."""
-        outputs = [
-            fine_grained_linear(rows, w, None, self.recipe, gathered_operand(w), self.weight_grad_format)
-            for rows, w in zip(x.split(groups.sizes()), weights)
-        ]
+        """Each expert's rows through `fine_grained_linear` with its weight (module docstring),
+        its operands kept between forwards as `FP8Linear`'s are; an expert without rows gets a
+        zero gradient, as on the tensorwise path."""
+        held = [e for e, w in enumerate(self.weight) if w is not None]
+        outputs = []
+        for rows, expert, w in zip(x.split(groups.sizes()), held, weights):
+            operand = gathered_operand(w)
+            kept = (
+                None if operand is not None else self._weight_operands[expert].block_operands(w, x.device, self.recipe)
+            )
+            outputs.append(
+                fine_grained_linear(rows, w, None, self.recipe, operand, self.weight_grad_format, kept_operands=kept)
+            )
         return torch.cat(outputs)
+
+    def kept_operands(self) -> list[torch.Tensor]:
+        """The tensors of the weight operands the experts keep between forwards (as
+        `FP8Linear.kept_operands`)."""
+        return [t for cache in self._weight_operands for t in cache.tensors()]
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        for cache in self._weight_operands:
+            cache.clear()
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         return (

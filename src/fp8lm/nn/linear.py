@@ -243,6 +243,19 @@ class _WeightOperandCache:
         operands = [] if self._entry is None else list(self._entry[3].values())
         return [t for operand in operands for t in _operand_tensors(operand)]
 
+    def block_operands(self, stored: torch.Tensor, device: torch.device, recipe: Recipe) -> dict | None:
+        """Where a fine-grained ``recipe``'s operands of the ``stored`` weight are kept between
+        forwards (`fp8lm.nn.finegrained.WeightOperands`; eagerly, on an FP8 GEMM backend, as the
+        tensorwise operand is kept): the dict for the weight as it is now; None for a plain weight
+        (a write through ``.data`` leaves its version as it was) and for a weight FSDP2
+        all-gathered in its own format, whose operands would otherwise stay as large as the
+        unsharded weight."""
+        if torch.compiler.is_compiling() or not isinstance(stored, ScalingTensor) or fsdp_unsharded(stored):
+            return None
+        if choose_backend(device, recipe.backend) != "scaled_mm":
+            return None
+        return self.operands(stored)
+
     def get(self, weight: ScalingTensor, fmt: Format, relaid: bool) -> FP8Operand:
         """`_weight_operand` of ``weight`` for an FP8 GEMM (no emulation), made anew when ``weight``
         changed since the kept one was made."""
@@ -502,18 +515,6 @@ class FP8Linear(nn.Module):
         `fp8lm.memory_report` counts as ``weight_operands``."""
         return self._weight_operand.tensors()
 
-    def _kept_block_operands(self, x: torch.Tensor, stored: torch.Tensor) -> dict | None:
-        """Where a fine-grained recipe's weight operands are kept between forwards (eagerly, on an
-        FP8 GEMM backend, as the tensorwise operand is kept): the cache's dict for the stored
-        weight as it is now; None for a plain weight (a write through ``.data`` leaves its version
-        as it was) and for a weight FSDP2 all-gathered in its own format, whose operands would
-        otherwise stay as large as the unsharded weight."""
-        if torch.compiler.is_compiling() or not isinstance(stored, ScalingTensor) or fsdp_unsharded(stored):
-            return None
-        if choose_backend(x.device, self.recipe.backend) != "scaled_mm":
-            return None
-        return self._weight_operand.operands(stored)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias, stored = self._local_parameters()
         if not self.fp8_enabled or self.high_precision or x.numel() == 0:  # an empty batch has no amax to scale by
@@ -525,7 +526,7 @@ class FP8Linear(nn.Module):
         if self.recipe.fine_grained:  # current scaling per block: no scaling state
             # FSDP2 may have gathered the recipe's operand (a BlockScaledTensor)
             operand = gathered_operand(weight)
-            kept = self._kept_block_operands(x, stored) if operand is None else None
+            kept = None if operand is not None else self._weight_operand.block_operands(stored, x.device, self.recipe)
             return fine_grained_linear(
                 x, weight, bias, self.recipe, operand, self.weight_grad_format, stored=stored, kept_operands=kept
             )
