@@ -150,7 +150,8 @@ TRACED = {
 def cuda_trace(experts: int, tokens: int, width: int, hidden: int, models: list[str] | None = None) -> dict:
     """One training step of the models on fake CUDA tensors (benchmarks/cuda_trace.py's machinery:
     an H200's code path, nothing computed): kernel launches, bytes outside the GEMMs and host
-    syncs, forward and backward. ``grouped`` and ``loop_of_fp8linear``: one experts' layer over
+    syncs, forward and backward, and (``next_microbatch``) a further step with the weights
+    unchanged, as in gradient accumulation. ``grouped`` and ``loop_of_fp8linear``: one experts' layer over
     ``tokens`` rows routed top-2 at random, O1 storage with FP16 weights and current scaling (as the
     grouped layer scales its groups), ``grouped_rowwise`` the same layer under the rowwise recipe;
     ``moe_layer``: a whole `MoE` layer (``tokens`` tokens, top-2)
@@ -184,10 +185,11 @@ def cuda_trace(experts: int, tokens: int, width: int, hidden: int, models: list[
                         )
                 rows = tokens if cls is _Mixture else len(chosen)
                 x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                step, _ = ct.trace_step(model, optimizer, x, log)
+                step, microbatch = ct.trace_step(model, optimizer, x, log)
                 summary = ct.summarize(step)
                 out[name] = {phase: summary[phase]["total"] for phase in ("forward", "backward")}
                 out[name]["total"] = summary["total"]
+                out[name]["next_microbatch"] = ct.totals(microbatch)  # the weights unchanged since
                 out[name]["gemm_ops"] = sorted({r["op"] for r in step if r["category"] == "gemm"})
     finally:
         torch.compile = real_compile

@@ -249,7 +249,7 @@ def test_a_weight_in_its_gemm_format_is_saved_as_it_is_on_cuda():
         "        log.phase = 'backward'\n"
         "        ct.run_backward(y, torch.ones_like(y), log, {})\n"
         "        weights = [t for t in saved if tuple(t.shape) == (128, 256)]\n"
-        "        (kept,) = layer._weight_operand._entry[3].values()\n"
+        "        (kept,) = layer._weight_operand._entry[2].values()\n"
         "        copies = [r['phase'] for r in log.records if r['category'] == 'transpose_copy']\n"
         "        print(fmt, len(weights), weights[0] is layer.weight.payload, kept._relaid is not None,"
         " ','.join(copies) or '-', len(x.grad.shape))\n"

@@ -364,3 +364,34 @@ def test_the_experts_list_knows_its_layer_through_copies_and_pickles(tmp_path):
         assert [name for name, _ in owner.named_modules()] == ["", "weight"]
     assert [name for name, _ in local.named_parameters()] == ["weight.1"]
     assert sorted(fp8.state_dict()) == ["weight.0", "weight.1", "weight.2"]
+
+
+@pytest.mark.parametrize(("name", "make"), [("tensorwise-delayed", "_experts_scales"), ("rowwise", "_rowwise_weights")])
+def test_the_experts_weights_are_cast_once_per_change_on_an_fp8_gemm_backend(monkeypatch, name, make):
+    """On an FP8 GEMM backend the experts' FP8 weights (all experts in one pass) are made once per
+    change of the weights and kept, as FP8Linear keeps its weight's: the micro-batches of one step
+    reuse them with the same results, and an optimizer step makes them anew."""
+    from fp8lm.nn import grouped
+
+    calls, real = [], getattr(grouped, make)
+    monkeypatch.setattr(grouped, make, lambda *args: calls.append(1) or real(*args))
+    layer = _layer()
+    layer.recipe = fp8lm.Recipe.from_name(name).replace(backend="scaled_mm")
+    anew = copy.deepcopy(layer)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x, g = torch.randn(38, 32, generator=gen), torch.randn(38, 48, generator=gen)
+        before = len(calls)
+        kept = _run(layer, x, g)
+        assert len(calls) - before == (1 if step == 0 else 0)
+        anew._experts_operands.clear()  # as experts that cast their weights in every forward
+        for a, b in zip(kept, _run(anew, x, g)):
+            assert torch.equal(a, b)
+        for a, b in zip(layer.weight, anew.weight):  # the gradients accumulated so far
+            assert torch.equal(a.grad.dequantize(), b.grad.dequantize())
+    assert layer.kept_operands()
+    opt = fp8lm.optim.FP8AdamW(layer.parameters(), lr=1e-2)
+    opt.step()
+    before = len(calls)
+    _run(layer, x, g)
+    assert len(calls) - before == 1

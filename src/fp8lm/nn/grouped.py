@@ -47,9 +47,12 @@ from a ``scatter_reduce`` of the column amaxes): E4M3 throughout, so on CUDA all
 ``torch._scaled_grouped_mm`` (row-wise scales are its native form). Blockwise, mxfp8 and nvfp4
 send each expert's rows through `fp8lm.nn.finegrained.fine_grained_linear` with that expert's
 weight (nvfp4: each expert with its own tensor scales, its tokens padded to whole 16-row groups
-for the Hadamard transform of its weight gradient, as one `FP8Linear` per expert would), each
-expert keeping its weight's operands between forwards as an `FP8Linear` does (on an FP8 GEMM
-backend; the tensorwise and rowwise paths quantize their experts' weights in every forward).
+for the Hadamard transform of its weight gradient, as one `FP8Linear` per expert would).
+
+On an FP8 GEMM backend, eagerly, the experts' weight operands are made once per change of the
+weights and kept between forwards, as an `FP8Linear` keeps its weight's: all experts' stacked
+FP8 weights at once on the tensorwise and rowwise paths, each expert's block operands on the
+others (`FP8GroupedLinear.kept_operands`).
 
 Under FSDP2 (torch's ``fully_shard`` or `fp8lm.distributed.fully_shard`) each expert's weight is
 all-gathered as an `FP8Linear`'s is: in E4M3 with a tensorwise recipe, and as a fine-grained
@@ -273,7 +276,9 @@ class _FP8GroupedFunction(torch.autograd.Function):
     expert (module docstring). ``weights``: the experts held, in order (``groups`` is theirs)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, groups: Groups, recipe: Recipe, weight_grad_format: Format, *weights):
+    def forward(
+        ctx, x: torch.Tensor, groups: Groups, recipe: Recipe, weight_grad_format: Format, kept: dict | None, *weights
+    ):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         backend = choose_backend(x.device, recipe.backend)
@@ -284,7 +289,12 @@ class _FP8GroupedFunction(torch.autograd.Function):
                 _rows_scales, x, x.detach(), groups.expert, num, recipe.input_format, recipe.margin
             )
             payloads, stored = _weight_payloads(weights)
-            w8, w_inv = _scale_math(_experts_scales, x, payloads, stored, recipe.weight_format)
+            restack = stored is not None and all(p.dtype == recipe.weight_format.dtype for p in payloads)
+            w8, w_inv = _kept(
+                None if restack else kept,
+                ("experts", recipe.weight_format),
+                lambda: _scale_math(_experts_scales, x, payloads, stored, recipe.weight_format),
+            )
             out_features = w8.shape[1]
             if _takes_scaled_grouped_mm(x8, w8, out_dtype, backend):
                 scale_b = w_inv[:, None].expand(num, out_features).contiguous()
@@ -300,7 +310,7 @@ class _FP8GroupedFunction(torch.autograd.Function):
         # Payloads already in the GEMM's format (FSDP2's FP8 all-gather, E4M3 weights) are saved as
         # they are and stacked again in the backward: FSDP2 frees gathered experts after the
         # forward and gathers them again for the backward, which a saved stack would defeat.
-        ctx.restack = stored is not None and all(p.dtype == recipe.weight_format.dtype for p in payloads)
+        ctx.restack = restack
         ctx.save_for_backward(x8, x_inv, w_inv, *(payloads if ctx.restack else [w8]))
         return y.to(out_dtype)
 
@@ -328,7 +338,7 @@ class _FP8GroupedFunction(torch.autograd.Function):
                     g_hp = _dequantize(g8, g_row_inv[:, None], compute)
                     grad_x = grouped_mm(g_hp, _dequantize(w8, w_inv[:, None, None], compute), groups)
                 grad_x = grad_x.to(ctx.out_dtype).to(ctx.x_dtype)
-            if any(ctx.needs_input_grad[4:]):
+            if any(ctx.needs_input_grad[_WEIGHTS_AT:]):
                 if _takes_scaled_grouped_mm(g8, x8, ctx.out_dtype, backend):
                     scale_a = g_inv.repeat_interleave(out_features)
                     scale_b = x_inv.repeat_interleave(in_features)
@@ -340,8 +350,22 @@ class _FP8GroupedFunction(torch.autograd.Function):
                     x_hp = _dequantize(x8, x_inv[groups.expert][:, None], compute)
                     grad_w = grouped_mm_t(g_hp, x_hp, groups)
                 stored = _stored_grads(grad_w.to(ctx.out_dtype), ctx.weight_grad_format, ctx.weight_dtypes[0])
-                grad_ws = [s if ctx.needs_input_grad[4 + e] else None for e, s in enumerate(stored)]
-        return (grad_x, None, None, None, *grad_ws)
+                grad_ws = [s if ctx.needs_input_grad[_WEIGHTS_AT + e] else None for e, s in enumerate(stored)]
+        return (grad_x, None, None, None, None, *grad_ws)
+
+
+# Where the experts' weights begin among the grouped Functions' inputs (after x, groups, recipe,
+# weight_grad_format and kept).
+_WEIGHTS_AT = 5
+
+
+def _kept(kept: dict | None, key: tuple, make):
+    """``kept[key]``, made by ``make()`` and kept there the first time; ``make()`` without a dict."""
+    if kept is None:
+        return make()
+    if key not in kept:
+        kept[key] = make()
+    return kept[key]
 
 
 def _weight_payloads(weights) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -402,7 +426,9 @@ class _RowwiseGroupedFunction(torch.autograd.Function):
     the weight gradient: ``torch._scaled_grouped_mm`` where it runs, else the exact emulation."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, groups: Groups, recipe: Recipe, weight_grad_format: Format, *weights):
+    def forward(
+        ctx, x: torch.Tensor, groups: Groups, recipe: Recipe, weight_grad_format: Format, kept: dict | None, *weights
+    ):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         backend, num = choose_backend(x.device, recipe.backend), len(weights)
@@ -411,7 +437,11 @@ class _RowwiseGroupedFunction(torch.autograd.Function):
             x2 = x.detach()
             if gathered is None:
                 payloads, stored = _weight_payloads(weights)
-                w8, w_d, wt8, wt_d = _scale_math(_rowwise_weights, x2, payloads, stored, recipe.weight_format)
+                w8, w_d, wt8, wt_d = _kept(
+                    kept,
+                    ("experts rowwise", recipe.weight_format),
+                    lambda: _scale_math(_rowwise_weights, x2, payloads, stored, recipe.weight_format),
+                )
                 w_saved = [wt8, wt_d]
             else:  # FSDP2 gathered each expert's rowwise operand: saved as gathered (`_restacked_columns`)
                 w8 = torch.stack([op.payload for op in gathered])
@@ -445,7 +475,7 @@ class _RowwiseGroupedFunction(torch.autograd.Function):
                     wt8, wt_d = w_saved
                 g8, g_d = _scale_math(_rowwise, g, g, recipe.grad_output_format)
                 grad_x = _rowwise_gemm(g8, g_d, wt8.transpose(1, 2), wt_d, groups, out_dtype, backend).to(ctx.x_dtype)
-            if any(ctx.needs_input_grad[4:]):
+            if any(ctx.needs_input_grad[_WEIGHTS_AT:]):
                 if xt_d is None:  # weight_grad_gemm="bf16": BF16 operands, FP32 accumulation
                     compute = emulation_dtype(out_dtype, g.device)
                     grad_w = grouped_mm_t(g.to(torch.bfloat16).to(compute), xt8.to(compute), groups)
@@ -453,8 +483,8 @@ class _RowwiseGroupedFunction(torch.autograd.Function):
                     gt8, gt_d = _scale_math(_rowwise_over_tokens, g, g, groups.expert, num, recipe.grad_output_format)
                     grad_w = _rowwise_wgrad(gt8, gt_d, xt8, xt_d, groups, out_dtype, backend)
                 stored = _stored_grads(grad_w.to(out_dtype), ctx.weight_grad_format, ctx.w_dtype)
-                grad_ws = [s if ctx.needs_input_grad[4 + e] else None for e, s in enumerate(stored)]
-        return (grad_x, None, None, None, *grad_ws)
+                grad_ws = [s if ctx.needs_input_grad[_WEIGHTS_AT + e] else None for e, s in enumerate(stored)]
+        return (grad_x, None, None, None, None, *grad_ws)
 
 
 def _restacked_columns(held: list[torch.Tensor], block, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
@@ -626,7 +656,9 @@ class FP8GroupedLinear(GroupedLinear):
         self.fp8_enabled = True
         self.high_precision = False
         super().__init__(num_experts, in_features, out_features, device, dtype)
-        # Blockwise, mxfp8 and nvfp4 experts keep their weights' operands, as FP8Linear does.
+        # The experts' weight operands, kept between forwards as FP8Linear keeps its own: all
+        # experts' at once (tensorwise, rowwise), or each expert's (blockwise, mxfp8, nvfp4).
+        self._experts_operands = _WeightOperandCache()
         self._weight_operands = [_WeightOperandCache() for _ in range(num_experts)]
 
     def _stored_weight(self, value: torch.Tensor) -> nn.Parameter:
@@ -655,10 +687,12 @@ class FP8GroupedLinear(GroupedLinear):
         groups = self.groups(x, counts)
         weights = [w for w in self.weight if w is not None]
         if self.recipe.granularity == "rowwise":
-            return _RowwiseGroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, *weights)
+            kept = self._experts_operands.kept_for(weights, x.device, self.recipe)
+            return _RowwiseGroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, kept, *weights)
         if self.recipe.fine_grained:
             return self._fine_grained(x, groups, weights)
-        return _FP8GroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, *weights)
+        kept = self._experts_operands.kept_for(weights, x.device, self.recipe)
+        return _FP8GroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, kept, *weights)
 
     def _fine_grained(self, x: torch.Tensor, groups: Groups, weights: list) -> torch.Tensor:
         """Each expert's rows through `fine_grained_linear` with its weight (module docstring),
@@ -668,9 +702,7 @@ class FP8GroupedLinear(GroupedLinear):
         outputs = []
         for rows, expert, w in zip(x.split(groups.sizes()), held, weights):
             operand = gathered_operand(w)
-            kept = (
-                None if operand is not None else self._weight_operands[expert].block_operands(w, x.device, self.recipe)
-            )
+            kept = None if operand is not None else self._weight_operands[expert].kept_for((w,), x.device, self.recipe)
             outputs.append(
                 fine_grained_linear(rows, w, None, self.recipe, operand, self.weight_grad_format, kept_operands=kept)
             )
@@ -679,12 +711,12 @@ class FP8GroupedLinear(GroupedLinear):
     def kept_operands(self) -> list[torch.Tensor]:
         """The tensors of the weight operands the experts keep between forwards (as
         `FP8Linear.kept_operands`)."""
-        return [t for cache in self._weight_operands for t in cache.tensors()]
+        return [t for cache in (self._experts_operands, *self._weight_operands) for t in cache.tensors()]
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        for cache in self._weight_operands:
+        for cache in (self._experts_operands, *self._weight_operands):
             cache.clear()
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -225,36 +226,36 @@ class _WeightOperandCache:
     def clear(self) -> None:
         self._entry = None
 
-    def operands(self, weight: ScalingTensor) -> dict:
-        """The operands made of ``weight`` as it is now, by key: the dict kept since its last
-        change, or a new empty one."""
-        payload, scale = weight.payload, weight.scale
-        versions = (weight._version, payload._version, scale._version)
+    def operands(self, *weights: ScalingTensor) -> dict:
+        """The operands made of ``weights`` (one layer's, or all its experts') as they are now, by
+        key: the dict kept since their last change, or a new empty one."""
+        tensors = [t for w in weights for t in (w.payload, w.scale)]
+        versions = tuple(t._version for t in (*weights, *tensors))
         if self._entry is not None:
-            payload_ref, scale_ref, made_at, operands = self._entry
-            if payload_ref() is payload and scale_ref() is scale and made_at == versions:
+            refs, made_at, operands = self._entry
+            if made_at == versions and len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors)):
                 return operands
         operands = {}
-        self._entry = (weakref.ref(payload), weakref.ref(scale), versions, operands)
+        self._entry = (tuple(weakref.ref(t) for t in tensors), versions, operands)
         return operands
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors the kept operands hold (payloads, their other layouts, scales)."""
-        operands = [] if self._entry is None else list(self._entry[3].values())
+        operands = [] if self._entry is None else list(self._entry[2].values())
         return [t for operand in operands for t in _operand_tensors(operand)]
 
-    def block_operands(self, stored: torch.Tensor, device: torch.device, recipe: Recipe) -> dict | None:
-        """Where a fine-grained ``recipe``'s operands of the ``stored`` weight are kept between
-        forwards (`fp8lm.nn.finegrained.WeightOperands`; eagerly, on an FP8 GEMM backend, as the
-        tensorwise operand is kept): the dict for the weight as it is now; None for a plain weight
-        (a write through ``.data`` leaves its version as it was) and for a weight FSDP2
-        all-gathered in its own format, whose operands would otherwise stay as large as the
-        unsharded weight."""
-        if torch.compiler.is_compiling() or not isinstance(stored, ScalingTensor) or fsdp_unsharded(stored):
+    def kept_for(self, stored: Sequence[torch.Tensor], device: torch.device, recipe: Recipe) -> dict | None:
+        """Where ``recipe``'s operands of the ``stored`` weights (a layer's, or its experts') are
+        kept between forwards (eagerly, on an FP8 GEMM backend, as the tensorwise layer keeps its
+        FP8 copy): the dict for the weights as they are now; None for plain weights (a write
+        through ``.data`` leaves a version as it was) and for weights FSDP2 all-gathered in their
+        own format, whose operands would otherwise stay as large as the unsharded weights."""
+        if torch.compiler.is_compiling() or choose_backend(device, recipe.backend) != "scaled_mm":
             return None
-        if choose_backend(device, recipe.backend) != "scaled_mm":
+        weights = [w for w in stored if isinstance(w, ScalingTensor) and not fsdp_unsharded(w)]
+        if not weights or len(weights) != len(stored):
             return None
-        return self.operands(stored)
+        return self.operands(*weights)
 
     def get(self, weight: ScalingTensor, fmt: Format, relaid: bool) -> FP8Operand:
         """`_weight_operand` of ``weight`` for an FP8 GEMM (no emulation), made anew when ``weight``
@@ -526,7 +527,7 @@ class FP8Linear(nn.Module):
         if self.recipe.fine_grained:  # current scaling per block: no scaling state
             # FSDP2 may have gathered the recipe's operand (a BlockScaledTensor)
             operand = gathered_operand(weight)
-            kept = None if operand is not None else self._weight_operand.block_operands(stored, x.device, self.recipe)
+            kept = None if operand is not None else self._weight_operand.kept_for((stored,), x.device, self.recipe)
             return fine_grained_linear(
                 x, weight, bias, self.recipe, operand, self.weight_grad_format, stored=stored, kept_operands=kept
             )
