@@ -14,9 +14,9 @@ change of the weight (optimizer step, load, FSDP2 all-gather), not once per forw
 between steps (1 byte per element, 2 on CUDA with its transpose); a fine-grained recipe's
 operands likewise (1 byte per element and its scales; 2 where its two GEMMs read the weight in
 different blocks, rowwise and mxfp8; nvfp4 on an FP4 GEMM, its two layouts of packed E2M1, 1 in
-all); under ``torch.compile`` they
-are made in the graph every forward. On CUDA each cast also writes the transposed payload that the
-backward GEMMs read, so no FP8 operand is copied to change its layout. A weight whose payload is
+all); under ``torch.compile`` they are made in the graph every forward. On CUDA each cast also
+writes the transposed payload that the backward GEMMs read, so no FP8 operand is copied to
+change its layout. A weight whose payload is
 already in the GEMM's format (an E4M3 weight, FSDP2's FP8 all-gather) is its own operand: it is
 saved for the backward as it is and transposed there, so that FSDP2 can free the gathered weight
 between the forward and the backward, and nothing more is kept between steps.
