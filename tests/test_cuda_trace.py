@@ -149,6 +149,18 @@ def test_fine_grained_recipes_trace_on_the_cuda_path(quick):
     assert quick["variants"]["fp8lm_rowwise"]["block"]["total"]["fp8_gemms"] == 12
 
 
+def test_fine_grained_weights_are_quantized_once_per_step_on_the_cuda_path(quick):
+    """A further micro-batch (weights unchanged) reuses the weight operands kept since the step:
+    rowwise's two quantizations of the weight (two kernels each: a split reduction) and nvfp4's one
+    are gone, and their bytes; the first step is as it was."""
+    for variant, launches in (("fp8lm_rowwise", 4), ("fp8lm_nvfp4", 2)):
+        linear = quick["variants"][variant]["linear"][0]
+        step, microbatch = linear["total"], linear["next_microbatch"]
+        assert microbatch["launches"] == step["launches"] - launches, variant
+        assert microbatch["mb_outside_gemm"] < step["mb_outside_gemm"], variant
+        assert microbatch["gemms"] == step["gemms"] and microbatch["syncs"] == 0, variant
+
+
 def test_fine_grained_operands_are_quantized_into_the_layout_their_gemm_reads(quick):
     """rowwise's operands quantized along dim 0 (the weight for the input gradient, both operands
     of the weight gradient) are written column-major by their compiled quantization: no transpose
