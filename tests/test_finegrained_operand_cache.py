@@ -182,3 +182,35 @@ def test_experts_keep_their_operands_too(weight_quantizations, name):
     assert kept.kept_operands() and fp8lm.memory_report(kept)["weight_operands"] > 0
     kept.load_state_dict(kept.state_dict())
     assert kept.kept_operands() == []
+
+
+@pytest.mark.parametrize("name", ["tensorwise-delayed", *RECIPES])
+def test_keep_weight_operands_off_keeps_nothing_with_the_same_results(name):
+    """``keep_weight_operands = False`` (a hook point, as ``fp8_enabled``): every forward makes the
+    weight's operands anew and nothing stays between forwards (switched off after a forward,
+    what was kept goes at the next), for the same outputs and gradients."""
+    torch.manual_seed(0)
+    kept = fp8lm.nn.FP8Linear(128, 64, recipe=recipe(name))
+    anew = copy.deepcopy(kept)
+    micro_batch(anew, 0)
+    assert anew.kept_operands()
+    anew.zero_grad(set_to_none=True)
+    anew.keep_weight_operands = False
+    for seed in range(2):
+        for a, b in zip(micro_batch(kept, seed), micro_batch(anew, seed)):
+            assert torch.equal(a, b)
+        assert anew.kept_operands() == [] and kept.kept_operands()
+    assert fp8lm.memory_report(anew)["weight_operands"] == 0
+
+
+@pytest.mark.parametrize("name", ["tensorwise-delayed", "rowwise", "blockwise"])
+def test_experts_keep_nothing_with_keep_weight_operands_off(name):
+    torch.manual_seed(0)
+    layer = fp8lm.nn.FP8GroupedLinear(4, 128, 64, recipe=recipe(name))
+    x = torch.randn(64, 128)
+    with torch.no_grad():
+        first = layer(x, [16, 16, 16, 16])
+        assert layer.kept_operands()
+        layer.keep_weight_operands = False
+        assert torch.equal(layer(x, [16, 16, 16, 16]), first)
+    assert layer.kept_operands() == []

@@ -635,7 +635,8 @@ class FP8GroupedLinear(GroupedLinear):
     ``weight_grad_format`` (E4M3 by default; FP32: plain gradients), ``recipe`` (formats, margin
     and backend; its scaling does not apply to the token groups, which are scaled just in time).
     Hook points as FP8Linear's: ``fp8_enabled = False`` or ``high_precision = True`` run the
-    GEMMs in high precision.
+    GEMMs in high precision; ``keep_weight_operands = False`` keeps no weight operand between
+    forwards.
     """
 
     def __init__(
@@ -658,6 +659,7 @@ class FP8GroupedLinear(GroupedLinear):
         super().__init__(num_experts, in_features, out_features, device, dtype)
         # The experts' weight operands, kept between forwards as FP8Linear keeps its own: all
         # experts' at once (tensorwise, rowwise), or each expert's (blockwise, mxfp8, nvfp4).
+        self.keep_weight_operands = True
         self._experts_operands = _WeightOperandCache()
         self._weight_operands = [_WeightOperandCache() for _ in range(num_experts)]
 
@@ -686,12 +688,15 @@ class FP8GroupedLinear(GroupedLinear):
             return super().forward(x, counts)
         groups = self.groups(x, counts)
         weights = [w for w in self.weight if w is not None]
+        if not self.keep_weight_operands and not torch.compiler.is_compiling():  # what was kept goes
+            for cache in (self._experts_operands, *self._weight_operands):
+                cache.clear()
         if self.recipe.granularity == "rowwise":
-            kept = self._experts_operands.kept_for(weights, x.device, self.recipe)
+            kept = self._kept_for(self._experts_operands, weights, x)
             return _RowwiseGroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, kept, *weights)
         if self.recipe.fine_grained:
             return self._fine_grained(x, groups, weights)
-        kept = self._experts_operands.kept_for(weights, x.device, self.recipe)
+        kept = self._kept_for(self._experts_operands, weights, x)
         return _FP8GroupedFunction.apply(x, groups, self.recipe, self.weight_grad_format, kept, *weights)
 
     def _fine_grained(self, x: torch.Tensor, groups: Groups, weights: list) -> torch.Tensor:
@@ -702,11 +707,16 @@ class FP8GroupedLinear(GroupedLinear):
         outputs = []
         for rows, expert, w in zip(x.split(groups.sizes()), held, weights):
             operand = gathered_operand(w)
-            kept = None if operand is not None else self._weight_operands[expert].kept_for((w,), x.device, self.recipe)
+            kept = None if operand is not None else self._kept_for(self._weight_operands[expert], (w,), x)
             outputs.append(
                 fine_grained_linear(rows, w, None, self.recipe, operand, self.weight_grad_format, kept_operands=kept)
             )
         return torch.cat(outputs)
+
+    def _kept_for(self, cache: _WeightOperandCache, weights: Sequence[torch.Tensor], x: torch.Tensor) -> dict | None:
+        """Where the operands of ``weights`` are kept (`_WeightOperandCache.kept_for`), or None
+        with ``keep_weight_operands`` off."""
+        return cache.kept_for(weights, x.device, self.recipe) if self.keep_weight_operands else None
 
     def kept_operands(self) -> list[torch.Tensor]:
         """The tensors of the weight operands the experts keep between forwards (as

@@ -24,8 +24,10 @@ between the forward and the backward, and nothing more is kept between steps.
 Hook points: ``fp8_enabled = False`` runs the layer's GEMMs in high precision (BF16 under
 autocast), as a precision policy sets it; ``high_precision = True`` (set and cleared by the
 automatic fallback, `fp8lm.fallback`) does the same and also keeps the weight gradient in the
-weight's dtype; ``input_meta`` and ``grad_output_meta`` are the `ScalingMeta` states of the two
-delayed-scaled tensor streams.
+weight's dtype; ``keep_weight_operands = False`` keeps no weight operand between forwards (each
+forward makes its own, as under torch.compile: up to 2 bytes per weight element less between
+steps, for one more cast of the weight per micro-batch); ``input_meta`` and ``grad_output_meta``
+are the `ScalingMeta` states of the two delayed-scaled tensor streams.
 """
 
 from __future__ import annotations
@@ -431,6 +433,7 @@ class FP8Linear(nn.Module):
         self.recipe = recipe
         self.fp8_enabled = True
         self.high_precision = False
+        self.keep_weight_operands = True
         # Checkpoints of a layer converted from a GPT-2 Conv1D keep Conv1D's (in, out) weight layout.
         self.transposed_checkpoint = False
         # Set by fp8lm's row-wise tensor-parallel style: the output is a partial sum that the
@@ -524,10 +527,14 @@ class FP8Linear(nn.Module):
             payload, stored_scale = stored.payload, stored.scale
         else:
             payload, stored_scale = weight.detach(), None
+        keep = self.keep_weight_operands
+        if not keep and not torch.compiler.is_compiling():  # switched off: what was kept goes
+            self._weight_operand.clear()
         if self.recipe.fine_grained:  # current scaling per block: no scaling state
             # FSDP2 may have gathered the recipe's operand (a BlockScaledTensor)
             operand = gathered_operand(weight)
-            kept = None if operand is not None else self._weight_operand.kept_for((stored,), x.device, self.recipe)
+            keep = keep and operand is None
+            kept = self._weight_operand.kept_for((stored,), x.device, self.recipe) if keep else None
             return fine_grained_linear(
                 x, weight, bias, self.recipe, operand, self.weight_grad_format, stored=stored, kept_operands=kept
             )
@@ -537,7 +544,8 @@ class FP8Linear(nn.Module):
         eager = None
         if not torch.compiler.is_compiling():
             weight_op = weight_amax = None  # an emulated GEMM also reads the weight upcast: not kept between steps
-            if isinstance(stored, ScalingTensor) and choose_backend(x.device, self.recipe.backend) == "scaled_mm":
+            fp8_gemm = choose_backend(x.device, self.recipe.backend) == "scaled_mm"
+            if isinstance(stored, ScalingTensor) and fp8_gemm and keep:
                 laid_out = wants_laid_out_operands(x.device, self.recipe.backend)
                 weight_op = self._weight_operand.get(stored, self.recipe.weight_format, laid_out)
             elif isinstance(stored, ScalingTensor):
