@@ -39,17 +39,23 @@ def _alive_storages() -> dict:
     return out
 
 
-def test_o2_gpt_is_under_6_1_bytes_per_param_and_alive_tensors_agree():
+def _report_and_alive_bytes(build) -> tuple:
+    """``build()``'s model and optimizer, their `memory_report`, and the bytes of the storages that
+    became alive while it ran."""
     gc.collect()
     before = _alive_storages()
-    model, opt = _gpt_o2()
+    model, opt = build()
     report = fp8lm.memory_report(model, opt)
     # Compiled kernels keep a few example scalars of their own; they are not training state.
     torch._dynamo.reset()
     gc.collect()
-    alive = {k: v[0] for k, v in _alive_storages().items() if k not in before}
-    del before
-    assert sum(alive.values()) == report["total"]
+    alive = sum(v[0] for k, v in _alive_storages().items() if k not in before)
+    return model, opt, report, alive
+
+
+def test_o2_gpt_is_under_6_1_bytes_per_param_and_alive_tensors_agree():
+    model, opt, report, alive = _report_and_alive_bytes(_gpt_o2)
+    assert alive == report["total"]
 
     n = report["num_params"]
     assert n == sum(p.numel() for p in model.parameters())
@@ -137,25 +143,21 @@ def test_kept_weight_operands_are_counted_and_alive_tensors_agree(recipe, bytes_
     (1 byte per element with one scale or square blocks, 2 where the two GEMMs read the weight in
     different blocks): real storage, reported as ``weight_operands``, so the total still equals
     the tensors alive."""
-    gc.collect()
-    before = _alive_storages()
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=64))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    recipe = fp8lm.Recipe.from_name(recipe).replace(backend="scaled_mm")  # torch's CPU kernel, or the emulation
-    model, opt = fp8lm.initialize(model, opt, "O2", recipe=recipe, optimizer_options={"kernel": "eager"})
-    idx = torch.randint(0, 256, (2, 64))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(idx, idx)[1]
-    loss.backward()
-    opt.step()
-    del idx, loss  # not training state
-    report = fp8lm.memory_report(model, opt)
-    torch._dynamo.reset()
-    gc.collect()
-    alive = {k: v[0] for k, v in _alive_storages().items() if k not in before}
-    del before
-    assert sum(alive.values()) == report["total"]
+
+    def build():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fast = fp8lm.Recipe.from_name(recipe).replace(backend="scaled_mm")  # torch's CPU kernel, or the emulation
+        model, opt = fp8lm.initialize(model, opt, "O2", recipe=fast, optimizer_options={"kernel": "eager"})
+        idx = torch.randint(0, 256, (2, 64))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx, idx)[1].backward()
+        opt.step()
+        return model, opt
+
+    model, opt, report, alive = _report_and_alive_bytes(build)
+    assert alive == report["total"]
     fp8_layers = [m for m in model.modules() if isinstance(m, fp8lm.nn.FP8Linear) and m.fp8_enabled]
     elements = sum(m.weight.numel() for m in fp8_layers)
     assert elements and all(m.kept_operands() for m in fp8_layers)
