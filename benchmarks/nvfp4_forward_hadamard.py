@@ -94,6 +94,7 @@ def main(argv=None) -> dict:
     tensors = capture(model, sampler.next())
     recipes = {"nvfp4": fp8lm.Recipe.from_name("nvfp4")}
     recipes["nvfp4-4over6"] = recipes["nvfp4"].replace(nvfp4_scale_rule="4over6")
+    outliers = outlier_features()
     layers: dict = {}
     synthetic: dict = {}
     for name, recipe in recipes.items():
@@ -109,7 +110,7 @@ def main(argv=None) -> dict:
                 gemm: {"mean_db": round(statistics.fmean(v), 2), "worst_db": round(min(v), 2), "layers": len(v)}
                 for gemm, v in per_gemm.items()
             }
-            outs = gemm_outputs(*outlier_features(), recipe, n)
+            outs = gemm_outputs(*outliers, recipe, n)
             synthetic.setdefault(name, {})[str(n)] = {gemm: round(sqnr_db(*pair), 2) for gemm, pair in outs.items()}
     first = next(iter(tensors.values()))
     result = {
