@@ -107,6 +107,12 @@ def test_a_resumed_run_continues_byte_for_byte(tmp_path, request, ranks, flags):
     if "--final-bf16-fraction" in flags:
         metrics = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
         assert [m.get("bf16_gemms", False) for m in metrics] == [False] * 3 + [True] * 3
+        # FSDP2 gathers the switched layers' weights anew, as stored (FP16: a byte more per element
+        # than E4M3), in the forward and again in the backward: each rank its half
+        saved = torch.load(whole / "checkpoints" / f"step_{STEPS:08d}.pt", weights_only=True)
+        fp8_weights = sum(v.numel() for k, v in saved["model"].items() if k.startswith("blocks") and v.dim() == 2)
+        gathered = [m["comm_bytes_by_kind"]["all_gather"] for m in metrics]
+        assert gathered[3] - gathered[2] == fp8_weights and gathered[:3] == gathered[2:3] * 3
     records = [json.loads(line) for line in (whole / "telemetry.jsonl").read_text().splitlines()]
     # every FP8 layer's weight gradient is judged, from whichever rank holds it or its shards
     blocks = {r["layer"] for r in records if r["layer"].startswith("blocks")}

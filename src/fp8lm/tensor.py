@@ -45,7 +45,11 @@ __all__ = [
     "OP_KINDS",
     "allow_dequantize_fallback",
     "fsdp_gather_format",
+    "fsdp_gather_fp8",
     "fsdp_gather_recipe",
+    "forget_fsdp_gather",
+    "gemm_layer_of",
+    "multiplies_in_fp8",
     "fsdp_gathered",
     "fsdp_unsharded",
     "fsdp_wire",
@@ -636,14 +640,58 @@ def _holds_weight(layer: torch.nn.Module, holder: torch.Tensor) -> bool:
     return weight is holder
 
 
-def _fp8_layer_of(module: torch.nn.Module, holder: torch.Tensor) -> torch.nn.Module | None:
-    """The layer under ``module`` whose weight (or one of whose experts' weights) is ``holder``
-    and whose GEMMs run in FP8 (it says ``fp8_enabled``), or None. ``module`` may be the
+def gemm_layer_of(module: torch.nn.Module, holder: torch.Tensor) -> torch.nn.Module | None:
+    """The FP8 layer (one with an ``fp8_enabled`` switch, on or off) under ``module`` whose weight
+    (or one of whose experts' weights) is ``holder``, or None. ``module`` may be the
     `fp8lm.nn.grouped.ExpertWeights` list that holds an expert's weight (what FSDP2 hands the
     expert's all-gather): its ``grouped_layer`` is the layer."""
     owner = getattr(module, "grouped_layer", None)
     layers = module.modules() if owner is None else (owner,)
-    return next((m for m in layers if getattr(m, "fp8_enabled", False) and _holds_weight(m, holder)), None)
+    return next((m for m in layers if hasattr(m, "fp8_enabled") and _holds_weight(m, holder)), None)
+
+
+def _fp8_layer_of(module: torch.nn.Module, holder: torch.Tensor) -> torch.nn.Module | None:
+    """`gemm_layer_of` when that layer's GEMMs are in FP8 (it says ``fp8_enabled``), else None."""
+    layer = gemm_layer_of(module, holder)
+    return layer if layer is not None and layer.fp8_enabled else None
+
+
+def multiplies_in_fp8(layer: torch.nn.Module | None) -> bool:
+    """Whether ``layer`` (an FP8 layer or None) runs its GEMMs in FP8 now: ``fp8_enabled`` and not
+    switched to ``high_precision`` (a fallback, precision annealing)."""
+    return layer is not None and bool(layer.fp8_enabled) and not getattr(layer, "high_precision", False)
+
+
+# What a sharded parameter keeps of its FSDP2 all-gather: fixed at the first one, since FSDP2 keeps
+# the gathered buffers (`fsdp_gather_fp8`, `fsdp_gather_format`, `fsdp_gather_recipe`), and the
+# scales `fp8lm.distributed.precompute_fp8_scales` agreed.
+FSDP_GATHER_CHOICES = (
+    "fsdp_gather_fp8",
+    "fsdp_gather_fmt",
+    "fsdp_gather_recipe",
+    "fsdp_gather_scale",
+    "fsdp_gather_amax",
+)
+
+
+def fsdp_gather_fp8(holder: torch.Tensor, module: torch.nn.Module) -> bool:
+    """Whether FSDP2 all-gathers ``holder`` (a sharded parameter) for an FP8 GEMM: the layer under
+    ``module`` whose weight it is multiplies in FP8 (``fp8_enabled``, not ``high_precision``).
+    Else the weight travels as the layer then multiplies it: in its stored format (FP32 at O1).
+    Kept on ``holder`` and fixed with the gather's format, until
+    `fp8lm.distributed.refresh_gathers` finds the layer switched."""
+    fixed = getattr(holder, "fsdp_gather_fp8", None)
+    if fixed is None:
+        fixed = multiplies_in_fp8(gemm_layer_of(module, holder))
+        holder.fsdp_gather_fp8 = fixed  # type: ignore[attr-defined]
+    return fixed
+
+
+def forget_fsdp_gather(holder: torch.Tensor) -> None:
+    """Drop what ``holder`` kept of its all-gather (`FSDP_GATHER_CHOICES`): the next one chooses
+    anew (`fp8lm.distributed.refresh_gathers` does this with FSDP2's buffers)."""
+    for name in FSDP_GATHER_CHOICES:
+        holder.__dict__.pop(name, None)
 
 
 def _fp8_gemm_weight_format(module: torch.nn.Module, holder: torch.Tensor) -> Format | None:
@@ -652,7 +700,7 @@ def _fp8_gemm_weight_format(module: torch.nn.Module, holder: torch.Tensor) -> Fo
     fine-grained recipe's weight that is not gathered in its blocks keeps its own format, so that
     the layer quantizes the exact values); looked up only until the format is fixed
     (`fsdp_gather_format`)."""
-    if getattr(holder, "fsdp_gather_fmt", None) is not None:
+    if getattr(holder, "fsdp_gather_fmt", None) is not None or not fsdp_gather_fp8(holder, module):
         return None
     layer = _fp8_layer_of(module, holder)
     recipe = getattr(layer, "recipe", None)
@@ -663,8 +711,8 @@ def fsdp_gather_recipe(
     holder: torch.Tensor, module: torch.nn.Module, shape: tuple[int, ...] | torch.Size, ranks: int
 ) -> Recipe | None:
     """The fine-grained recipe whose forward weight operand FSDP2 all-gathers for ``holder`` (its
-    sharded parameter), or None: that of the FP8 layer under ``module`` whose weight it is, when
-    the shards of a 1-D FSDP mesh of more than one rank hold whole blocks
+    sharded parameter), or None: that of the FP8 layer under ``module`` whose weight it is, while
+    it multiplies in FP8 (`fsdp_gather_fp8`) and the shards of a 1-D FSDP mesh of more than one rank hold whole blocks
     (`fp8lm.block_tensor.shards_whole_blocks`; on one rank FSDP2 skips the all-gather and reads only
     the first of its inputs, so the weight stays in its stored format there). Kept on ``holder``,
     fixed at the first all-gather (FSDP2 keeps the gathered buffers)."""
@@ -672,7 +720,7 @@ def fsdp_gather_recipe(
     if chosen is None:
         one_dim = getattr(getattr(holder, "device_mesh", None), "ndim", 1) == 1
         layer = _fp8_layer_of(module, holder)
-        chosen = (one_dim and block_gather_recipe(layer, shape, ranks)) or False
+        chosen = (one_dim and fsdp_gather_fp8(holder, module) and block_gather_recipe(layer, shape, ranks)) or False
         holder.fsdp_gather_recipe = chosen  # type: ignore[attr-defined]
     return chosen if isinstance(chosen, Recipe) else None
 
@@ -681,12 +729,12 @@ def block_gather_recipe(
     layer: torch.nn.Module | None, shape: tuple[int, ...] | torch.Size, ranks: int
 ) -> Recipe | None:
     """The fine-grained recipe in whose blocks a weight of ``shape`` of ``layer`` (an FP8 layer,
-    or None) travels when FSDP2 shards it over ``ranks`` of a 1-D mesh, or None: ``layer`` runs
-    its GEMMs in FP8 under a fine-grained recipe, and the shards of more than one rank hold whole
-    blocks (`fp8lm.block_tensor.shards_whole_blocks`; on one rank FSDP2 skips the all-gather and
+    or None) travels when FSDP2 shards it over ``ranks`` of a 1-D mesh while the layer multiplies
+    in FP8, or None: ``layer`` has a fine-grained recipe, and the shards of more than one rank hold
+    whole blocks (`fp8lm.block_tensor.shards_whole_blocks`; on one rank FSDP2 skips the all-gather and
     reads only the first of its inputs)."""
     recipe = getattr(layer, "recipe", None)
-    if not isinstance(recipe, Recipe) or not recipe.fine_grained or getattr(layer, "high_precision", False):
+    if not isinstance(recipe, Recipe) or not recipe.fine_grained:
         return None
     return recipe if ranks > 1 and block_tensor.shards_whole_blocks(recipe, shape, ranks) else None
 

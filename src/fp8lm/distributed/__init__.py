@@ -16,7 +16,7 @@ from .collectives import (
 )
 from .data_parallel import FP8DataParallel, broadcast_module
 from .expert_parallel import ExpertParallelMoE, expert_parallel
-from .fsdp import fully_shard, precompute_fp8_scales
+from .fsdp import fully_shard, precompute_fp8_scales, refresh_gathers
 from .mesh import ParallelDims, ParallelMesh
 from .reduction import SCALINGS, FlatLayout, FP8Reduction, LocalScaling, SharedScaling
 from .runtime import is_distributed, rank, setup, shutdown, world_size
@@ -58,6 +58,7 @@ __all__ = [
     "wrap",
     "fully_shard",
     "precompute_fp8_scales",
+    "refresh_gathers",
     "save_fsdp_checkpoint",
     "load_fsdp_checkpoint",
     "FP8ColwiseParallel",

@@ -32,6 +32,10 @@ weight: hence an opt-in (``fully_shard(..., autocast_dtype=torch.bfloat16)``).
 (`fp8lm.block_tensor.gather_inputs`), and returns the gathered `BlockScaledTensor`, the operand a
 single process quantizes from the whole FP32 weight, bit for bit.
 
+While the layer of an `FP8GatheredWeight` or `BlockGatheredWeight` is switched to high precision
+(``high_precision``: a fallback, precision annealing; `fp8lm.tensor.fsdp_gather_fp8`), its
+all-gather sends the FP32 values as they are (`exact_gather_inputs`), what one process multiplies.
+
 `wrap_fp32_weights` puts the wrappers in (`fp8lm.distributed.fully_shard` calls it before torch's
 ``fully_shard``); a model that is not sharded keeps its plain weights.
 """
@@ -49,7 +53,7 @@ from ..formats import E4M3, format_of
 from ..ops.cast import amax as _amax
 from ..recipe import Recipe
 from ..scaling import compute_scale
-from ..tensor import fsdp_gathered, fsdp_holder, fsdp_wire
+from ..tensor import fsdp_gather_fp8, fsdp_gathered, fsdp_holder, fsdp_wire
 from . import comm
 
 __all__ = [
@@ -176,6 +180,8 @@ class FP8GatheredWeight(GatheredWeight):
         the whole weight: the precomputed one (`precompute_fp8_scales`, kept on the sharded
         parameter) or else that of a MAX all-reduce of this weight's amax over ``mesh``."""
         holder = fsdp_holder(module, self)
+        if not fsdp_gather_fp8(holder, module):  # the layer multiplies in high precision: exact values
+            return exact_gather_inputs(self._inner, outer_size, mesh.size())
         scale = getattr(holder, "fsdp_gather_scale", None)
         if scale is None:
             value_amax = self.shard_amax().reshape(1)
@@ -246,16 +252,29 @@ class BlockGatheredWeight(GatheredWeight):
         of its rows or blocks (nvfp4: with the whole weight's amax, the one `precompute_fp8_scales`
         agreed, or else agreed over ``mesh`` first)."""
         holder = fsdp_holder(module, self)
+        if not fsdp_gather_fp8(holder, module):  # the layer multiplies in high precision: exact values
+            return exact_gather_inputs(self._inner, outer_size, mesh.size())
         amax = getattr(holder, "fsdp_gather_amax", None)
         return block_tensor.gather_inputs(self._inner.float(), self.recipe, mesh.get_group(), amax)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered weight: the ranks' payloads and scales as one `BlockScaledTensor`, the
         layer's forward weight operand as is (later gathers refill its buffers in place)."""
+        if metadata[0] != block_tensor.GATHER_TAG:  # `exact_gather_inputs`
+            return fsdp_gathered(all_gather_outputs, metadata, param_dtype, out)
         if out is None:
             return block_tensor.gathered(all_gather_outputs, metadata, param_dtype)
         block_tensor.refresh(getattr(out, "_local_tensor", out), all_gather_outputs, metadata)
         return None
+
+
+def exact_gather_inputs(shard: torch.Tensor, outer_size, ranks: int) -> tuple[tuple, tuple]:
+    """FSDP2's all-gather inputs and metadata for a wrapped weight whose layer multiplies in high
+    precision now (a fallback, precision annealing: `fp8lm.tensor.fsdp_gather_fp8` False): the
+    FP32 values as they are, gathered as a ScalingTensor of scale 1 (what the unsharded layer
+    multiplies; 4 bytes per element, for the steps the layer spends so)."""
+    one = torch.ones((), dtype=torch.float32, device=shard.device)
+    return (fsdp_wire_cast(shard, torch.float32, outer_size, ranks),), (torch.float32, one)
 
 
 def fsdp_wire_cast(shard: torch.Tensor, dtype: torch.dtype, outer_size, ranks: int) -> torch.Tensor:

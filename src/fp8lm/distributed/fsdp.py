@@ -18,6 +18,10 @@ reduce-scatter, through FSDP2's own extension points.
   the gathered operand exactly the one a single process casts. With ``autocast_dtype`` (the forward
   runs under BF16 autocast), the FP32 weights of FP8Linear layers kept in high precision (O1's
   output head) are `AutocastGatheredWeight`s, all-gathered in BF16: the cast autocast makes anyway.
+- **Layers switched to high precision** (a fallback, precision annealing): FSDP2 keeps a
+  parameter's all-gather buffers from its first all-gather, so the format is fixed there;
+  `refresh_gathers` (before each forward of a module `fully_shard` sharded) lets go of a switched
+  layer's, and its weight travels as stored, its gradient in BF16, until it is switched back.
 - **Gradient formats**: the `QuantizeGrad` hooks of `fp8lm.initialize` (each parameter's gradient
   in its policy's format) move to FSDP2's sharded parameters, whose post-accumulate-grad hooks
   FSDP2 calls after each reduce-scatter: every rank's gradient shard is stored in the policy's
@@ -27,6 +31,7 @@ reduce-scatter, through FSDP2's own extension points.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 from torch.distributed.tensor import DTensor
 
 from ..formats import E4M3, FP32, Format, format_of
@@ -44,12 +50,34 @@ from ..nn.linear import FP8Linear
 from ..ops.cast import amax as _amax
 from ..recipe import Recipe
 from ..scaling import compute_scale
-from ..tensor import ScalingTensor, block_gather_recipe, fsdp_gather_format, fsdp_gather_recipe, fsdp_shard_amax
+from ..tensor import (
+    ScalingTensor,
+    block_gather_recipe,
+    forget_fsdp_gather,
+    fsdp_gather_format,
+    fsdp_gather_fp8,
+    fsdp_gather_recipe,
+    fsdp_shard_amax,
+    gemm_layer_of,
+    multiplies_in_fp8,
+)
 from . import comm
 from .collectives import fp8_reduce_scatter
 from .fp32_gather import AUTOCAST_DTYPES, BlockGatheredWeight, gathered_fp32_weights, wrap_fp32_weights
 
-__all__ = ["fully_shard", "precompute_fp8_scales", "FP8ReduceScatter", "CountedAllGather", "CountedReduceScatter"]
+__all__ = [
+    "fully_shard",
+    "precompute_fp8_scales",
+    "refresh_gathers",
+    "FP8ReduceScatter",
+    "CountedAllGather",
+    "CountedReduceScatter",
+]
+
+
+# The reduce-scatter `fully_shard` installed on each module it sharded, and which of the module's
+# layers were switched to high precision when its spans were made (`_refresh_group` remakes them).
+_REDUCE_SCATTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _PlainAllocation:
@@ -189,8 +217,96 @@ def _choose_gather_formats(module: nn.Module) -> None:
     shard's first all-gather). A fine-grained recipe's weight is gathered in its blocks where its
     shards hold whole blocks, else in its own format (`fp8lm.tensor.fsdp_gather_recipe`)."""
     fp8_weights = _fp8_gemm_weights(module)
-    for _, param, shard in _sharded_scaling_tensors(module):
-        fsdp_gather_format(param, shard, E4M3 if id(param) in fp8_weights else None)
+    for owner, param, shard in _sharded_scaling_tensors(module):
+        fp8 = fsdp_gather_fp8(param, owner)  # not while its layer multiplies in high precision
+        fsdp_gather_format(param, shard, E4M3 if fp8 and id(param) in fp8_weights else None)
+
+
+def refresh_gathers(module: nn.Module) -> int:
+    """Let FSDP2 all-gather anew, in the format its layer multiplies now, the weight of every FP8
+    layer in ``module`` switched between FP8 and high precision (``high_precision``: a fallback,
+    precision annealing; ``fp8_enabled``) since its format was fixed. Returns how many it let go.
+
+    FSDP2 keeps a parameter's all-gather buffers and unsharded parameter from its first
+    all-gather, so the format is fixed there (`fp8lm.tensor.fsdp_gather_fp8`): without this, a
+    layer switched to high precision would go on multiplying the E4M3 (nvfp4: 4-bit) weight
+    gathered for its FP8 GEMMs. This drops those buffers (between steps: parameters sharded, no
+    unsharded gradient pending; others wait for the next call), and the next all-gather sends the
+    stored values (O2's FP16, O3's E4M3, O1's FP32). `fully_shard` calls it before each forward of
+    each sharded module, and `precompute_fp8_scales` first; after torch's own ``fully_shard``, call
+    it (or `precompute_fp8_scales`) after switching layers."""
+    count = 0
+    for sharded in module.modules():
+        if isinstance(sharded, FSDPModule):
+            count += _refresh_group(sharded)
+    return count
+
+
+def _refresh_group(sharded: FSDPModule) -> int:
+    """`refresh_gathers` for the parameters of one ``fully_shard`` call (``sharded``'s own group),
+    and the spans of its `FP8ReduceScatter` (a switched layer's gradient is reduced in BF16)."""
+    members = _group_layers(sharded)
+    count = 0
+    for fsdp_param, layer in members:
+        holder = fsdp_param.sharded_param
+        fixed = getattr(holder, "fsdp_gather_fp8", None)
+        if layer is None or fixed in (None, multiplies_in_fp8(layer)) or not _between_steps(fsdp_param):
+            continue
+        count += 1
+        # FSDP2 makes the buffers and the unsharded parameter again at its next all-gather
+        # (``init_all_gather_outputs`` / ``init_unsharded_param`` do when these are empty).
+        fsdp_param.all_gather_outputs = []
+        fsdp_param._unsharded_inner_tensors = []
+        if hasattr(fsdp_param, "_unsharded_param"):
+            del fsdp_param._unsharded_param
+        forget_fsdp_gather(holder)
+    reduce_scatter, spans_for = _REDUCE_SCATTERS.get(sharded, (None, None))
+    switched = tuple(_switched(layer) for _, layer in members)
+    if isinstance(reduce_scatter, FP8ReduceScatter) and spans_for != switched:
+        spans, chunk_numel = _wide_spans(sharded)  # a layer's plain FP32 weight (O1) switches too
+        reduce_scatter.wide, reduce_scatter.chunk_numel = tuple(spans), chunk_numel
+        _REDUCE_SCATTERS[sharded] = (reduce_scatter, switched)
+    return count
+
+
+# Each sharded module's (FSDPParam, the FP8 layer whose weight it is, or None), made at first use:
+# both are fixed once ``fully_shard`` has run.
+_GROUP_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _group_layers(sharded: FSDPModule) -> list:
+    members = _GROUP_LAYERS.get(sharded)
+    if members is None:
+        group = sharded._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        params = group.fsdp_params if group is not None else []
+        members = [(p, gemm_layer_of(p._module_info.module, p.sharded_param)) for p in params]
+        _GROUP_LAYERS[sharded] = members
+    return members
+
+
+def _switched(layer: nn.Module | None) -> bool:
+    """Whether ``layer`` (an FP8 layer or None) is switched to high precision now."""
+    return layer is not None and bool(getattr(layer, "high_precision", False))
+
+
+def _between_steps(fsdp_param) -> bool:
+    """Whether FSDP2 holds ``fsdp_param`` sharded with no unsharded gradient waiting to be reduced
+    (not within a forward or backward, nor between micro-batches without gradient sync)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return (
+        fsdp_param.sharded_state == ShardedState.SHARDED
+        and fsdp_param.unsharded_accumulated_grad is None
+        and (unsharded is None or unsharded.grad is None)
+    )
+
+
+@torch.compiler.disable
+def _refresh_before_forward(sharded: nn.Module, args) -> None:
+    """Forward pre-hook of a module `fully_shard` sharded (run before FSDP2's own, which gathers):
+    `refresh_gathers` over it, so that a layer switched since the last step gathers anew. The root
+    module's does it for all (FSDP2 names the root at its first forward); the others' skip."""
+    if sharded._get_fsdp_state()._is_root is not False:  # type: ignore[operator]
+        refresh_gathers(sharded)
 
 
 class OwnGradStorage:
@@ -248,15 +364,23 @@ def _wide_spans(sharded: nn.Module) -> tuple[list[tuple[int, int]], int]:
     """The (start, end) spans, in each rank's chunk of the group's flat gradient buffer, of the
     parameters whose gradient-format hook stores 16 bits (BF16, FP16: the output head's), and the
     chunk's length (FSDP2 lays the chunk out as its parameters' padded shards, in its order)."""
-    group = sharded._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
     spans, offset = [], 0
-    for fsdp_param in group.fsdp_params if group is not None else []:
+    for fsdp_param, layer in _group_layers(sharded):
         numel = fsdp_param.padded_sharded_param_size.numel()
-        hooks = getattr(fsdp_param.sharded_param, "_post_accumulate_grad_hooks", None) or {}
-        if any(isinstance(h, QuantizeGrad) and not h.fmt.is_fp8 and h.fmt != FP32 for h in hooks.values()):
+        if _reduced_wide(fsdp_param, layer):
             spans.append((offset, offset + numel))
         offset += numel
     return spans, offset
+
+
+def _reduced_wide(fsdp_param, layer: nn.Module | None) -> bool:
+    """Whether `FP8ReduceScatter` sends this parameter's gradient in BF16: the policy stores it in
+    16 bits (the output head's), or its ``layer`` is switched to high precision now (a fallback,
+    precision annealing: the layer's weight gradient is not FP8 then)."""
+    hooks = getattr(fsdp_param.sharded_param, "_post_accumulate_grad_hooks", None) or {}
+    if any(isinstance(h, QuantizeGrad) and not h.fmt.is_fp8 and h.fmt != FP32 for h in hooks.values()):
+        return True
+    return _switched(layer)
 
 
 def fully_shard(
@@ -287,12 +411,13 @@ def fully_shard(
         blocks = _block_gathered_weights(module, kwargs.get("mesh"))
         wrap_fp32_weights(module, _fp8_gemm_weights(module), kwargs.get("ignored_params"), cast_to, blocks)
     sharded = torch_fully_shard(module, **kwargs)
+    sharded.register_forward_pre_hook(_refresh_before_forward, prepend=True)  # before FSDP2's gather
     _choose_gather_formats(sharded)
     _move_grad_format_hooks(sharded, grad_hooks)
     sharded.set_custom_all_gather(CountedAllGather())
-    sharded.set_custom_reduce_scatter(
-        FP8ReduceScatter(E4M3, *_wide_spans(sharded)) if fp8_reduce_scatter else CountedReduceScatter()
-    )
+    reduce_scatter = FP8ReduceScatter(E4M3, *_wide_spans(sharded)) if fp8_reduce_scatter else CountedReduceScatter()
+    sharded.set_custom_reduce_scatter(reduce_scatter)
+    _REDUCE_SCATTERS[sharded] = (reduce_scatter, None)
     return sharded
 
 
@@ -308,7 +433,9 @@ def precompute_fp8_scales(model: nn.Module) -> None:
     `FP8GatheredWeight`, O1's FP32 weights), and the per-tensor amax of every weight gathered in
     nvfp4's blocks, with one MAX all-reduce of their amaxes per FSDP group (instead of one per
     weight in each all-gather, forward and backward). Call it before the first forward and after
-    every optimizer step; the scales hold until the next call."""
+    every optimizer step; the scales hold until the next call. Layers switched between FP8 and high
+    precision since their weight's format was fixed gather anew (`refresh_gathers`)."""
+    refresh_gathers(model)
     _choose_gather_formats(model)
     by_group: dict = defaultdict(list)
     for owner, param, shard in _sharded_scaling_tensors(model):
