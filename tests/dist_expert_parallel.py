@@ -52,6 +52,28 @@ def reference_forward_backward(model, x, g):
     return y.detach(), x.grad
 
 
+def switched_experts(whole, x) -> dict:
+    """At O2 with both expert layers switched to high precision (and, for comparison, not): the
+    rows' outputs against one process's mixture switched alike, and the all-to-alls' bytes."""
+    import fp8lm
+    from fp8lm.distributed import comm_stats, reset_comm_stats
+    from fp8lm.distributed.expert_parallel import expert_parallel
+
+    ep = torch.nn.Sequential(copy.deepcopy(whole))
+    expert_parallel(ep)
+    ep, _ = fp8lm.initialize(ep, None, "O2")
+    one, _ = fp8lm.initialize(torch.nn.Sequential(copy.deepcopy(whole)), None, "O2")
+    res = {}
+    for high in (False, True):
+        for model in (ep, one):
+            model[0].c_fc.high_precision = model[0].c_proj.high_precision = high
+        reset_comm_stats()
+        with torch.no_grad():
+            y = ep(x)
+        res[high] = {"y": y, "ref_y": one(x).detach(), "bytes": comm_stats()["expert_all_to_all_bytes"]}
+    return res
+
+
 def checks(rank, world):
     from fp8lm.distributed import comm_stats, reset_comm_stats
     from fp8lm.distributed.expert_parallel import ExpertParallelMoE, expert_parallel
@@ -94,6 +116,7 @@ def checks(rank, world):
     model(x).square().mean().backward()
     opt.step()
     layer = model[0].c_fc
+    out["switched"] = switched_experts(whole, x)
     out["o2"] = {
         "type": type(model[0]).__name__,
         "layer": type(layer).__name__,

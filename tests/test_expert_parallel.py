@@ -93,5 +93,19 @@ def test_o2_trains_the_local_experts_in_fp8_under_their_global_names(ranks):
         }
 
 
+def test_switched_experts_take_and_give_the_rows_as_they_are(ranks):
+    """Experts switched to high precision (a fallback, precision annealing): the rows of both
+    all-to-alls travel as FP32 (4 bytes per element), and the output is one process's to FP32
+    rounding; in FP8 it is not (E4M3 rows both ways)."""
+    for out in ranks:
+        fp8, high = out["switched"][False], out["switched"][True]
+        torch.testing.assert_close(high["y"], high["ref_y"], rtol=1e-5, atol=1e-6)
+        assert (fp8["y"] - fp8["ref_y"]).abs().max() > 1e-3
+        # the same rows leave in both (the router is not switched): FP32 rows against E4M3 ones
+        # with an exponent byte, besides the int64 counts for the other rank's experts
+        count_bytes = 8 * EXPERTS // 2
+        assert (high["bytes"] - count_bytes) * (DIM + 1) == (fp8["bytes"] - count_bytes) * 4 * DIM
+
+
 def test_rank_tokens_differ():
     assert not torch.equal(rank_tokens(0), rank_tokens(1))

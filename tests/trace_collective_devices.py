@@ -106,18 +106,19 @@ def zero() -> None:
 def activations() -> None:
     """The FP8 activation collectives of tensor parallelism, forward and backward."""
     x = cuda_randn(4, 6, 8)
-    ctx = SimpleNamespace(dim=1, group=None, recipe=None)
-    ac.gather_from_shards(x, 1)
-    ac._GatherFromShards.backward(ctx, x)
-    ac.reduce_scatter_to_shards(x, 1)
-    ac._ReduceScatterToShards.backward(ctx, x)
+    for fp8 in (True, False):  # False: for layers switched to high precision, in x's dtype
+        ctx = SimpleNamespace(dim=1, group=None, recipe=None, fp8=fp8)
+        ac.gather_from_shards(x, 1, fp8=fp8)
+        ac._GatherFromShards.backward(ctx, x)
+        ac.reduce_scatter_to_shards(x, 1, fp8=fp8)
+        ac._ReduceScatterToShards.backward(ctx, x)
+        ac.all_reduce_partial(x, fp8=fp8)
+        ac._CopyToParallelRegion.backward(ctx, x)
+        ac._ScatterToShards.backward(ctx, x)
     for name in ("rowwise", "blockwise", "mxfp8"):  # in the layers' blocks: E8M0 and float32 scales
         recipe = fp8lm.Recipe.from_name(name)
         ac.gather_from_shards(x, 1, None, recipe)
-        ac._ReduceScatterToShards.backward(SimpleNamespace(dim=1, group=None, recipe=recipe), x)
-    ac.all_reduce_partial(x)
-    ac._CopyToParallelRegion.backward(ctx, x)
-    ac._ScatterToShards.backward(ctx, x)
+        ac._ReduceScatterToShards.backward(SimpleNamespace(dim=1, group=None, recipe=recipe, fp8=True), x)
     ac._ReduceReplicatedGrad.backward(ctx, x)
 
 

@@ -21,6 +21,11 @@ second rounding; mxfp8: above E4M3's subnormals), and no scale is agreed (no all
 
 Each function here is an autograd pair: the forward collective and the backward one that its
 gradient needs (a gather's gradient is a reduce-scatter, a reduce-scatter's is a gather).
+
+With ``fp8=False`` (what the parallel styles pass for layers switched to high precision: a
+fallback, precision annealing) both travel in the tensor's own dtype instead, the reductions
+summed in FP32 (`plain_all_gather`, `plain_reduce_scatter`, `plain_all_reduce`): the switched
+layer then takes and gives the values one process would.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ __all__ = [
     "gathers_in_blocks",
     "wire_recipe",
     "reduce_scatter_along",
+    "plain_all_gather",
+    "plain_reduce_scatter",
+    "plain_all_reduce",
     "gather_from_shards",
     "reduce_scatter_to_shards",
     "all_reduce_partial",
@@ -167,6 +175,37 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, fmt: Format = RE
     return shard.view(leading.shape[0] // world, *leading.shape[1:]).to(x.dtype).movedim(0, dim)
 
 
+def plain_all_gather(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, in ``x``'s dtype."""
+    _, world = comm.check_group(group)
+    leading = x.detach().movedim(dim, 0).contiguous()
+    gathered = torch.empty((world * leading.shape[0], *leading.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(gathered, leading, group)
+    return gathered.movedim(0, dim)
+
+
+def plain_reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """The sum of ``x`` over ``group``, this rank's slice along ``dim`` (equal slices): each slice
+    sent to its rank in ``x``'s dtype (an all-to-all) and summed there in FP32; in ``x``'s dtype."""
+    _, world = comm.check_group(group)
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over {world} ranks: "
+            f"make it divisible by the tensor-parallel size"
+        )
+    leading = x.detach().movedim(dim, 0).contiguous()
+    rows = leading.view(world, -1)
+    total = comm.all_to_all(torch.empty_like(rows), rows, group).float().sum(0)
+    return total.view(leading.shape[0] // world, *leading.shape[1:]).to(x.dtype).movedim(0, dim)
+
+
+def plain_all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum of ``x`` over ``group`` on every rank, in FP32 on the wire; in ``x``'s dtype."""
+    total = x.detach().float().contiguous()
+    comm.all_reduce(total, group=group)
+    return total.to(x.dtype)
+
+
 def _local_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     rank, world = comm.check_group(group)
     if x.shape[dim] % world:
@@ -179,56 +218,70 @@ def _local_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 class _GatherFromShards(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, recipe):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, dim, group, recipe, fp8):
+        ctx.dim, ctx.group, ctx.fp8 = dim, group, fp8
+        if not fp8:
+            return plain_all_gather(x, dim, group)
         return _gather(x, dim, group, ACTIVATION_FORMAT, recipe, "input")
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_along(grad, ctx.dim, ctx.group, REDUCTION_FORMAT), None, None, None
+        if not ctx.fp8:
+            return plain_reduce_scatter(grad, ctx.dim, ctx.group), None, None, None, None
+        return reduce_scatter_along(grad, ctx.dim, ctx.group, REDUCTION_FORMAT), None, None, None, None
 
 
 class _ReduceScatterToShards(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, recipe):
-        ctx.dim, ctx.group, ctx.recipe = dim, group, recipe
+    def forward(ctx, x, dim, group, recipe, fp8):
+        ctx.dim, ctx.group, ctx.recipe, ctx.fp8 = dim, group, recipe, fp8
+        if not fp8:
+            return plain_reduce_scatter(x, dim, group)
         return reduce_scatter_along(x, dim, group, REDUCTION_FORMAT)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group, GRADIENT_FORMAT, ctx.recipe, "grad_output"), None, None, None
+        if not ctx.fp8:
+            return plain_all_gather(grad, ctx.dim, ctx.group), None, None, None, None
+        return _gather(grad, ctx.dim, ctx.group, GRADIENT_FORMAT, ctx.recipe, "grad_output"), None, None, None, None
 
 
 class _AllReducePartial(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, fp8):
+        if not fp8:
+            return plain_all_reduce(x, group)
         return fp8_all_reduce(x, group, fmt=REDUCTION_FORMAT).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _CopyToParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, fp8):
+        ctx.group, ctx.fp8 = group, fp8
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return fp8_all_reduce(grad, ctx.group, fmt=REDUCTION_FORMAT).to(grad.dtype), None
+        if not ctx.fp8:
+            return plain_all_reduce(grad, ctx.group), None, None
+        return fp8_all_reduce(grad, ctx.group, fmt=REDUCTION_FORMAT).to(grad.dtype), None, None
 
 
 class _ScatterToShards(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, dim, group, fp8):
+        ctx.dim, ctx.group, ctx.fp8 = dim, group, fp8
         return _local_slice(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return agreed_scale_all_gather(grad, ctx.dim, ctx.group, GRADIENT_FORMAT), None, None
+        if not ctx.fp8:
+            return plain_all_gather(grad, ctx.dim, ctx.group), None, None, None
+        return agreed_scale_all_gather(grad, ctx.dim, ctx.group, GRADIENT_FORMAT), None, None, None
 
 
 class _ReduceReplicatedGrad(torch.autograd.Function):
@@ -244,36 +297,42 @@ class _ReduceReplicatedGrad(torch.autograd.Function):
         return comm.all_reduce(grad.contiguous(), group=ctx.group), None
 
 
-def gather_from_shards(x: torch.Tensor, dim: int, group=None, recipe: Recipe | None = None) -> torch.Tensor:
+def gather_from_shards(
+    x: torch.Tensor, dim: int, group=None, recipe: Recipe | None = None, fp8: bool = True
+) -> torch.Tensor:
     """Sequence shards -> the whole sequence (E4M3, one agreed scale; or, for layers of a ``recipe``
     that gathers in blocks, `gathers_in_blocks`, as their input operand: `block_all_gather`), for
     layers whose input gradient is a partial sum over the group: backward reduce-scatters it (FP8
-    per chunk, FP32 sum)."""
-    return _GatherFromShards.apply(x, dim, group, recipe)
+    per chunk, FP32 sum). ``fp8=False``: both in the tensors' own dtype (module docstring)."""
+    return _GatherFromShards.apply(x, dim, group, recipe, fp8)
 
 
-def reduce_scatter_to_shards(x: torch.Tensor, dim: int, group=None, recipe: Recipe | None = None) -> torch.Tensor:
+def reduce_scatter_to_shards(
+    x: torch.Tensor, dim: int, group=None, recipe: Recipe | None = None, fp8: bool = True
+) -> torch.Tensor:
     """Partial sums -> this rank's shard of their sum along ``dim``; backward all-gathers the
     gradient in E5M2 with one agreed scale (or, for the output of a layer of a ``recipe`` that
-    gathers in blocks, `gathers_in_blocks`, as that layer's output-gradient operand)."""
-    return _ReduceScatterToShards.apply(x, dim, group, recipe)
+    gathers in blocks, `gathers_in_blocks`, as that layer's output-gradient operand).
+    ``fp8=False``: both in the tensors' own dtype, summed in FP32 (module docstring)."""
+    return _ReduceScatterToShards.apply(x, dim, group, recipe, fp8)
 
 
-def all_reduce_partial(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Partial sums -> their sum on every rank (FP8 per chunk, FP32 sum); backward is the identity."""
-    return _AllReducePartial.apply(x, group)
+def all_reduce_partial(x: torch.Tensor, group=None, fp8: bool = True) -> torch.Tensor:
+    """Partial sums -> their sum on every rank (FP8 per chunk, FP32 sum; ``fp8=False``: FP32);
+    backward is the identity."""
+    return _AllReducePartial.apply(x, group, fp8)
 
 
-def copy_to_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def copy_to_parallel_region(x: torch.Tensor, group=None, fp8: bool = True) -> torch.Tensor:
     """A replicated input entering tensor-parallel layers: the identity forward; backward sums the
-    ranks' partial input gradients with the FP8 all-reduce."""
-    return _CopyToParallelRegion.apply(x, group)
+    ranks' partial input gradients with the FP8 all-reduce (``fp8=False``: in FP32)."""
+    return _CopyToParallelRegion.apply(x, group, fp8)
 
 
-def scatter_to_shards(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+def scatter_to_shards(x: torch.Tensor, dim: int, group=None, fp8: bool = True) -> torch.Tensor:
     """A replicated tensor -> this rank's slice along ``dim`` (no communication); backward
-    all-gathers the gradient in E5M2 with one agreed scale."""
-    return _ScatterToShards.apply(x, dim, group)
+    all-gathers the gradient in E5M2 with one agreed scale (``fp8=False``: in its own dtype)."""
+    return _ScatterToShards.apply(x, dim, group, fp8)
 
 
 def reduce_replicated_grad(param: torch.Tensor, group=None) -> torch.Tensor:

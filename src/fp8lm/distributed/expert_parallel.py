@@ -17,7 +17,10 @@ How many rows go where is exchanged first (a small int64 all-to-all); the split 
 all-to-alls are then read on the host, the layer's one host synchronization (a collective's split
 sizes are host integers; every other count stays on the device). Every call goes through
 `fp8lm.distributed.comm` and is counted under ``expert_all_to_all`` in `comm_stats`. With ``fp8=False``
-the rows travel as they are (BF16 under autocast): the baseline the FP8 bytes compare with.
+the rows travel as they are (BF16 under autocast): the baseline the FP8 bytes compare with. So do
+the rows of the dispatch while the experts' c_fc is switched to high precision (a fallback,
+precision annealing: ``high_precision``), and those of the combine while c_proj is, so that a
+switched layer takes and gives one process's values.
 
 Gradients: an expert's weight gradient sums the contributions of every rank's tokens. Where each
 rank's loss is the mean over its own batch and the other parameters' gradients are averaged over
@@ -164,7 +167,9 @@ class ExpertParallelMoE(MoE):
         comm.all_to_all(recv_counts, send_counts.contiguous(), self.group, kind=KIND)  # row i: from rank i
         # the one host read of the layer: the all-to-all's split sizes (both ways at once)
         send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
-        received = self._exchange(x, send_splits, recv_splits)
+        # A layer switched to high precision (a fallback, precision annealing) takes and gives its
+        # rows as they are, not FP8-rounded: the dispatch feeds c_fc, the combine carries c_proj's.
+        received = self._exchange(x, send_splits, recv_splits, not _switched(self.c_fc))
         # rows arrive by (source rank, expert): regroup them by expert for the grouped GEMMs
         expert_of_row = torch.arange(local, device=x.device).repeat(size)
         expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))
@@ -173,16 +178,21 @@ class ExpertParallelMoE(MoE):
         counts_here[self.local_experts.start : self.local_experts.stop] = recv_counts.sum(0)
         y = super().run_experts(received[order], counts_here)
         back = torch.empty_like(y).index_copy(0, order, y)
-        return self._exchange(back, recv_splits, send_splits)
+        return self._exchange(back, recv_splits, send_splits, not _switched(self.c_proj))
 
-    def _exchange(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        """An all-to-all of rows: FP8 (``fp8``), else as they are."""
-        if self.fp8:
+    def _exchange(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], fp8: bool) -> torch.Tensor:
+        """An all-to-all of rows: FP8 (``self.fp8`` and ``fp8``), else as they are."""
+        if self.fp8 and fp8:
             return _FP8AllToAll.apply(x, send_splits, recv_splits, TOKEN_FORMAT, GRADIENT_FORMAT, self.group)
         return _AllToAll.apply(x, send_splits, recv_splits, self.group)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, experts={self.local_experts.start}..{self.local_experts.stop - 1} of {self.ep_size} ranks"
+
+
+def _switched(layer: nn.Module) -> bool:
+    """Whether ``layer`` (the experts' c_fc or c_proj) is switched to high precision now."""
+    return bool(getattr(layer, "high_precision", False))
 
 
 def _local_experts(layer: GroupedLinear, experts: range) -> GroupedLinear:

@@ -17,7 +17,10 @@
   gradients are partial sums: backward reduce-scatters them), ``Replicate() -> Shard(d)`` a local
   slice whose gradient is all-gathered as E5M2.
 
-They compose with torch's ``SequenceParallel`` for norms. Weights become ``nn.Parameter``
+A layer switched to high precision (``high_precision``: a fallback, precision annealing) gets and
+gives its activations and gradients in their own dtype instead, the reductions summed in FP32
+(``fp8=False`` in `fp8lm.distributed.activation_comm`): a module input goes so when every FP8
+layer it feeds is switched. They compose with torch's ``SequenceParallel`` for norms. Weights become ``nn.Parameter``
 DTensors whose local tensors keep fp8lm's storage (a `ScalingTensor` with its payload and scale);
 the layer computes on the local shards with its own FP8 GEMMs (`FP8Linear` takes its DTensor
 parameters' local tensors itself: nothing is swapped in a hook, so a compiled block, activation
@@ -73,18 +76,18 @@ def _shard_dim(placement: Placement, ndim: int) -> int | None:
 
 
 def _change_layout(
-    x: torch.Tensor, current: Placement, desired: Placement, group, recipe: Recipe | None = None
+    x: torch.Tensor, current: Placement, desired: Placement, group, recipe: Recipe | None = None, fp8: bool = True
 ) -> torch.Tensor:
     """``x`` (a local tensor in layout ``current``) in layout ``desired``, through FP8 collectives;
     a gather for layers of ``recipe`` sends their input operand where the recipe gathers in blocks
-    (`gather_from_shards`)."""
+    (`gather_from_shards`). ``fp8=False``: in ``x``'s own dtype (for switched layers, `_switched`)."""
     have, want = _shard_dim(current, x.dim()), _shard_dim(desired, x.dim())
     if have == want:
         return x
     if want is None:
-        return gather_from_shards(x, have, group, recipe)
+        return gather_from_shards(x, have, group, recipe, fp8=fp8)
     if have is None:
-        return scatter_to_shards(x, want, group)
+        return scatter_to_shards(x, want, group, fp8=fp8)
     raise ValueError(f"FP8 parallel styles cannot redistribute {current} to {desired}: go through Replicate()")
 
 
@@ -132,6 +135,14 @@ def layers_recipe(module: nn.Module) -> Recipe | None:
     return recipes.pop() if len(recipes) == 1 else None
 
 
+def _switched(layers) -> bool:
+    """Whether every one of ``layers`` (FP8 layers; at least one) is switched to high precision now
+    (``high_precision``: a fallback, precision annealing): their activations and gradients then
+    travel in their own dtype, not FP8, so that the layers see what one process would give them.
+    Read at each forward: the switch may come at any step."""
+    return bool(layers) and all(getattr(layer, "high_precision", False) for layer in layers)
+
+
 def _check_linear(style: str, module: nn.Module) -> None:
     if not isinstance(module, FP8Linear):
         raise TypeError(
@@ -169,11 +180,12 @@ class FP8ColwiseParallel(ColwiseParallel):
 
         def prepare_input(mod, args):
             x, layout, was_dtensor = _local_input(args[0], self.input_layouts[0])
+            fp8 = not _switched((mod,))
             if isinstance(layout, Replicate):
                 # A replicated DTensor's producer reduces the gradient; a plain input is reduced here.
-                x = x if was_dtensor else copy_to_parallel_region(x, group)
+                x = x if was_dtensor else copy_to_parallel_region(x, group, fp8=fp8)
             else:
-                x = _change_layout(x, layout, Replicate(), group, mod.recipe)
+                x = _change_layout(x, layout, Replicate(), group, mod.recipe, fp8=fp8)
             return (x, *args[1:])
 
         def prepare_output(mod, args, out):
@@ -202,14 +214,15 @@ class FP8RowwiseParallel(RowwiseParallel):
 
         def prepare_input(mod, args):
             x, layout, _ = _local_input(args[0], self.input_layouts[0])
-            return (_change_layout(x, layout, Shard(-1), group), *args[1:])
+            return (_change_layout(x, layout, Shard(-1), group, fp8=not _switched((mod,))), *args[1:])
 
         def prepare_output(mod, args, out):
             dim = _shard_dim(output_layout, out.dim())
+            fp8 = not _switched((mod,))
             if dim is None:
-                out = all_reduce_partial(out, group)
+                out = all_reduce_partial(out, group, fp8=fp8)
             else:
-                out = reduce_scatter_to_shards(out, dim, group, mod.recipe)
+                out = reduce_scatter_to_shards(out, dim, group, mod.recipe, fp8=fp8)
             bias = None if mod.bias is None else mod.bias.to_local()
             if bias is not None:
                 # On a shard of the tokens, the bias gradient is partial: summed over the group.
@@ -237,12 +250,14 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
     (`block_all_gather`)."""
 
     recipe: Recipe | None = None  # of the module it is applied to (`_apply`)
+    layers: tuple = ()  # its FP8 layers, the inputs' consumers (`_apply`)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # One style may be applied to several modules (a plan's "blocks.*.attn"): each gets its
-        # own copy, which knows that module's recipe.
+        # own copy, which knows that module's recipe and layers.
         style = copy.copy(self)
         style.recipe = layers_recipe(module)
+        style.layers = tuple(m for m in module.modules() if isinstance(m, (FP8Linear, FP8GroupedLinear)))
         return PrepareModuleInput._apply(style, module, device_mesh)
 
     def _prepare_input_arg(self, input, mesh: DeviceMesh, input_layout, desired_layout):
@@ -250,7 +265,8 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
             return input
         x, current, _ = _local_input(input, input_layout)
         desired = desired_layout or current
-        x = _change_layout(x, current, desired, mesh.get_group(), self.recipe)
+        # In the tensors' own dtype when every FP8 layer the input feeds is switched to high precision.
+        x = _change_layout(x, current, desired, mesh.get_group(), self.recipe, fp8=not _switched(self.layers))
         return x if self.use_local_output else DTensor.from_local(x, mesh, (desired,), run_check=False)
 
     def __repr__(self) -> str:
