@@ -20,7 +20,9 @@
 A layer switched to high precision (``high_precision``: a fallback, precision annealing) gets and
 gives its activations and gradients in their own dtype instead, the reductions summed in FP32
 (``fp8=False`` in `fp8lm.distributed.activation_comm`): a module input goes so when every FP8
-layer it feeds is switched. They compose with torch's ``SequenceParallel`` for norms. Weights become ``nn.Parameter``
+layer it feeds is switched.
+
+They compose with torch's ``SequenceParallel`` for norms. Weights become ``nn.Parameter``
 DTensors whose local tensors keep fp8lm's storage (a `ScalingTensor` with its payload and scale);
 the layer computes on the local shards with its own FP8 GEMMs (`FP8Linear` takes its DTensor
 parameters' local tensors itself: nothing is swapped in a hook, so a compiled block, activation
