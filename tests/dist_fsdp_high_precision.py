@@ -102,18 +102,24 @@ def switch(models, high: bool) -> None:
             layer.high_precision = high
 
 
+def sharded_next_to_a_copy(shard, level: str = "O2", recipe: str = "tensorwise-delayed", experts: bool = False):
+    """A small model sharded with ``shard`` (each layer, then the whole), an unsharded copy, and a
+    batch: inputs and targets."""
+    model = small_model(level, recipe, experts)
+    reference = copy.deepcopy(model)
+    for i in (0, 2):
+        shard(model[i])
+    shard(model)
+    g = torch.Generator().manual_seed(5)
+    return model, reference, (torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g))
+
+
 def phases(level: str, recipe: str, experts: bool = False) -> dict:
     """The three phases with `fp8lm.distributed.fully_shard` (refreshing by itself) and
     `precompute_fp8_scales` before each step, as the train app runs."""
     from fp8lm.distributed import comm_stats, fully_shard, precompute_fp8_scales, reset_comm_stats
 
-    model = small_model(level, recipe, experts)
-    reference = copy.deepcopy(model)
-    for i in (0, 2):
-        fully_shard(model[i])
-    fully_shard(model)
-    g = torch.Generator().manual_seed(5)
-    x, y = torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+    model, reference, (x, y) = sharded_next_to_a_copy(fully_shard, level, recipe, experts)
     res = {}
     for phase, high in PHASES:
         precompute_fp8_scales(model)  # after the last step, before the switch (the app's order)
@@ -139,13 +145,7 @@ def torch_fully_shard() -> dict:
 
     from fp8lm.distributed import refresh_gathers
 
-    model = small_model("O2", "tensorwise-delayed")
-    reference = copy.deepcopy(model)
-    for i in (0, 2):
-        fully_shard(model[i])
-    fully_shard(model)
-    g = torch.Generator().manual_seed(5)
-    x, y = torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+    model, reference, (x, y) = sharded_next_to_a_copy(fully_shard)
     step(model, x, y)  # the formats fixed for FP8
     switch((model, reference), True)
     res = {"stale_out": (step(model, x, y)[0] - step(reference, x, y)[0]).abs().max().item()}
@@ -161,11 +161,7 @@ def not_between_steps() -> dict:
     """A switch while FSDP2 holds the weights unsharded (within a step): left for later."""
     from fp8lm.distributed import fully_shard, refresh_gathers
 
-    model = small_model("O2", "tensorwise-delayed")
-    for i in (0, 2):
-        fully_shard(model[i])
-    fully_shard(model)
-    x = torch.randn(BATCH, IN)
+    model, _, (x, _) = sharded_next_to_a_copy(fully_shard)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(x)  # the formats fixed for FP8
     model[0].unshard()

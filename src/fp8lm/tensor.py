@@ -50,6 +50,7 @@ __all__ = [
     "forget_fsdp_gather",
     "gemm_layer_of",
     "multiplies_in_fp8",
+    "switched_to_high_precision",
     "fsdp_gathered",
     "fsdp_unsharded",
     "fsdp_wire",
@@ -656,10 +657,16 @@ def _fp8_layer_of(module: torch.nn.Module, holder: torch.Tensor) -> torch.nn.Mod
     return layer if layer is not None and layer.fp8_enabled else None
 
 
+def switched_to_high_precision(layer: torch.nn.Module | None) -> bool:
+    """Whether ``layer`` (an FP8 layer or None) is switched to ``high_precision`` now (a fallback,
+    precision annealing): its GEMMs in BF16, its weight gradient in the weight's dtype."""
+    return layer is not None and bool(getattr(layer, "high_precision", False))
+
+
 def multiplies_in_fp8(layer: torch.nn.Module | None) -> bool:
     """Whether ``layer`` (an FP8 layer or None) runs its GEMMs in FP8 now: ``fp8_enabled`` and not
     switched to ``high_precision`` (a fallback, precision annealing)."""
-    return layer is not None and bool(layer.fp8_enabled) and not getattr(layer, "high_precision", False)
+    return layer is not None and bool(layer.fp8_enabled) and not switched_to_high_precision(layer)
 
 
 # What a sharded parameter keeps of its FSDP2 all-gather: fixed at the first one, since FSDP2 keeps

@@ -161,16 +161,22 @@ def _gather(x: torch.Tensor, dim: int, group, fmt: Format, recipe: Recipe | None
     return agreed_scale_all_gather(x, dim, group, fmt)
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, fmt: Format = REDUCTION_FORMAT) -> torch.Tensor:
-    """The sum of ``x`` over ``group``, this rank's slice along ``dim`` (equal slices), sent as FP8
-    with one scale per slice and summed in FP32 (`fp8_reduce_scatter`); in ``x``'s dtype."""
+def _reduce_scatter_input(x: torch.Tensor, dim: int, group) -> tuple[torch.Tensor, int]:
+    """``x`` with ``dim`` moved first (contiguous, detached), and the group's size, which must
+    divide that dimension: what a reduce-scatter along ``dim`` sends."""
     _, world = comm.check_group(group)
     if x.shape[dim] % world:
         raise ValueError(
             f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over {world} ranks: "
             f"make it divisible by the tensor-parallel size"
         )
-    leading = x.detach().movedim(dim, 0).contiguous()
+    return x.detach().movedim(dim, 0).contiguous(), world
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, fmt: Format = REDUCTION_FORMAT) -> torch.Tensor:
+    """The sum of ``x`` over ``group``, this rank's slice along ``dim`` (equal slices), sent as FP8
+    with one scale per slice and summed in FP32 (`fp8_reduce_scatter`); in ``x``'s dtype."""
+    leading, world = _reduce_scatter_input(x, dim, group)
     shard = fp8_reduce_scatter(leading, group, fmt=fmt)
     return shard.view(leading.shape[0] // world, *leading.shape[1:]).to(x.dtype).movedim(0, dim)
 
@@ -187,13 +193,7 @@ def plain_all_gather(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 def plain_reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """The sum of ``x`` over ``group``, this rank's slice along ``dim`` (equal slices): each slice
     sent to its rank in ``x``'s dtype (an all-to-all) and summed there in FP32; in ``x``'s dtype."""
-    _, world = comm.check_group(group)
-    if x.shape[dim] % world:
-        raise ValueError(
-            f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over {world} ranks: "
-            f"make it divisible by the tensor-parallel size"
-        )
-    leading = x.detach().movedim(dim, 0).contiguous()
+    leading, world = _reduce_scatter_input(x, dim, group)
     rows = leading.view(world, -1)
     total = comm.all_to_all(torch.empty_like(rows), rows, group).float().sum(0)
     return total.view(leading.shape[0] // world, *leading.shape[1:]).to(x.dtype).movedim(0, dim)

@@ -37,6 +37,7 @@ from ..formats import E4M3, E5M2, Format
 from ..nn.grouped import ExpertWeights, GroupedLinear
 from ..nn.moe import MoE
 from ..nn.saved import GROUP_SIZE, dequantize_groups, quantize_groups
+from ..tensor import switched_to_high_precision
 from . import comm
 
 __all__ = [
@@ -169,7 +170,7 @@ class ExpertParallelMoE(MoE):
         send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         # A layer switched to high precision (a fallback, precision annealing) takes and gives its
         # rows as they are, not FP8-rounded: the dispatch feeds c_fc, the combine carries c_proj's.
-        received = self._exchange(x, send_splits, recv_splits, not _switched(self.c_fc))
+        received = self._exchange(x, send_splits, recv_splits, not switched_to_high_precision(self.c_fc))
         # rows arrive by (source rank, expert): regroup them by expert for the grouped GEMMs
         expert_of_row = torch.arange(local, device=x.device).repeat(size)
         expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))
@@ -178,7 +179,7 @@ class ExpertParallelMoE(MoE):
         counts_here[self.local_experts.start : self.local_experts.stop] = recv_counts.sum(0)
         y = super().run_experts(received[order], counts_here)
         back = torch.empty_like(y).index_copy(0, order, y)
-        return self._exchange(back, recv_splits, send_splits, not _switched(self.c_proj))
+        return self._exchange(back, recv_splits, send_splits, not switched_to_high_precision(self.c_proj))
 
     def _exchange(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], fp8: bool) -> torch.Tensor:
         """An all-to-all of rows: FP8 (``self.fp8`` and ``fp8``), else as they are."""
@@ -188,11 +189,6 @@ class ExpertParallelMoE(MoE):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, experts={self.local_experts.start}..{self.local_experts.stop - 1} of {self.ep_size} ranks"
-
-
-def _switched(layer: nn.Module) -> bool:
-    """Whether ``layer`` (the experts' c_fc or c_proj) is switched to high precision now."""
-    return bool(getattr(layer, "high_precision", False))
 
 
 def _local_experts(layer: GroupedLinear, experts: range) -> GroupedLinear:

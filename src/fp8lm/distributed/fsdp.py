@@ -60,6 +60,7 @@ from ..tensor import (
     fsdp_shard_amax,
     gemm_layer_of,
     multiplies_in_fp8,
+    switched_to_high_precision,
 )
 from . import comm
 from .collectives import fp8_reduce_scatter
@@ -261,7 +262,7 @@ def _refresh_group(sharded: FSDPModule) -> int:
             del fsdp_param._unsharded_param
         forget_fsdp_gather(holder)
     reduce_scatter, spans_for = _REDUCE_SCATTERS.get(sharded, (None, None))
-    switched = tuple(_switched(layer) for _, layer in members)
+    switched = tuple(switched_to_high_precision(layer) for _, layer in members)
     if isinstance(reduce_scatter, FP8ReduceScatter) and spans_for != switched:
         spans, chunk_numel = _wide_spans(sharded)  # a layer's plain FP32 weight (O1) switches too
         reduce_scatter.wide, reduce_scatter.chunk_numel = tuple(spans), chunk_numel
@@ -282,11 +283,6 @@ def _group_layers(sharded: FSDPModule) -> list:
         members = [(p, gemm_layer_of(p._module_info.module, p.sharded_param)) for p in params]
         _GROUP_LAYERS[sharded] = members
     return members
-
-
-def _switched(layer: nn.Module | None) -> bool:
-    """Whether ``layer`` (an FP8 layer or None) is switched to high precision now."""
-    return layer is not None and bool(getattr(layer, "high_precision", False))
 
 
 def _between_steps(fsdp_param) -> bool:
@@ -380,7 +376,7 @@ def _reduced_wide(fsdp_param, layer: nn.Module | None) -> bool:
     hooks = getattr(fsdp_param.sharded_param, "_post_accumulate_grad_hooks", None) or {}
     if any(isinstance(h, QuantizeGrad) and not h.fmt.is_fp8 and h.fmt != FP32 for h in hooks.values()):
         return True
-    return _switched(layer)
+    return switched_to_high_precision(layer)
 
 
 def fully_shard(

@@ -49,6 +49,7 @@ from ..grad import QuantizeGrad
 from ..nn.grouped import FP8GroupedLinear
 from ..nn.linear import FP8Linear
 from ..recipe import Recipe
+from ..tensor import switched_to_high_precision
 from .activation_comm import (
     all_reduce_partial,
     copy_to_parallel_region,
@@ -142,7 +143,7 @@ def _switched(layers) -> bool:
     (``high_precision``: a fallback, precision annealing): their activations and gradients then
     travel in their own dtype, not FP8, so that the layers see what one process would give them.
     Read at each forward: the switch may come at any step."""
-    return bool(layers) and all(getattr(layer, "high_precision", False) for layer in layers)
+    return bool(layers) and all(switched_to_high_precision(layer) for layer in layers)
 
 
 def _check_linear(style: str, module: nn.Module) -> None:
