@@ -113,6 +113,7 @@ def checks(rank, world):
         gopt.zero_grad()
     out["o2_weights"] = {k: v.clone() for k, v in gpt.module.state_dict().items()}
     out["o2_params"] = sum(p.numel() for p in gpt.parameters())
+    out["o2_head_params"] = gpt.module.lm_head.weight.numel()
 
     # The paper's shared scale with automatic mu: equal gradients on every rank saturate the
     # FP8 sum at mu = 1.

@@ -46,6 +46,7 @@ def checks(rank, world, save_dir, load_dir=None):
         n: (p.payload.dtype if isinstance(p, fp8lm.ScalingTensor) else p.dtype) for n, p in model.named_parameters()
     }
     out["owned"] = opt.owned_names()
+    out["numels"] = {n: p.numel() for n, p in model.named_parameters()}
 
     # An unsharded O3 replica fed the same reduced gradients must end bit-identical.
     torch.manual_seed(0)

@@ -28,6 +28,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
 TIMEOUT_S = 180
 
 
+HEAD_PARAMS = 256 * 32  # the tiny preset's output head: vocabulary x width
+
+
 def run_options(out: Path, cache: Path, *extra: str) -> list[str]:
     return [
         "--model",
@@ -100,9 +103,11 @@ def test_two_rank_o2_and_o3_summaries_report_fp8_communication(uninterrupted):
         records = [json.loads(line) for line in (out / level / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))
         assert s["comm_bytes_per_step"] == sum(r["comm_bytes"] for r in records) / STEPS
-        # FP8 payloads: about 1 byte per parameter and step at 2 ranks (O3 all-gathers its few
-        # FP32 vectors in FP32, a larger share of this tiny model than of real ones)
-        assert n <= s["comm_bytes_per_step"] <= (1.06 if level == "O2" else 1.35) * n
+        # FP8 payloads: about 1 byte per parameter and step at 2 ranks, 2 per output-head
+        # parameter (its gradient in BF16; O3 reduces it to its owner alone, and all-gathers its
+        # few FP32 vectors in FP32, a larger share of this tiny model than of real ones)
+        head = HEAD_PARAMS if level == "O2" else 0
+        assert n + head <= s["comm_bytes_per_step"] <= (1.06 if level == "O2" else 1.35) * (n + HEAD_PARAMS)
         assert (out / level / "telemetry.jsonl").stat().st_size > 0
     assert read(out / "compare.json")["levels"].keys() == {"O2", "O3"}
     o3 = sorted((out / "O3" / "checkpoints").iterdir())

@@ -23,7 +23,7 @@ from .formats import Format
 from .ops.cast import amax, upcast
 from .tensor import ScalingTensor, quantize
 
-__all__ = ["clip_grad_norm_", "zero_grad", "grads_are_finite", "QuantizeGrad"]
+__all__ = ["clip_grad_norm_", "zero_grad", "grads_are_finite", "QuantizeGrad", "stores_grad_in_16_bits"]
 
 
 class QuantizeGrad:
@@ -54,6 +54,13 @@ class QuantizeGrad:
             )
         else:
             param.grad = value
+
+
+def stores_grad_in_16_bits(param: torch.Tensor) -> bool:
+    """Whether a `QuantizeGrad` hook on ``param`` stores its gradient in a 16-bit format (BF16 or
+    FP16: the output head's, whose rows of rare tokens one E4M3 scale per tensor would zero)."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    return any(isinstance(h, QuantizeGrad) and h.fmt.bytes == 2 for h in hooks.values())
 
 
 def _params(parameters) -> list[torch.Tensor]:

@@ -49,6 +49,7 @@ __all__ = [
     "fsdp_gather_recipe",
     "forget_fsdp_gather",
     "gemm_layer_of",
+    "gemm_layers_by_weight",
     "multiplies_in_fp8",
     "switched_to_high_precision",
     "fsdp_gathered",
@@ -649,6 +650,18 @@ def gemm_layer_of(module: torch.nn.Module, holder: torch.Tensor) -> torch.nn.Mod
     owner = getattr(module, "grouped_layer", None)
     layers = module.modules() if owner is None else (owner,)
     return next((m for m in layers if hasattr(m, "fp8_enabled") and _holds_weight(m, holder)), None)
+
+
+def gemm_layers_by_weight(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Every FP8 layer under ``module`` (one with an ``fp8_enabled`` switch) by the ``id`` of its
+    weight, or of each of its experts' weights: `gemm_layer_of` for all parameters at once."""
+    found: dict[int, torch.nn.Module] = {}
+    for layer in module.modules():
+        weight = getattr(layer, "weight", None) if hasattr(layer, "fp8_enabled") else None
+        for w in weight if isinstance(weight, torch.nn.ParameterList) else [weight]:
+            if w is not None:
+                found[id(w)] = layer
+    return found
 
 
 def _fp8_layer_of(module: torch.nn.Module, holder: torch.Tensor) -> torch.nn.Module | None:

@@ -8,6 +8,7 @@ from .accounting import comm_stats, ddp_bytes, reset_comm_stats
 from .autoscale import AutoScaler
 from .checkpoint import load_checkpoint, load_fsdp_checkpoint, save_checkpoint, save_fsdp_checkpoint
 from .collectives import (
+    bf16_all_reduce,
     fp8_all_gather,
     fp8_all_reduce,
     fp8_all_reduce_error_bound,
@@ -18,7 +19,7 @@ from .data_parallel import FP8DataParallel, broadcast_module
 from .expert_parallel import ExpertParallelMoE, expert_parallel
 from .fsdp import fully_shard, precompute_fp8_scales, refresh_gathers
 from .mesh import ParallelDims, ParallelMesh
-from .reduction import SCALINGS, FlatLayout, FP8Reduction, LocalScaling, SharedScaling
+from .reduction import SCALINGS, BF16Reduction, FlatLayout, FP8Reduction, LocalScaling, SharedScaling, sent_in_bf16
 from .runtime import is_distributed, rank, setup, shutdown, world_size
 from .tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 from .wrap import wrap
@@ -39,6 +40,9 @@ __all__ = [
     "SCALINGS",
     "FlatLayout",
     "FP8Reduction",
+    "BF16Reduction",
+    "sent_in_bf16",
+    "bf16_all_reduce",
     "LocalScaling",
     "SharedScaling",
     "fp8_all_gather",

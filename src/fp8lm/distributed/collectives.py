@@ -1,6 +1,6 @@
 """FP8 collectives on one tensor, on stock `torch.distributed` (gloo, NCCL): uint8 payloads plus
 scales, reduced in FP32 by the engine in `fp8lm.distributed.reduction`; and the error bound of the
-FP8 all-reduce.
+FP8 all-reduce; and the BF16 all-reduce of the gradients kept out of FP8 (`sent_in_bf16`).
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import torch
 
 from ..formats import E4M3, Format, format_of
 from . import comm
-from .reduction import FlatLayout, FP8Reduction, dequantize_payload, quantize_segment
+from .reduction import BF16Reduction, FlatLayout, FP8Reduction, dequantize_payload, quantize_segment
 
 __all__ = [
     "fp8_reduce_scatter",
     "fp8_all_gather",
     "fp8_all_reduce",
+    "bf16_all_reduce",
     "shared_scale_all_reduce",
     "fp8_all_reduce_error_bound",
 ]
@@ -90,6 +91,18 @@ def fp8_all_reduce(x: torch.Tensor, group=None, fmt: Format | str = E4M3, averag
     red.reduce()
     out = red.start_gather().results()
     return torch.cat([dequantize_payload(p.payload, p.scale_inv) for p in out]).view(x.shape)
+
+
+def bf16_all_reduce(x: torch.Tensor, group=None, average: bool = False) -> torch.Tensor:
+    """Sum (or mean) of ``x`` over the ranks with BF16 on the wire, summed in FP32: a reduce-scatter
+    (all-to-all) plus an all-gather, as `fp8_all_reduce`; a BF16 tensor of ``x``'s shape, identical
+    on every rank. For the gradients that `sent_in_bf16` keeps out of FP8."""
+    _check_tensor(x)
+    _, world = comm.check_group(group)
+    layout = FlatLayout.contiguous([x.numel()], world)
+    red = BF16Reduction([x], layout, group, average=average).start()
+    red.reduce()
+    return red.start_gather().results()[0]
 
 
 def shared_scale_all_reduce(

@@ -10,7 +10,9 @@ shard sums, agreed output scales, all-gather, and the averaged gradients written
 A ScalingTensor gradient already in the wire format (E4M3 from `fp8lm.nn.FP8Linear`) is sent
 as its bits with its own scale and gets its result back the same way; any other gradient
 (plain FP32 / BF16, or another payload format) is quantized per tensor for the wire and gets the
-dequantized average. Buckets are launched in the same order on every rank, whatever order the
+dequantized average. The gradients `sent_in_bf16` names (those the policy stores in 16 bits: the
+output head's; those of layers switched to high precision) go in BF16 instead, summed in FP32
+(`BF16Reduction`), as FSDP2's reduce-scatter sends them. Buckets are launched in the same order on every rank, whatever order the
 hooks fire in, so the collectives always match.
 """
 
@@ -25,10 +27,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..formats import E4M3, Format, format_of
-from ..tensor import ScalingTensor
+from ..tensor import ScalingTensor, gemm_layers_by_weight
 from . import comm
 from .autoscale import AutoScaler
-from .reduction import SCALINGS, FlatLayout, FP8Reduction, dequantize_payload
+from .reduction import SCALINGS, BF16Reduction, FlatLayout, FP8Reduction, dequantize_payload, sent_in_bf16
 
 __all__ = ["FP8DataParallel", "broadcast_module"]
 
@@ -49,8 +51,9 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.ready: set[int] = set()
-        self.reduction: FP8Reduction | None = None
         self.autoscaler: AutoScaler | None = None
+        # launched: (positions in params, reduction) for the FP8 and the BF16 gradients
+        self.reductions: list[tuple[list[int], FP8Reduction | BF16Reduction]] = []
 
     @property
     def numel(self) -> int:
@@ -107,6 +110,7 @@ class FP8DataParallel(nn.Module):
         if current:
             self._buckets.append(_Bucket(current))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._layer_of = gemm_layers_by_weight(module)
         if scaling == "shared":
             for b in self._buckets:
                 b.autoscaler = AutoScaler(1.0, max_saturated_fraction, autoscale_window)
@@ -148,11 +152,20 @@ class FP8DataParallel(nn.Module):
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in bucket.params]
-        layout = FlatLayout.contiguous([g.numel() for g in grads], self.world_size)
-        mu = bucket.autoscaler.mu if bucket.autoscaler is not None else 1.0
-        bucket.reduction = FP8Reduction(
-            grads, layout, self.process_group, self.fmt, self.scaling, mu=mu, average=True
-        ).start()
+        wide = [sent_in_bf16(p, self._layer_of.get(id(p))) for p in bucket.params]
+        narrow = [i for i, w in enumerate(wide) if not w]
+        if narrow:  # every rank agrees: the policy and the switched layers are the same on all
+            layout = FlatLayout.contiguous([grads[i].numel() for i in narrow], self.world_size)
+            mu = bucket.autoscaler.mu if bucket.autoscaler is not None else 1.0
+            reduction = FP8Reduction(
+                [grads[i] for i in narrow], layout, self.process_group, self.fmt, self.scaling, mu=mu, average=True
+            )
+            bucket.reductions.append((narrow, reduction.start()))
+        if len(narrow) < len(grads):
+            kept = [i for i, w in enumerate(wide) if w]
+            layout = FlatLayout.contiguous([grads[i].numel() for i in kept], self.world_size)
+            reduction16 = BF16Reduction([grads[i] for i in kept], layout, self.process_group, average=True)
+            bucket.reductions.append((kept, reduction16.start()))
         self._next_launch += 1
 
     def _finish(self) -> None:
@@ -166,7 +179,7 @@ class FP8DataParallel(nn.Module):
         finally:
             for b in self._buckets:
                 b.ready.clear()
-                b.reduction = None
+                b.reductions = []
             self._next_launch = 0
             self._callback_queued = False
 
@@ -174,14 +187,17 @@ class FP8DataParallel(nn.Module):
         while self._next_launch < len(self._buckets):  # buckets with unused parameters
             self._launch(self._buckets[self._next_launch])
         for b in self._buckets:
-            b.reduction.reduce()
-            b.reduction.start_gather()
+            for _, reduction in b.reductions:
+                reduction.reduce()
+                reduction.start_gather()
         for b in self._buckets:
-            for p, result in zip(b.params, b.reduction.results()):
-                _write_grad(p, result)
-            if b.autoscaler is not None:
-                # counted: every rank's quantized inputs and the quantized sums
-                b.autoscaler.update(b.reduction.global_saturated(), b.numel * (self.world_size + 1))
+            for positions, reduction in b.reductions:
+                for i, result in zip(positions, reduction.results(), strict=True):
+                    _write_grad(b.params[i], result)
+                if b.autoscaler is not None and isinstance(reduction, FP8Reduction):
+                    # counted: every rank's quantized inputs and the quantized sums
+                    numel = sum(b.params[i].numel() for i in positions)
+                    b.autoscaler.update(reduction.global_saturated(), numel * (self.world_size + 1))
         self.last_sync = {
             "buckets": len(self._buckets),
             "launched_during_backward": self._launched_in_backward,
@@ -213,12 +229,17 @@ class FP8DataParallel(nn.Module):
             scaler.load_state_dict(s)
 
 
-def _write_grad(param: nn.Parameter, result: ScalingTensor) -> None:
+def _write_grad(param: nn.Parameter, result: torch.Tensor) -> None:
+    """Write a reduced gradient (a `ScalingTensor` off the FP8 wire, a BF16 tensor off the BF16
+    one) into ``param.grad``, in the gradient's own storage where it has one."""
     grad = param.grad
-    if isinstance(grad, ScalingTensor) and grad.payload.dtype == result.payload.dtype:
+    fp8 = isinstance(result, ScalingTensor)
+    if fp8 and isinstance(grad, ScalingTensor) and grad.payload.dtype == result.payload.dtype:
         grad.payload.copy_(result.payload.view(grad.shape))
         grad.scale.copy_(result.scale)
-    elif grad is not None:
-        grad.copy_(dequantize_payload(result.payload, result.scale_inv).view(grad.shape))
+        return
+    value = dequantize_payload(result.payload, result.scale_inv) if fp8 else result.float()
+    if grad is not None:
+        grad.copy_(value.view(grad.shape))
     else:
-        param.grad = dequantize_payload(result.payload, result.scale_inv).view(param.shape).to(param.dtype)
+        param.grad = value.view(param.shape).to(param.dtype)

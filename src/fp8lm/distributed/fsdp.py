@@ -43,7 +43,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 from torch.distributed.tensor import DTensor
 
-from ..formats import E4M3, FP32, Format, format_of
+from ..formats import E4M3, Format, format_of
 from ..grad import QuantizeGrad
 from ..nn.grouped import FP8GroupedLinear
 from ..nn.linear import FP8Linear
@@ -65,6 +65,7 @@ from ..tensor import (
 from . import comm
 from .collectives import fp8_reduce_scatter
 from .fp32_gather import AUTOCAST_DTYPES, BlockGatheredWeight, gathered_fp32_weights, wrap_fp32_weights
+from .reduction import sent_in_bf16
 
 __all__ = [
     "fully_shard",
@@ -370,13 +371,10 @@ def _wide_spans(sharded: nn.Module) -> tuple[list[tuple[int, int]], int]:
 
 
 def _reduced_wide(fsdp_param, layer: nn.Module | None) -> bool:
-    """Whether `FP8ReduceScatter` sends this parameter's gradient in BF16: the policy stores it in
-    16 bits (the output head's), or its ``layer`` is switched to high precision now (a fallback,
-    precision annealing: the layer's weight gradient is not FP8 then)."""
-    hooks = getattr(fsdp_param.sharded_param, "_post_accumulate_grad_hooks", None) or {}
-    if any(isinstance(h, QuantizeGrad) and not h.fmt.is_fp8 and h.fmt != FP32 for h in hooks.values()):
-        return True
-    return switched_to_high_precision(layer)
+    """Whether `FP8ReduceScatter` sends this parameter's gradient in BF16 (`sent_in_bf16`: the
+    output head's, a switched layer's); `fully_shard` moved the gradient-format hooks to the
+    sharded parameter."""
+    return sent_in_bf16(fsdp_param.sharded_param, layer)
 
 
 def fully_shard(

@@ -20,7 +20,8 @@ gradients those of one process on all ranks' batches, one mesh dimension after t
 installs the ones that run inside backward or the optimizer (`wrap`, `fsdp_options`,
 `shard_optimizer`), holds a micro-batch's backward back from syncing (`micro_batch`) and runs
 the ones that follow backward (`finish`). FP8 travels on every wire at O1/O2/O3, through the
-collectives of this package.
+collectives of this package, but for the gradients that `sent_in_bf16` names (the output head's,
+those of layers switched to high precision): BF16 in every one of these syncs.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ..tensor import ScalingTensor
+from ..tensor import ScalingTensor, gemm_layers_by_weight
 from . import comm
 from .accounting import ddp_bytes
-from .collectives import fp8_all_reduce
+from .collectives import bf16_all_reduce, fp8_all_reduce
 from .data_parallel import FP8DataParallel
 from .mesh import ParallelDims, ParallelMesh
+from .reduction import sent_in_bf16
 from .zero import FP8ZeroOptimizer
 
 __all__ = ["SyncPlan", "GradientSync", "DivideGrad", "SYNC_DIMS"]
@@ -182,7 +184,7 @@ class GradientSync:
         if self.plan.dp_replicate == "all-reduce":
             _average_grads(model, self.group("dp_replicate"), self.fp8)
         if self.plan.ep is not None and self.replica_group is not None:
-            _average_experts(self.experts, self.replica_group, self.fp8)
+            _average_experts(self.experts, gemm_layers_by_weight(model), self.replica_group, self.fp8)
 
     def clip_options(self) -> dict:
         """`fp8lm.clip_grad_norm_`'s options for the gradients as synced: the group over which their
@@ -230,15 +232,17 @@ def _sum_partial_grads(model: nn.Module, tp_group) -> None:
 
 
 def _average_grads(model: nn.Module, group, fp8: bool) -> None:
-    """Every gradient's local tensor averaged over ``group``: the FP8 all-reduce with ``fp8``,
-    else a plain all-reduce in the gradient's dtype (what DDP sends)."""
+    """Every gradient's local tensor averaged over ``group``: the FP8 all-reduce with ``fp8`` (BF16
+    for the gradients `sent_in_bf16` names), else a plain all-reduce in the gradient's dtype (what
+    DDP sends)."""
+    layers = gemm_layers_by_weight(model) if fp8 else {}
     for p in model.parameters():
         grad = p.grad
         if grad is None:
             continue
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         if fp8:
-            averaged = fp8_all_reduce(local, group, average=True).to(local.dtype)
+            averaged = _fp8_mean(local, p, layers.get(id(p)), group).to(local.dtype)
         else:
             averaged = comm.all_reduce(local.contiguous(), group=group) / comm.check_group(group)[1]
         if isinstance(grad, DTensor):
@@ -246,9 +250,17 @@ def _average_grads(model: nn.Module, group, fp8: bool) -> None:
         p.grad = averaged
 
 
-def _average_experts(experts: list[nn.Parameter], replica_group, fp8: bool) -> None:
+def _fp8_mean(grad: torch.Tensor, param: nn.Parameter, layer: nn.Module | None, group) -> torch.Tensor:
+    """The mean of ``grad`` over ``group`` as the FP8 levels send it: FP8, or BF16 for a gradient
+    that `sent_in_bf16` keeps out of FP8 (``layer``: the FP8 layer whose weight ``param`` is)."""
+    if sent_in_bf16(param, layer):
+        return bf16_all_reduce(grad, group, average=True)
+    return fp8_all_reduce(grad, group, average=True)
+
+
+def _average_experts(experts: list[nn.Parameter], layers: dict, replica_group, fp8: bool) -> None:
     """Each expert's gradient averaged, in place, over its replicas (one per expert group): the FP8
-    all-reduce with ``fp8``, else FP32."""
+    all-reduce with ``fp8`` (BF16 while its layer is switched to high precision), else FP32."""
     with torch.no_grad():
         for p in experts:
             g = p.grad
@@ -256,7 +268,7 @@ def _average_experts(experts: list[nn.Parameter], replica_group, fp8: bool) -> N
                 continue
             values = g.dequantize() if isinstance(g, ScalingTensor) else g.detach().float()
             if fp8:
-                mean = fp8_all_reduce(values, replica_group, average=True)
+                mean = _fp8_mean(values, p, layers.get(id(p)), replica_group)
             else:
                 mean = comm.all_reduce(values.clone(), group=replica_group) / comm.check_group(replica_group)[1]
             g.copy_(mean)

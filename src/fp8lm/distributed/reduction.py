@@ -18,6 +18,10 @@ FP8-LM paper's: one scale per segment from a MAX all-reduce of the amaxes, input
 factor ``mu``, and the sum quantized with that same scale, as an FP8 sum on the wire would be;
 values beyond the format's range saturate and are counted, which is what `AutoScaler` watches).
 
+`BF16Reduction` runs the same stages with BF16 on the wire and no scales, for the gradients
+that `sent_in_bf16` keeps out of FP8: those the policy stores in 16 bits (the output head's) and
+those of layers switched to high precision.
+
 A `FlatLayout` places segments in a flat buffer of ``world_size * chunk`` elements; rank ``r``
 owns ``[r * chunk, (r + 1) * chunk)``. Contiguous layouts serve data parallelism; owner layouts
 (whole tensors per rank) serve FP8 ZeRO.
@@ -32,14 +36,17 @@ import torch
 import torch.distributed as dist
 
 from ..formats import E4M3, Format, format_of
+from ..grad import stores_grad_in_16_bits
 from ..ops.cast import amax, saturating_cast, upcast
 from ..scaling import compute_scale
-from ..tensor import ScalingTensor
+from ..tensor import ScalingTensor, switched_to_high_precision
 from . import comm
 
 __all__ = [
     "FlatLayout",
     "FP8Reduction",
+    "BF16Reduction",
+    "sent_in_bf16",
     "LocalScaling",
     "SharedScaling",
     "SCALINGS",
@@ -96,6 +103,11 @@ class FlatLayout:
     @property
     def num_segments(self) -> int:
         return len(self.lengths)
+
+    def filled(self, rank: int) -> int:
+        """The elements at the start of ``rank``'s shard that segments reach (the rest is padding:
+        both layouts pack a shard's segments from its start)."""
+        return max((b for _, _, b in self._pieces[rank]), default=0)
 
     def pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """``(segment, start, stop)`` for the parts of segments in ``rank``'s shard; start and
@@ -274,7 +286,34 @@ def scaling_strategy(scaling: str, fmt: Format, world_size: int, average: bool, 
     return SharedScaling(fmt, world_size, average, mu)
 
 
-# -- the reduction ------------------------------------------------------------------------------
+# -- the reductions -----------------------------------------------------------------------------
+def _send_shards(flat: torch.Tensor, layout: FlatLayout, rank: int, group) -> tuple[torch.Tensor, object]:
+    """Launch the all-to-all that gives each rank every rank's copy of its shard of ``flat`` (a
+    buffer in ``layout``), without the shards' padding: returns the ``[world_size, filled]``
+    receive buffer and the work handle."""
+    world, chunk = layout.world_size, layout.chunk
+    filled = [layout.filled(r) for r in range(world)]
+    send = torch.cat([flat[r * chunk : r * chunk + n] for r, n in enumerate(filled)])
+    recv = torch.empty(world * filled[rank], dtype=flat.dtype, device=flat.device)
+    work = comm.all_to_all(recv, send, group, True, output_splits=[filled[rank]] * world, input_splits=filled)
+    return recv.view(world, filled[rank]), work
+
+
+def sent_in_bf16(param: torch.Tensor, layer: torch.nn.Module | None) -> bool:
+    """Whether gradient communication sends ``param``'s gradient in BF16 rather than FP8: its
+    policy stores it in 16 bits (the output head's: one E4M3 scale per tensor or chunk would zero
+    the rows of rare tokens), or ``layer`` (the FP8 layer whose weight it is, or None) is switched
+    to high precision now (a fallback, precision annealing: its weight gradient is not FP8 then)."""
+    return stores_grad_in_16_bits(param) or switched_to_high_precision(layer)
+
+
+def _check_segments(tensors: list[torch.Tensor], layout: FlatLayout, world_size: int) -> None:
+    if layout.world_size != world_size:
+        raise ValueError(f"layout is for {layout.world_size} ranks but the group has {world_size}")
+    if len(tensors) != layout.num_segments or any(t.numel() != n for t, n in zip(tensors, layout.lengths, strict=True)):
+        raise ValueError("tensors do not match the layout's segment lengths")
+
+
 class FP8Reduction:
     """One FP8 reduction of a list of tensors (the segments of ``layout``), in stages so that a
     caller can overlap the all-to-all with other work:
@@ -300,12 +339,7 @@ class FP8Reduction:
         self.fmt = format_of(fmt)
         if not self.fmt.is_fp8:
             raise ValueError(f"FP8 collectives send FP8 payloads; fmt must be E4M3 or E5M2, got {self.fmt}")
-        if layout.world_size != self.world_size:
-            raise ValueError(f"layout is for {layout.world_size} ranks but the group has {self.world_size}")
-        if len(tensors) != layout.num_segments or any(
-            t.numel() != n for t, n in zip(tensors, layout.lengths, strict=True)
-        ):
-            raise ValueError("tensors do not match the layout's segment lengths")
+        _check_segments(tensors, layout, self.world_size)
         self.strategy = scaling_strategy(scaling, self.fmt, self.world_size, average, mu)
         self.tensors, self.layout, self.group = tensors, layout, group
         # every buffer handed to a collective lives here: NCCL has no CPU backend
@@ -330,8 +364,8 @@ class FP8Reduction:
     def start(self) -> FP8Reduction:
         self.strategy.agree_input_scales(self.tensors, self.group)
         payload, scales = self._pack()
-        self._recv = torch.empty_like(payload)
-        self._works = [comm.all_to_all(self._recv, payload, self.group, async_op=True)]
+        self._recv, work = _send_shards(payload, self.layout, self.rank, self.group)
+        self._works = [work]
         self._works += self.strategy.exchange_scales(scales, self.group)
         return self
 
@@ -350,7 +384,7 @@ class FP8Reduction:
         """This rank's shard of the sum (or mean) in FP32: ``layout.chunk`` elements."""
         self._wait()
         chunk = self.layout.chunk
-        recv = self._recv.view(self.fmt.dtype).view(self.world_size, chunk)
+        recv = self._recv.view(self.fmt.dtype)
         inv = self.strategy.received_scales(self.layout.num_segments).reciprocal()
         shard = torch.zeros(chunk, dtype=torch.float32, device=self.device)
         for s, a, b in self.layout.pieces(self.rank):
@@ -390,3 +424,63 @@ class FP8Reduction:
         """Values saturated on all ranks together (one small SUM all-reduce; same on every rank)."""
         count = torch.tensor([self.saturated], dtype=torch.int64, device=self.device)
         return int(comm.all_reduce(count, dist.ReduceOp.SUM, self.group))
+
+
+class BF16Reduction:
+    """`FP8Reduction`'s stages with BF16 on the wire: ``start()`` rounds each segment to BF16 and
+    launches the all-to-all, ``reduce()`` returns this rank's FP32 shard of the sum (or mean),
+    summed in the same fixed order, ``start_gather()`` rounds the shard to BF16 and launches the
+    all-gather, ``results()`` returns one BF16 tensor per segment, identical on every rank. No
+    scales: BF16 has FP32's range, and it carries inf and NaN, so a non-finite value reaches every
+    rank's result as it is."""
+
+    def __init__(self, tensors: list[torch.Tensor], layout: FlatLayout, group=None, average: bool = False):
+        self.rank, self.world_size = comm.check_group(group)
+        _check_segments(tensors, layout, self.world_size)
+        self.tensors, self.layout, self.group, self.average = tensors, layout, group, average
+        self.device = tensors[0].device if tensors else comm.group_device(group)  # NCCL: no CPU backend
+        self.shard: torch.Tensor | None = None
+        self._works: list = []
+        self._recv: torch.Tensor | None = None
+        self._gathered: torch.Tensor | None = None
+
+    def _wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+    def start(self) -> BF16Reduction:
+        flat = torch.zeros(self.layout.numel, dtype=torch.bfloat16, device=self.device)
+        for t, off, n in zip(self.tensors, self.layout.offsets, self.layout.lengths, strict=True):
+            flat[off : off + n] = _as_fp32(t).reshape(-1)
+        self._recv, work = _send_shards(flat, self.layout, self.rank, self.group)
+        self._works = [work]
+        return self
+
+    def reduce(self) -> torch.Tensor:
+        """This rank's shard of the sum (or mean) in FP32: ``layout.chunk`` elements."""
+        self._wait()
+        recv, filled = self._recv, self._recv.shape[1]
+        shard = torch.zeros(self.layout.chunk, dtype=torch.float32, device=self.device)
+        for i in range(self.world_size):  # fixed order: the same sum on every run
+            shard[:filled] += recv[i].float()
+        self._recv = None
+        if self.average:
+            shard /= self.world_size
+        self.shard = shard
+        return shard
+
+    def start_gather(self) -> BF16Reduction:
+        out = self.shard.to(torch.bfloat16)
+        self.shard = None
+        self._gathered = torch.empty(self.layout.numel, dtype=torch.bfloat16, device=self.device)
+        self._works = [comm.all_gather(self._gathered, out, self.group, async_op=True)]
+        return self
+
+    def results(self) -> list[torch.Tensor]:
+        """The reduced segments in BF16, each in its tensor's shape."""
+        self._wait()
+        return [
+            self._gathered[off : off + n].view(t.shape)
+            for t, off, n in zip(self.tensors, self.layout.offsets, self.layout.lengths, strict=True)
+        ]

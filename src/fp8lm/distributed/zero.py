@@ -5,7 +5,8 @@ Partition (FP8-LM / MS-AMP): tensors sorted by size, largest first, each given t
 the fewest elements so far; a tensor's scale stays with it. Each step:
 
 1. gradients (FP8 ScalingTensors from FP8 layers, plain ones otherwise) are reduce-scattered in
-   FP8 to their owners (all-to-all of uint8 payloads laid out by owner, FP32 sums on the owner);
+   FP8 to their owners (all-to-all of uint8 payloads laid out by owner, FP32 sums on the owner),
+   but those `sent_in_bf16` names (the output head's, a switched layer's), which go in BF16;
 2. each rank's optimizer updates only the tensors it owns: their FP16 master and FP8/FP16 moments
    live only there (`fp8lm.optim.FP8AdamW` keeps the master of an FP8 weight in its state);
 3. the owners' updated weights, already FP8 with their scales, are all-gathered as bytes (a plain
@@ -28,10 +29,10 @@ from torch.distributed.tensor import DTensor
 from ..grad import clip_grad_norm_
 from ..optim.dtensor import sharded_like
 from ..optim.skipping import SkipsNonFiniteSteps
-from ..tensor import ScalingTensor
+from ..tensor import ScalingTensor, gemm_layers_by_weight
 from . import comm
 from .data_parallel import broadcast_module
-from .reduction import FlatLayout, FP8Reduction
+from .reduction import BF16Reduction, FlatLayout, FP8Reduction, sent_in_bf16
 
 __all__ = ["partition_by_size", "FP8ZeroOptimizer"]
 
@@ -117,7 +118,8 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         super().__init__([dict(g, params=list(g["params"])) for g in optimizer.param_groups], optimizer.defaults)
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if self._owner_of[id(p)] == self.rank]
-        self._grad_layout = FlatLayout.by_owner([_local(p).numel() for p in params], self.owners, self.world_size)
+        self._layer_of = gemm_layers_by_weight(model)
+        self._grad_layouts: dict[tuple, FlatLayout] = {}  # by the positions reduced together and the wire
         self._weight_layout = FlatLayout.by_owner(
             [_storage(p).numel() * _storage(p).element_size() for p in params], self.owners, self.world_size
         )
@@ -131,7 +133,7 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
     # -- step ----------------------------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> bool:
-        """Reduce-scatter the gradients in FP8 to their owners (once per step): an owned parameter's
+        """Reduce-scatter the gradients in FP8 (BF16: `sent_in_bf16`) to their owners (once per step): an owned parameter's
         ``.grad`` becomes the FP32 mean over ranks, the others' ``.grad`` None. Returns whether every
         reduced gradient is finite (the same answer on every rank)."""
         if self._reduced:
@@ -139,17 +141,40 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
         grads = [
             _local(p.grad) if p.grad is not None else torch.zeros(_local(p).shape, device=p.device) for p in self.params
         ]
-        red = FP8Reduction(grads, self._grad_layout, self.process_group, average=True).start()
-        shard = red.reduce()
+        wide = [sent_in_bf16(p, self._layer_of.get(id(p))) for p in self.params]
+        reduced = []
+        for bf16 in (False, True):  # every rank agrees which gradients go in BF16
+            positions = [i for i, w in enumerate(wide) if w == bf16]
+            if positions:
+                reduced.append(self._reduce(grads, positions, bf16))
         for p in self.params:
             p.grad = None
-        for s, a, b in self._grad_layout.pieces(self.rank):
-            p = self.params[s]
-            p.grad = sharded_like(shard[a:b].view(_local(p).shape), p)
-        flag = torch.isfinite(shard).all().float().reshape(1)  # on the gradients' device (NCCL)
+        flags = []
+        for positions, layout, shard in reduced:
+            for s, a, b in layout.pieces(self.rank):
+                p = self.params[positions[s]]
+                p.grad = sharded_like(shard[a:b].view(_local(p).shape), p)
+            flags.append(torch.isfinite(shard).all())
+        flag = torch.stack(flags).all().float().reshape(1)  # on the gradients' device (NCCL)
         self._finite = bool(comm.all_reduce(flag, dist.ReduceOp.MIN, self.process_group)[0] > 0)
         self._reduced = True
         return self._finite
+
+    def _reduce(self, grads: list[torch.Tensor], positions: list[int], bf16: bool) -> tuple:
+        """The gradients at ``positions`` reduce-scattered to their owners, in BF16 or FP8:
+        ``positions``, their by-owner layout and this rank's FP32 shard of the mean."""
+        key = (tuple(positions), bf16)
+        layout = self._grad_layouts.get(key)
+        if layout is None:
+            owners = [self.owners[i] for i in positions]
+            layout = FlatLayout.by_owner([grads[i].numel() for i in positions], owners, self.world_size)
+            self._grad_layouts[key] = layout
+        parts = [grads[i] for i in positions]
+        if bf16:
+            reduction: BF16Reduction | FP8Reduction = BF16Reduction(parts, layout, self.process_group, average=True)
+        else:
+            reduction = FP8Reduction(parts, layout, self.process_group, average=True)
+        return positions, layout, reduction.start().reduce()
 
     @torch.no_grad()
     def clip_grad_norm_(
