@@ -1,7 +1,7 @@
 """What data-parallel gradient sync does to a trained model's gradients: the values it flushes to
 zero and its error, for the output head, the FP8 layers' weights and the rest.
 
-Loads a run's checkpoint (``--run``: a run folder of `fp8lm train`, e.g. the main job's O2 run),
+Loads a run's checkpoint (``RUN``: a run folder of `fp8lm train`, e.g. the main job's O2 run),
 wraps fp8lm's model of it (`fp8lm.train.export.run_model`: the run's level, recipe and policy) in
 `FP8DataParallel` over torchrun's ranks, and takes one backward per rank on its own batch of the
 validation split: first under ``no_sync`` (each rank's own gradients, stored in the policy's
@@ -9,7 +9,7 @@ formats), then synced. Against the float64 mean of the ranks' own gradients, it 
 the share of the values that are not zero in that mean and are zero after the sync, the head's
 rows so lost whole, and the relative L2 error. Rank 0 prints one JSON object::
 
-    torchrun --nproc_per_node 2 benchmarks/head_gradient_sync.py --run runs/o2
+    torchrun --nproc_per_node 2 benchmarks/head_gradient_sync.py runs/o2
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def group_stats(names: list[str], exact: dict, synced: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", required=True, help="a run folder of fp8lm train (its newest checkpoint)")
+    ap.add_argument("run", help="a run folder of fp8lm train (its newest checkpoint)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "fp8lm-data-cache"))
     args = ap.parse_args()
