@@ -45,9 +45,22 @@ def plan_dim(plan) -> str:
     return "dp_shard" if plan.dp_shard else "dp_replicate"
 
 
-def expert_case(rank: int, world: int, fp8: bool) -> dict:
+class SwitchedExperts(nn.Module):
+    """An FP8 layer's protocol (``fp8_enabled``, ``high_precision``) around one expert weight,
+    switched to high precision (a fallback, precision annealing)."""
+
+    fp8_enabled = True
+    high_precision = True
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = nn.ParameterList([weight])
+
+
+def expert_case(rank: int, world: int, fp8: bool, switched: bool = False) -> dict:
     """An expert weight used by a backward on every rank: divided by EP as it arrives, then
-    averaged over its replicas by `finish`; and the replicas' exact mean, for comparison."""
+    averaged over its replicas by `finish`; and the replicas' exact mean, for comparison.
+    ``switched``: the weight of an FP8 layer switched to high precision."""
     from fp8lm.distributed import ParallelDims
     from fp8lm.distributed.grad_sync import GradientSync, SyncPlan
 
@@ -58,7 +71,10 @@ def expert_case(rank: int, world: int, fp8: bool) -> dict:
         SyncPlan.for_run(dims, ep=EP), mesh, fp8=fp8, experts=[expert], ep_groups=mesh.expert_groups(EP)
     )
     model = nn.Module()
-    model.register_parameter("expert", expert)
+    if switched:
+        model.experts = SwitchedExperts(expert)
+    else:
+        model.register_parameter("expert", expert)
     (expert * grads(10 + rank, n=1)[0]).sum().backward()
     arrived = expert.grad.clone()
     sync.finish(model)
@@ -95,6 +111,7 @@ def checks(rank, world):
         "clip_sharded": clip_case(rank, world, ParallelDims(dp_shard=world)),
         "expert_fp32": expert_case(rank, world, fp8=False),
         "expert_fp8": expert_case(rank, world, fp8=True),
+        "expert_switched": expert_case(rank, world, fp8=True, switched=True),
         "replicas": replicas_case(rank, world),
     }
 

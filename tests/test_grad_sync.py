@@ -67,6 +67,15 @@ def test_experts_are_divided_as_they_arrive_and_averaged_over_their_replicas(syn
         assert torch.equal(a["expert_fp8"]["synced"], b["expert_fp8"]["synced"])
 
 
+def test_a_switched_experts_gradient_is_averaged_from_bf16(sync_ranks):
+    """An expert of a layer switched to high precision: its replicas' gradients cross in BF16 and
+    are summed in FP32 (`sent_in_bf16`), the mean sent back in BF16."""
+    for rank, r in enumerate(sync_ranks):
+        replicas = [s["expert_switched"]["arrived"] for i, s in enumerate(sync_ranks) if i % 2 == rank % 2]
+        mean = sum(g.bfloat16().float() for g in replicas) / len(replicas)
+        assert torch.equal(r["expert_switched"]["synced"], mean.bfloat16().float())
+
+
 def test_replicas_of_a_stage_average_after_backward(sync_ranks):
     for r in sync_ranks:
         assert r["replicas"]["ways"] == {"dp_replicate": "all-reduce"}

@@ -70,9 +70,13 @@ class FlatLayout:
     # per rank, (segment, start, stop) of the parts in its shard: computed once, with the layout
     # (a reduction reads it at every step; not a cached_property, whose lock dynamo cannot trace)
     _pieces: tuple[list[tuple[int, int, int]], ...] = field(init=False, repr=False, compare=False)
+    _filled: tuple[int, ...] = field(init=False, repr=False, compare=False)  # `filled`, per rank
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_pieces", tuple(self._rank_pieces(r) for r in range(self.world_size)))
+        pieces = tuple(self._rank_pieces(r) for r in range(self.world_size))
+        object.__setattr__(self, "_pieces", pieces)
+        # a list's max, not a generator's with a default: dynamo traces layouts made in compiled code
+        object.__setattr__(self, "_filled", tuple(max([0] + [b for _, _, b in p]) for p in pieces))
 
     @classmethod
     def contiguous(cls, lengths, world_size: int) -> FlatLayout:
@@ -107,7 +111,7 @@ class FlatLayout:
     def filled(self, rank: int) -> int:
         """The elements at the start of ``rank``'s shard that segments reach (the rest is padding:
         both layouts pack a shard's segments from its start)."""
-        return max((b for _, _, b in self._pieces[rank]), default=0)
+        return self._filled[rank]
 
     def pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """``(segment, start, stop)`` for the parts of segments in ``rank``'s shard; start and
