@@ -23,7 +23,8 @@ that `sent_in_bf16` keeps out of FP8: those the policy stores in 16 bits (the ou
 those of layers switched to high precision.
 
 A `FlatLayout` places segments in a flat buffer of ``world_size * chunk`` elements; rank ``r``
-owns ``[r * chunk, (r + 1) * chunk)``. Contiguous layouts serve data parallelism; owner layouts
+owns ``[r * chunk, (r + 1) * chunk)``. The all-to-all sends each rank the part of its shard that
+segments fill, not the padding after it. Contiguous layouts serve data parallelism; owner layouts
 (whole tensors per rank) serve FP8 ZeRO.
 """
 
