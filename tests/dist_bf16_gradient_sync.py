@@ -97,8 +97,24 @@ def zero(rank: int, switched: bool) -> dict:
     return {"local": local, "synced": grads(model), "bytes": wire(comm_stats())}
 
 
+def non_finite(rank: int) -> dict:
+    """A NaN in one rank's BF16 gradient and an inf in the other's: `bf16_all_reduce` gives both
+    to every rank, and FP8 ZeRO skips the step on every rank."""
+    from fp8lm.distributed import FP8ZeroOptimizer, bf16_all_reduce
+
+    x = torch.ones(6)
+    x[rank] = (float("nan"), float("inf"))[rank]
+    reduced = bf16_all_reduce(x, average=True)
+    model, optimizer = model_at("O3", False)
+    sharded = FP8ZeroOptimizer(model, optimizer)
+    backward(model, rank)
+    if rank == 1:
+        model.head.weight.grad.payload.view(-1)[5] = float("nan")  # the head's: stored, and sent, in BF16
+    return {"all_reduce": reduced.float(), "zero_finite": sharded.reduce_gradients()}
+
+
 def checks(rank: int, world: int) -> dict:
-    return {
+    cases = {
         f"{name} {'switched' if switched else 'fp8'}": case(switched)
         for switched in (False, True)
         for name, case in (
@@ -107,6 +123,7 @@ def checks(rank: int, world: int) -> dict:
             ("zero", lambda s: zero(rank, s)),
         )
     }
+    return {**cases, "non_finite": non_finite(rank)}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,15 @@ def ranks():
     return run_workers("dist_bf16_gradient_sync.py", WORLD, timeout=600.0)
 
 
+def test_non_finite_values_reach_every_rank(ranks):
+    """BF16 carries inf and NaN: a NaN on one rank and an inf on the other reach both ranks'
+    results as they are, and a NaN in the head's gradient skips FP8 ZeRO's step on every rank."""
+    for r in ranks:
+        got = r["non_finite"]["all_reduce"]
+        assert bool(got[0].isnan()) and got[1] == float("inf") and torch.equal(got[2:], torch.ones(4))
+        assert r["non_finite"]["zero_finite"] is False
+
+
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().float()
 

@@ -12,8 +12,8 @@ as its bits with its own scale and gets its result back the same way; any other 
 (plain FP32 / BF16, or another payload format) is quantized per tensor for the wire and gets the
 dequantized average. The gradients `sent_in_bf16` names (those the policy stores in 16 bits: the
 output head's; those of layers switched to high precision) go in BF16 instead, summed in FP32
-(`BF16Reduction`), as FSDP2's reduce-scatter sends them. Buckets are launched in the same order on every rank, whatever order the
-hooks fire in, so the collectives always match.
+(`BF16Reduction`), as FSDP2's reduce-scatter sends them. Buckets are launched in the same order
+on every rank, whatever order the hooks fire in, so the collectives always match.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..formats import E4M3, Format, format_of
 from ..tensor import ScalingTensor, gemm_layers_by_weight
 from . import comm
 from .autoscale import AutoScaler
-from .reduction import SCALINGS, BF16Reduction, FlatLayout, FP8Reduction, dequantize_payload, sent_in_bf16
+from .reduction import SCALINGS, BF16Reduction, FlatLayout, FP8Reduction, dequantize_payload, split_by_wire
 
 __all__ = ["FP8DataParallel", "broadcast_module"]
 
@@ -152,20 +152,15 @@ class FP8DataParallel(nn.Module):
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in bucket.params]
-        wide = [sent_in_bf16(p, self._layer_of.get(id(p))) for p in bucket.params]
-        narrow = [i for i, w in enumerate(wide) if not w]
-        if narrow:  # every rank agrees: the policy and the switched layers are the same on all
-            layout = FlatLayout.contiguous([grads[i].numel() for i in narrow], self.world_size)
-            mu = bucket.autoscaler.mu if bucket.autoscaler is not None else 1.0
-            reduction = FP8Reduction(
-                [grads[i] for i in narrow], layout, self.process_group, self.fmt, self.scaling, mu=mu, average=True
-            )
-            bucket.reductions.append((narrow, reduction.start()))
-        if len(narrow) < len(grads):
-            kept = [i for i, w in enumerate(wide) if w]
-            layout = FlatLayout.contiguous([grads[i].numel() for i in kept], self.world_size)
-            reduction16 = BF16Reduction([grads[i] for i in kept], layout, self.process_group, average=True)
-            bucket.reductions.append((kept, reduction16.start()))
+        for in_bf16, positions in split_by_wire(bucket.params, self._layer_of):
+            parts = [grads[i] for i in positions]
+            layout = FlatLayout.contiguous([g.numel() for g in parts], self.world_size)
+            if in_bf16:
+                reduction: FP8Reduction | BF16Reduction = BF16Reduction(parts, layout, self.process_group, average=True)
+            else:
+                mu = bucket.autoscaler.mu if bucket.autoscaler is not None else 1.0
+                reduction = FP8Reduction(parts, layout, self.process_group, self.fmt, self.scaling, mu=mu, average=True)
+            bucket.reductions.append((positions, reduction.start()))
         self._next_launch += 1
 
     def _finish(self) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "FP8Reduction",
     "BF16Reduction",
     "sent_in_bf16",
+    "split_by_wire",
     "LocalScaling",
     "SharedScaling",
     "SCALINGS",
@@ -310,6 +311,16 @@ def sent_in_bf16(param: torch.Tensor, layer: torch.nn.Module | None) -> bool:
     the rows of rare tokens), or ``layer`` (the FP8 layer whose weight it is, or None) is switched
     to high precision now (a fallback, precision annealing: its weight gradient is not FP8 then)."""
     return stores_grad_in_16_bits(param) or switched_to_high_precision(layer)
+
+
+def split_by_wire(params: list[torch.Tensor], layers: dict[int, torch.nn.Module]) -> list[tuple[bool, list[int]]]:
+    """The positions in ``params`` of the gradients sent in FP8, then of those sent in BF16
+    (`sent_in_bf16`; ``layers``: the FP8 layers by their weights' ids), as ``(in_bf16, positions)``,
+    the empty one left out. Every rank gets the same answer: the policy and the switched layers
+    are the same on all."""
+    bf16 = [sent_in_bf16(p, layers.get(id(p))) for p in params]
+    split = [(wire, [i for i, b in enumerate(bf16) if b == wire]) for wire in (False, True)]
+    return [(wire, positions) for wire, positions in split if positions]
 
 
 def _check_segments(tensors: list[torch.Tensor], layout: FlatLayout, world_size: int) -> None:

@@ -32,7 +32,7 @@ from ..optim.skipping import SkipsNonFiniteSteps
 from ..tensor import ScalingTensor, gemm_layers_by_weight
 from . import comm
 from .data_parallel import broadcast_module
-from .reduction import BF16Reduction, FlatLayout, FP8Reduction, sent_in_bf16
+from .reduction import BF16Reduction, FlatLayout, FP8Reduction, split_by_wire
 
 __all__ = ["partition_by_size", "FP8ZeroOptimizer"]
 
@@ -133,20 +133,18 @@ class FP8ZeroOptimizer(SkipsNonFiniteSteps, torch.optim.Optimizer):
     # -- step ----------------------------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> bool:
-        """Reduce-scatter the gradients in FP8 (BF16: `sent_in_bf16`) to their owners (once per step): an owned parameter's
-        ``.grad`` becomes the FP32 mean over ranks, the others' ``.grad`` None. Returns whether every
-        reduced gradient is finite (the same answer on every rank)."""
+        """Reduce-scatter the gradients in FP8 (those `sent_in_bf16` names in BF16) to their owners
+        (once per step): an owned parameter's ``.grad`` becomes the FP32 mean over ranks, the
+        others' ``.grad`` None. Returns whether every reduced gradient is finite (the same answer
+        on every rank)."""
         if self._reduced:
             return self._finite
         grads = [
             _local(p.grad) if p.grad is not None else torch.zeros(_local(p).shape, device=p.device) for p in self.params
         ]
-        wide = [sent_in_bf16(p, self._layer_of.get(id(p))) for p in self.params]
-        reduced = []
-        for bf16 in (False, True):  # every rank agrees which gradients go in BF16
-            positions = [i for i, w in enumerate(wide) if w == bf16]
-            if positions:
-                reduced.append(self._reduce(grads, positions, bf16))
+        reduced = [
+            self._reduce(grads, positions, in_bf16) for in_bf16, positions in split_by_wire(self.params, self._layer_of)
+        ]
         for p in self.params:
             p.grad = None
         flags = []
