@@ -65,7 +65,7 @@ from ..tensor import (
 from . import comm
 from .collectives import fp8_reduce_scatter
 from .fp32_gather import AUTOCAST_DTYPES, BlockGatheredWeight, gathered_fp32_weights, wrap_fp32_weights
-from .reduction import sent_in_bf16
+from .reduction import BF16Reduction, FlatLayout, sent_in_bf16
 
 __all__ = [
     "fully_shard",
@@ -147,16 +147,15 @@ class FP8ReduceScatter(_PlainAllocation):
 
 def _mixed_reduce_scatter(rows: torch.Tensor, wide: torch.Tensor, group, fmt: Format, average: bool) -> torch.Tensor:
     """This rank's chunk of the sum (or mean) of ``rows`` (one row per rank) over the ranks, in
-    FP32: the columns of ``wide`` sent as BF16 (all-to-all, summed in FP32), the others as
+    FP32: the columns of ``wide`` sent as BF16 (`BF16Reduction`), the others as
     `fp8_reduce_scatter` sends them."""
     shard = torch.empty(rows.shape[1], dtype=torch.float32, device=rows.device)
     narrow = ~wide
     if bool(narrow.any()):
         shard[narrow] = fp8_reduce_scatter(rows[:, narrow].reshape(-1), group, fmt, average=average)
-    send = rows[:, wide].to(torch.bfloat16).contiguous()
-    received = comm.all_to_all(torch.empty_like(send), send, group)
-    total = received.float().sum(0)
-    shard[wide] = total / rows.shape[0] if average else total
+    sent = rows[:, wide].reshape(-1)  # each rank's columns, in rank order: one chunk per rank
+    layout = FlatLayout.contiguous([sent.numel()], rows.shape[0])
+    shard[wide] = BF16Reduction([sent], layout, group, average=average).start().reduce()
     return shard
 
 
