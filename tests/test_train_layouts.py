@@ -80,8 +80,22 @@ def drop_last_checkpoint(run) -> None:
         (4, ("--tp", "2", "--opt-level", "O3")),
         (4, ("--tp", "2", "--pp", "2", "--opt-level", "O3", "--pp-microbatches", "2")),
         (2, ("--fsdp", "--final-bf16-fraction", "0.5")),  # resumed at the first of the BF16 steps
+        (2, ("--pp", "2", "--pp-microbatches", "2", "--final-bf16-fraction", "0.5")),
     ],
-    ids=["tp2", "pp2", "pp2_fsdp", "tp2_pp2", "3d", "pp2_o3", "dp", "zero", "tp2_o3", "tp2_pp2_o3", "fsdp_bf16_tail"],
+    ids=[
+        "tp2",
+        "pp2",
+        "pp2_fsdp",
+        "tp2_pp2",
+        "3d",
+        "pp2_o3",
+        "dp",
+        "zero",
+        "tp2_o3",
+        "tp2_pp2_o3",
+        "fsdp_bf16_tail",
+        "pp2_bf16_tail",
+    ],
 )
 def test_a_resumed_run_continues_byte_for_byte(tmp_path, request, ranks, flags):
     if flags == TP2_PP2:  # the module's uninterrupted --tp 2 --pp 2 run (the reshard tests' too)
@@ -107,12 +121,20 @@ def test_a_resumed_run_continues_byte_for_byte(tmp_path, request, ranks, flags):
     if "--final-bf16-fraction" in flags:
         metrics = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
         assert [m.get("bf16_gemms", False) for m in metrics] == [False] * 3 + [True] * 3
-        # FSDP2 gathers the switched layers' weights anew, as stored (FP16: a byte more per element
-        # than E4M3), in the forward and again in the backward: each rank its half
-        saved = torch.load(whole / "checkpoints" / f"step_{STEPS:08d}.pt", weights_only=True)
-        fp8_weights = sum(v.numel() for k, v in saved["model"].items() if k.startswith("blocks") and v.dim() == 2)
-        gathered = [m["comm_bytes_by_kind"]["all_gather"] for m in metrics]
-        assert gathered[3] - gathered[2] == fp8_weights and gathered[:3] == gathered[2:3] * 3
+        if "--fsdp" in flags:
+            # FSDP2 gathers the switched layers' weights anew, as stored (FP16: a byte more per
+            # element than E4M3), in the forward and again in the backward: each rank its half
+            saved = torch.load(whole / "checkpoints" / f"step_{STEPS:08d}.pt", weights_only=True)
+            fp8_weights = sum(v.numel() for k, v in saved["model"].items() if k.startswith("blocks") and v.dim() == 2)
+            gathered = [m["comm_bytes_by_kind"]["all_gather"] for m in metrics]
+            assert gathered[3] - gathered[2] == fp8_weights and gathered[:3] == gathered[2:3] * 3
+        else:
+            # the first stage sends each micro-batch's activation (4 x 32 x n_embd): an FP8 carrier
+            # (a byte per element and its scale), then BF16 as the bf16 level sends it
+            n_embd = summary["model_config"]["n_embd"]
+            numel = 4 * 32 * n_embd
+            sent = [m["comm_bytes_by_kind"]["send"] for m in metrics]
+            assert sent == [2 * (numel + 4)] * 3 + [2 * 2 * numel] * 3
     records = [json.loads(line) for line in (whole / "telemetry.jsonl").read_text().splitlines()]
     # every FP8 layer's weight gradient is judged, from whichever rank holds it or its shards
     blocks = {r["layer"] for r in records if r["layer"].startswith("blocks")}

@@ -32,7 +32,8 @@ averages every gradient over the data-parallel group in FP8.
 
 **Pipeline stages** (`PipelineStageModule`): stage ``s`` of ``n`` holds a contiguous run of
 blocks; the first also the embeddings, the last also ``ln_f`` and ``lm_head`` (and returns the
-logits). Every boundary is an FP8 carrier (`fp8lm.distributed.pipeline`).
+logits). Every boundary is an FP8 carrier (`fp8lm.distributed.pipeline`), or a plain one in a
+higher precision (the baselines; precision annealing's BF16 steps: `PipelineStageModule.set_wire`).
 """
 
 from __future__ import annotations
@@ -180,14 +181,20 @@ class PipelineStageModule(nn.Module):
         # under sequence parallelism (``seq_shards`` tensor-parallel ranks) a boundary carries this
         # rank's slice of the sequence, to the same tensor-parallel rank of the next stage
         self.boundary = (micro_batch, cfg.block_size // seq_shards, cfg.n_embd)
-        self.wire_dtype = wire_dtype
         self.wte, self.wpe = (model.wte, model.wpe) if self.first else (None, None)
-        entry = FP8StageInput(self.boundary) if wire_dtype is None else _Cast(torch.float32)
-        self.entry = None if self.first else entry
         # keyed by the blocks' indices in the whole model, so the stage's parameter names are the
         # model's (its checkpoints load into any other layout)
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in stage_blocks(cfg.n_layer, stage, n_stages)})
         self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if self.last else (None, None)
+        self.set_wire(wire_dtype)
+
+    def set_wire(self, wire_dtype: torch.dtype | None) -> None:
+        """Make the stage's boundaries FP8 carriers (None) or plain ones in ``wire_dtype``: precision
+        annealing's BF16 steps send BF16. Every stage must switch at the same step (the receive
+        buffers are `boundary_example`'s)."""
+        self.wire_dtype = wire_dtype
+        entry = FP8StageInput(self.boundary) if wire_dtype is None else _Cast(torch.float32)
+        self.entry = None if self.first else entry
         self.exit = None if self.last else (FP8StageOutput() if wire_dtype is None else _Cast(wire_dtype))
 
     def boundary_example(self, device: torch.device | None = None) -> torch.Tensor:

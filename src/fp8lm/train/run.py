@@ -301,6 +301,7 @@ class TrainingRun:
         switched = [m for m in self.fp8_layers if m.high_precision != bf16]
         for m in switched:
             m.high_precision = bf16
+        self.layout.set_final_bf16(bf16)
         if switched and bf16 and self.ranks.main:
             progress.say(f"step {step + 1}: the last {self.cfg.steps - step} steps run the FP8 layers' GEMMs in BF16")
         return bf16

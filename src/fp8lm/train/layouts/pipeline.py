@@ -1,6 +1,6 @@
 """Pipeline parallelism on the mesh's ``pp`` dimension (``--pp N``): this rank holds one stage of
-the GPT (`PipelineStageModule`: FP8 carriers at the FP8 levels, plain boundaries in BF16 at bf16,
-FP32 at fp32) and its optimizer state; a step is one ``ScheduleGPipe`` step over the shape's
+the GPT (`PipelineStageModule`: FP8 carriers at the FP8 levels, plain boundaries in BF16 at bf16
+and in precision annealing's BF16 steps, FP32 at fp32) and its optimizer state; a step is one ``ScheduleGPipe`` step over the shape's
 micro-batches (sends and receives counted by `FP8PipelineStage`), then `GradientSync` sums the
 norms' partial gradients over ``tp`` (3-D) and averages every gradient over the data-parallel
 replicas (FP8 or FP32), or, with ``--fsdp``, the stage sharded with FSDP2 over the data-parallel
@@ -71,6 +71,12 @@ class PipelineLayout(ShardedCheckpoints, Layout):
         self.pp_group, self.tensor_parallel_loss = mesh.group("pp"), ranks.tp > 1
         self.index, self.n_stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
         self.device = next(stage.parameters()).device
+        self.fp8_wire = stage.wire_dtype is None
+        self.schedule = self._schedule()
+
+    def _schedule(self) -> ScheduleGPipe:
+        """A ``ScheduleGPipe`` over this rank's stage, its receive buffers the stage's boundaries."""
+        stage = self.stage
         example = stage.boundary_example(self.device)
         micro, block_size = stage.boundary[:2]
         if stage.first:
@@ -90,7 +96,15 @@ class PipelineLayout(ShardedCheckpoints, Layout):
             output_args=outputs.requires_grad_(),
             group=self.pp_group,
         )
-        self.schedule = ScheduleGPipe(pipe, n_microbatches=self.shape.micro_batches, loss_fn=token_loss)
+        return ScheduleGPipe(pipe, n_microbatches=self.shape.micro_batches, loss_fn=token_loss)
+
+    def set_final_bf16(self, bf16: bool) -> None:
+        """Precision annealing's BF16 steps send the boundaries in BF16, as the bf16 level does, and
+        its FP8 steps as FP8 carriers. Every stage switches at the same step, from the step number."""
+        if not self.fp8_wire or (self.stage.wire_dtype is not None) == bf16:
+            return
+        self.stage.set_wire(torch.bfloat16 if bf16 else None)
+        self.schedule = self._schedule()
 
     def forward_backward(self, model: nn.Module, batches: list, loss: Callable) -> torch.Tensor:
         (x, y), losses = batches[0], []  # one micro-batch per step: the schedule splits it (checked)
