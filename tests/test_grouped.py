@@ -112,6 +112,29 @@ def test_experts_stored_in_e4m3_are_saved_as_they_are():
         assert torch.equal(w.grad.payload.float(), ref.payload.float()) and torch.equal(w.grad.scale, ref.scale)
 
 
+def test_backward_under_autocast_equals_the_backward_after_it():
+    """A pipeline schedule runs the backward inside the forward's autocast: the E4M3 experts' saved
+    payloads are stacked there too, and the gradients are those of a backward run after it."""
+    torch.manual_seed(0)
+    layer = FP8GroupedLinear.from_grouped(GroupedLinear(len(COUNTS), 32, 48), weight_format=E4M3)
+    torch.manual_seed(1)
+    x, g = torch.randn(sum(COUNTS), 32), torch.randn(sum(COUNTS), 48, dtype=torch.bfloat16)
+    grads = []
+    for inside in (False, True):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(xi, COUNTS)
+            if inside:
+                y.backward(g)
+        if not inside:
+            y.backward(g)
+        grads.append((xi.grad, [w.grad.dequantize() for w in layer.weight]))
+        layer.zero_grad(set_to_none=True)
+    (dx_after, dw_after), (dx_inside, dw_inside) = grads
+    assert torch.equal(dx_after, dx_inside)
+    assert all(torch.equal(a, b) for a, b in zip(dw_after, dw_inside))
+
+
 def test_against_float64_reference():
     layer = _layer()
     torch.manual_seed(2)
@@ -227,6 +250,38 @@ def test_telemetry_records_each_expert_and_no_gradient_loss_for_one_without_toke
     assert by_expert[1] == {"weight", "exp_avg", "exp_avg_sq"}  # no tokens: no input, no gradient to lose
     inputs = [r for r in records if r["kind"] == "input" and r["layer"].startswith("experts.")]
     assert len(inputs) == 3 and all(r["saturation"] == 0 for r in inputs)  # each group scaled from its own amax
+
+
+def test_telemetry_splits_each_backward_by_its_own_forwards_counts():
+    """A pipeline schedule runs every micro-batch's forward before the backwards: each output
+    gradient is split by the counts of the forward that made it, and an expert that took tokens in
+    any of the step's forwards has its weight gradient judged."""
+    from fp8lm.telemetry import Telemetry
+
+    class Routed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = GroupedLinear(len(COUNTS), 32, 16)
+
+        def forward(self, x, counts):
+            return self.experts(x, counts)
+
+    torch.manual_seed(5)
+    model = Routed()
+    model, opt = fp8lm.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+    telemetry = Telemetry(model, opt, every=1)
+    first, second = [10, 0, 21, 7], [3, 9, 0, 4]  # 38 and 16 rows; expert 1 only in the second
+    with telemetry.step(0):
+        losses = [model(torch.randn(sum(c), 32), c).square().mean() for c in (first, second)]
+        for loss in losses:
+            loss.backward()
+    records = telemetry.after_backward()
+    grads = [
+        [r for r in records if r["layer"] == f"experts.expert{e}" and r["kind"] == "grad_output"] for e in range(4)
+    ]
+    assert [len(g) for g in grads] == [2, 1, 1, 2]  # each expert once per forward it took tokens in
+    judged = {r["layer"] for r in records if r["kind"] == "weight_grad"}
+    assert judged == {f"experts.expert{e}" for e in range(4)}
 
 
 def test_grouped_kernel_path_equals_the_per_expert_loop(monkeypatch):

@@ -168,7 +168,7 @@ class Telemetry:
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
         self._names = {id(m.weight): name for name, m in self.layers.items()}
         self.grouped = {name: m for name, m in model.named_modules() if isinstance(m, FP8GroupedLinear)}
-        self._counts: dict[str, list[int]] = {}  # a grouped layer's tokens per expert in this step's forward
+        self._counts: dict[str, list[int]] = {}  # a grouped layer's tokens per expert in this step's forwards
         self._step: int | None = None
         self._pending: list[dict] = []
 
@@ -232,7 +232,7 @@ class Telemetry:
             handles.append(layer.register_forward_hook(_on_output_gradient(on_grad_output)))
         for name, experts in self.grouped.items():
             handles.append(experts.register_forward_pre_hook(self._on_grouped_input(name)))
-            handles.append(experts.register_forward_hook(_on_output_gradient(self._on_grouped_grad_output(name))))
+            handles.append(experts.register_forward_hook(self._on_grouped_output(name)))
         return handles
 
     def _record_blocks(self, name: str, layer, tensors: dict[str, torch.Tensor]) -> None:
@@ -252,7 +252,9 @@ class Telemetry:
             if is_recomputing():
                 return
             x = args[0].detach()
-            counts = self._counts[name] = group_counts(args[1], module.num_experts, x.shape[0])
+            counts = group_counts(args[1], module.num_experts, x.shape[0])
+            step = self._counts.setdefault(name, [0] * len(counts))
+            self._counts[name] = [a + b for a, b in zip(step, counts)]
             for e, (rows, w) in enumerate(zip(x.split(counts), module.weight)):
                 if w is None:  # held by another rank
                     continue
@@ -265,15 +267,22 @@ class Telemetry:
 
         return hook
 
-    def _on_grouped_grad_output(self, name: str):
-        def hook(module, grad_output):
-            counts = self._counts.get(name)
-            if counts is None:
+    def _on_grouped_output(self, name: str):
+        """A forward hook: the gradient of this forward's output, split by this forward's counts
+        (a pipeline schedule runs every micro-batch's forward before their backwards)."""
+
+        def hook(module, args, output):
+            if not (isinstance(output, torch.Tensor) and output.requires_grad):
                 return
-            for e, rows in enumerate(grad_output[0].detach().split(counts)):
-                if rows.shape[0]:
-                    scale = compute_scale(amax(rows), E5M2, module.recipe.margin)
-                    self._record(f"{name}.expert{e}", "grad_output", E5M2, quantization_stats(rows, E5M2, scale))
+            counts = group_counts(args[1], module.num_experts, output.shape[0])
+
+            def on_grad(grad: torch.Tensor) -> None:
+                for e, rows in enumerate(grad.detach().split(counts)):
+                    if rows.shape[0]:
+                        scale = compute_scale(amax(rows), E5M2, module.recipe.margin)
+                        self._record(f"{name}.expert{e}", "grad_output", E5M2, quantization_stats(rows, E5M2, scale))
+
+            output.register_hook(on_grad)
 
         return hook
 

@@ -317,12 +317,13 @@ class _FP8GroupedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x8, x_inv, w_inv, *w_saved = ctx.saved_tensors
-        w8 = torch.stack(w_saved) if ctx.restack else w_saved[0]
         recipe, groups, compute, backend = ctx.recipe, ctx.groups, ctx.compute, ctx.backend
-        num, (out_features, in_features) = w8.shape[0], w8.shape[1:]
-        grad_x: torch.Tensor | None = None
-        grad_ws: list[torch.Tensor | None] = [None] * num
+        # a backward run under autocast (a pipeline schedule's) must not reach the FP8 payloads
         with torch.autocast(grad_out.device.type, enabled=False):
+            w8 = torch.stack(w_saved) if ctx.restack else w_saved[0]
+            num, (out_features, in_features) = w8.shape[0], w8.shape[1:]
+            grad_x: torch.Tensor | None = None
+            grad_ws: list[torch.Tensor | None] = [None] * num
             g = grad_out.contiguous()
             g8, g_inv, g_row_inv = _scale_math(
                 _rows_scales, g, g, groups.expert, num, recipe.grad_output_format, recipe.margin
