@@ -170,3 +170,52 @@ def test_ep2_with_fsdp_on_4_ranks_trains_as_one_process_and_resumes_byte_for_byt
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layout"] == "one process"
     assert abs(summary["val_loss"] / ep["O2"]["val_loss"] - 1) < 1e-2
+
+
+def test_pp2_trains_the_mixture_as_one_process_does(tmp_path):
+    """--pp 2: each stage holds its blocks' experts whole, and its blocks' load-balancing losses
+    reach their routers through the stage's own backward (the schedule's loss is the last stage's).
+    At fp32 with one micro-batch per step (plain FP32 boundaries) every step is one process's:
+    loss (its load-balancing part included), gradient norm, load-balancing loss and token counts
+    over the blocks of both stages. Without the stages' load-balancing gradients the routers drift
+    apart: their loss is 1 % off by the third step."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--opt-level", "fp32", "--telemetry-every", "0"]
+    runs = {}
+    for name, launch, extra in (
+        ("one", [sys.executable], []),
+        ("pp2", forked_ranks(2), ["--pp", "2", "--pp-microbatches", "1"]),
+    ):
+        out = tmp_path / name
+        args = ["-m", "fp8lm.cli", "train", *moe, *extra, *run_options(out, tmp_path / "cache", "--steps", "8")]
+        check(subprocess.run([*launch, *args], env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    one, pp2 = runs["one"], runs["pp2"]
+    assert len(one) == len(pp2) == 8
+    for a, b in zip(one, pp2):
+        for key in ("train_loss", "grad_norm", "moe_aux_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+        assert b["moe_tokens_per_expert"] == a["moe_tokens_per_expert"]  # both stages' blocks
+        assert b["moe_load_cv"] == pytest.approx(a["moe_load_cv"], rel=1e-9)
+    assert pp2[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5)
+    assert pp2[-1]["comm_bytes_by_kind"]["send"] > 0
+
+
+def test_ep2_within_pp2_stages_trains_as_their_data_parallelism_does(tmp_path):
+    """--pp 2 --ep 2 on 4 ranks: each stage's 2 data-parallel ranks split its blocks' experts and
+    exchange their tokens; the rest of the stage is replicated over them. At fp32 every step is that
+    of --pp 2 alone (dp 2 x pp 2, every expert replicated): loss, gradient norm (the experts' added
+    over one expert group of each stage), load balance, validation; the token exchanges are counted."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--opt-level", "fp32", "--telemetry-every", "0"]
+    runs = {}
+    for name, extra in (("pp2", []), ("pp2_ep2", ["--ep", "2"])):
+        out = tmp_path / name
+        args = ["-m", "fp8lm.cli", "train", *moe, "--pp", "2", "--pp-microbatches", "1", *extra]
+        args += run_options(out, tmp_path / "cache", "--steps", "6")
+        check(subprocess.run(forked_ranks(4, *args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(runs["pp2"], runs["pp2_ep2"], strict=True):
+        for key in ("train_loss", "grad_norm", "moe_aux_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+        assert b["moe_tokens_per_expert"] == a["moe_tokens_per_expert"]
+        assert b["comm_bytes_by_kind"]["expert_all_to_all"] > 0 and "expert_all_to_all" not in a["comm_bytes_by_kind"]
+    assert runs["pp2_ep2"][-1]["val_loss"] == pytest.approx(runs["pp2"][-1]["val_loss"], rel=1e-5)

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow  # multi-rank training processes
 
 STEPS, SAVE_EVERY = 6, 3
 TP2_PP2 = ("--tp", "2", "--pp", "2", "--pp-microbatches", "2")
+REPLICAS = (("--tp", "2"), ("--pp", "2", "--pp-microbatches", "2"))  # on 4 ranks: 2 replicas averaged after backward
 
 
 def options(out, cache, *extra: str) -> list[str]:
@@ -81,6 +82,10 @@ def drop_last_checkpoint(run) -> None:
         (4, ("--tp", "2", "--pp", "2", "--opt-level", "O3", "--pp-microbatches", "2")),
         (2, ("--fsdp", "--final-bf16-fraction", "0.5")),  # resumed at the first of the BF16 steps
         (2, ("--pp", "2", "--pp-microbatches", "2", "--final-bf16-fraction", "0.5")),
+        (2, ("--pp", "2", "--pp-microbatches", "2", "--moe-experts", "4")),  # every stage's load-balancing loss
+        (4, ("--pp", "2", "--pp-microbatches", "2", "--moe-experts", "4", "--ep", "2")),
+        (4, REPLICAS[0]),
+        (4, REPLICAS[1]),
     ],
     ids=[
         "tp2",
@@ -95,6 +100,10 @@ def drop_last_checkpoint(run) -> None:
         "tp2_pp2_o3",
         "fsdp_bf16_tail",
         "pp2_bf16_tail",
+        "pp2_moe",
+        "pp2_ep2",
+        "tp2_dp2",
+        "pp2_dp2",
     ],
 )
 def test_a_resumed_run_continues_byte_for_byte(tmp_path, request, ranks, flags):
@@ -110,6 +119,9 @@ def test_a_resumed_run_continues_byte_for_byte(tmp_path, request, ranks, flags):
         assert "sequential all_reduce" not in proc.stderr, proc.stderr[-2000:]
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["world_size"] == ranks and summary["skipped_steps"] == 0
+    if ranks == 4 and flags in REPLICAS:  # the replicas' average keeps the weight gradients' E4M3 at rest
+        memory = summary["memory"]
+        assert memory["gradients"] < memory["weights"], memory  # FP32 averages: 2x the FP16 weights
     assert (whole / "checkpoints" / f"step_{SAVE_EVERY:08d}.dcp").is_dir()
     if "--fallback" in flags:  # rank 0 judges every FP8 layer, those of the other ranks too
         saved = torch.load(whole / "checkpoints" / f"step_{STEPS:08d}.pt", weights_only=True)

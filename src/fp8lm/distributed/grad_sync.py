@@ -27,7 +27,7 @@ those of layers switched to high precision): BF16 in every one of these syncs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +119,8 @@ class GradientSync:
         self.ep = comm.check_group(self.ep_group)[1] if plan.ep else 1
         for p in self.experts:  # as they arrive: every micro-batch's, before it accumulates
             p.register_hook(DivideGrad(self.ep))
+        # under pipeline parallelism the experts' norm adds up over an expert group of every stage
+        self.expert_model = mesh.expert_model_group(self.ep) if plan.ep and mesh and mesh.dims.pp > 1 else None
 
     @classmethod
     def none(cls) -> GradientSync:
@@ -181,8 +183,8 @@ class GradientSync:
         """After the step's last backward: the syncs that follow it, dimension by dimension."""
         if self.plan.tp is not None:
             _sum_partial_grads(model, self.group("tp"))
-        if self.plan.dp_replicate == "all-reduce":
-            _average_grads(model, self.group("dp_replicate"), self.fp8)
+        if self.plan.dp_replicate == "all-reduce":  # the experts are not replicas: averaged below
+            _average_grads(model, self.group("dp_replicate"), self.fp8, skip={id(p) for p in self.experts})
         if self.plan.ep is not None and self.replica_group is not None:
             _average_experts(self.experts, gemm_layers_by_weight(model), self.replica_group, self.fp8)
 
@@ -195,6 +197,8 @@ class GradientSync:
         if mesh is None:
             return {}
         experts = {"ep_params": self.experts, "ep": self.ep} if self.plan.ep else {}
+        if self.expert_model is not None:  # each stage's part over one of its expert groups
+            return {"group": self.expert_model, "stage_size": self.ep, **experts}
         if mesh.model.size() > 1:
             return {**mesh.clip_options(), **experts}
         if experts:  # replicated but for the experts: each once within its group
@@ -231,18 +235,26 @@ def _sum_partial_grads(model: nn.Module, tp_group) -> None:
             p.grad = DTensor.from_local(local, grad.device_mesh, (Replicate(),), run_check=False)
 
 
-def _average_grads(model: nn.Module, group, fp8: bool) -> None:
-    """Every gradient's local tensor averaged over ``group``: the FP8 all-reduce with ``fp8`` (BF16
-    for the gradients `sent_in_bf16` names), else a plain all-reduce in the gradient's dtype (what
-    DDP sends)."""
+def _average_grads(model: nn.Module, group, fp8: bool, skip: Collection[int] = ()) -> None:
+    """Every gradient's local tensor averaged over ``group`` (but those of the parameters whose
+    ids are in ``skip``): the FP8 all-reduce with ``fp8`` (BF16 for the gradients `sent_in_bf16`
+    names), else a plain all-reduce in the gradient's dtype (what DDP sends). A `ScalingTensor`
+    gradient (O2's E4M3 weight gradients, the head's BF16 one) takes the mean in its own format and
+    storage, as one process keeps it: up to commit 1e61f4f it became an FP32 tensor, 3 bytes per
+    weight more at rest and no weight-gradient telemetry under --tp / --pp with replicas."""
     layers = gemm_layers_by_weight(model) if fp8 else {}
     for p in model.parameters():
         grad = p.grad
-        if grad is None:
+        if grad is None or id(p) in skip:
             continue
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         if fp8:
-            averaged = _fp8_mean(local, p, layers.get(id(p)), group).to(local.dtype)
+            averaged = _fp8_mean(local, p, layers.get(id(p)), group)
+            if isinstance(local, ScalingTensor):
+                with torch.no_grad():
+                    local.copy_(averaged.view(local.shape))
+                continue
+            averaged = averaged.to(local.dtype)
         else:
             averaged = comm.all_reduce(local.contiguous(), group=group) / comm.check_group(group)[1]
         if isinstance(grad, DTensor):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["ParallelDims", "ParallelMesh", "MESH_DIMS"]
@@ -113,15 +114,26 @@ class ParallelMesh:
         return self.mesh(name).get_group()
 
     def expert_groups(self, ep: int, over: str = "dp_replicate") -> tuple:
-        """Expert parallelism over dimension ``over`` (every rank of the run: tp = pp = 1): the group
-        of this rank's ``ep`` consecutive ranks, which exchange tokens, and the group of its experts'
-        replicas (the ranks at its place in the other groups; None when there is one group)."""
-        if ep == self.dims.world:
+        """Expert parallelism over dimension ``over``, the data-parallel ranks of a pipeline stage
+        (tp = 1): the group of this rank's ``ep`` consecutive ranks of its stage, which exchange
+        tokens, and the group of its experts' replicas (the ranks at its place in the stage's other
+        groups; None when there is one group)."""
+        dp = self.dims.dp
+        if ep == dp:
             return self.group(over), None
         experts = init_device_mesh(
-            self.root.device_type, (self.dims.world // ep, ep), mesh_dim_names=("ep_replicate", "ep")
+            self.root.device_type, (self.dims.pp, dp // ep, ep), mesh_dim_names=("ep_pp", "ep_replicate", "ep")
         )
         return experts.get_group("ep"), experts.get_group("ep_replicate")
+
+    def expert_model_group(self, ep: int):
+        """Under pipeline and expert parallelism (tp = 1), the ranks that together hold one copy of
+        the model: one expert group of ``ep`` ranks per stage, at this rank's place (the group over
+        which a gradient norm adds up)."""
+        pp, dp = self.dims.pp, self.dims.dp
+        ranks = torch.arange(self.dims.world).reshape(pp, dp // ep, ep).transpose(0, 1)
+        mesh = DeviceMesh(self.root.device_type, ranks, mesh_dim_names=("ep_replicate", "ep_pp", "ep"))
+        return mesh["ep_pp", "ep"]._flatten("ep_model").get_group()
 
     def clip_options(self) -> dict:
         """`fp8lm.clip_grad_norm_`'s ``group`` and ``stage_size`` for gradients laid out on this mesh."""

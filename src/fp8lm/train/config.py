@@ -603,15 +603,19 @@ class TrainConfig:
                 raise RunError(message)
 
     def _check_moe(self) -> None:
-        """What --moe-experts combines with (not yet: --tp, --pp, a --model folder), and --ep."""
+        """What --moe-experts combines with (not yet: --tp, --ep with --pp, a --model folder), and --ep."""
+        if self.ep > 1 and self.pp > 1 and self.fsdp:
+            raise RunError(
+                "--ep with --pp does not combine with --fsdp yet: drop --fsdp (each stage's other parameters are "
+                "then replicated over its data-parallel ranks) or --ep"
+            )
         self._check_ep()
         if not self.moe_experts:
             return
-        given = [flag for flag, on in (("--tp", self.tp > 1), ("--pp", self.pp > 1)) if on]
-        if given:
+        if self.tp > 1:
             raise RunError(
-                f"--moe-experts does not combine with {', '.join(given)} yet: train the mixture of experts in one "
-                "process or with data parallelism under torchrun"
+                "--moe-experts does not combine with --tp yet: train the mixture of experts with --pp, --fsdp, --ep "
+                "or data parallelism under torchrun"
             )
         if self.model_folder() is not None:
             raise RunError(
@@ -630,11 +634,12 @@ class TrainConfig:
             )
         if self.opt_level == "O3":
             raise RunError("--ep with O3: FP8 ZeRO would shard the experts each rank holds alone; use O2 with --ep")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world % self.ep:
+        world, needed = int(os.environ.get("WORLD_SIZE", "1")), self.ep * self.pp  # groups within each stage
+        if world % needed:
             raise RunError(
-                f"--ep {self.ep} spreads the experts over groups of {self.ep} ranks: launch torchrun with a multiple "
-                f"of {self.ep} ranks (this run has {world})"
+                f"--ep {self.ep} spreads the experts over groups of {self.ep} ranks"
+                f"{' of each pipeline stage' if self.pp > 1 else ''}: launch torchrun with a multiple of {needed} "
+                f"ranks (this run has {world})"
             )
 
     def _check_split(self, model: GPTConfig) -> None:

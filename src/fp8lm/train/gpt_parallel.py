@@ -58,6 +58,7 @@ from ..distributed.tensor_parallel import (
     FP8RowwiseParallel,
     PrepareFP8ModuleInput,
 )
+from ..nn.moe import MoE
 from .model import GPT, GPTConfig, embed
 
 __all__ = [
@@ -160,6 +161,22 @@ class _Cast(nn.Module):
         return x.to(self.dtype)
 
 
+class _WithAuxLoss(torch.autograd.Function):
+    """``x`` as it is; its backward also starts ``aux``'s, with gradient ``weight``. So a stage's
+    load-balancing losses reach their routers in the stage's own backward: the schedule's loss is
+    the last stage's alone (Megatron-LM attaches its MoE auxiliary loss the same way)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight, ctx.aux = weight, (aux.shape, aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux
+        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
+
+
 class PipelineStageModule(nn.Module):
     """Stage ``stage`` of ``n_stages`` of ``model`` (module docstring); ``micro_batch`` x
     ``block_size`` tokens per micro-batch fix the boundary's shape. ``wire_dtype``: None for FP8
@@ -187,6 +204,11 @@ class PipelineStageModule(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in stage_blocks(cfg.n_layer, stage, n_stages)})
         self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if self.last else (None, None)
         self.set_wire(wire_dtype)
+        # a mixture of experts: each block's load-balancing loss weighs coef / n_layer in the
+        # training loss (GPT.forward's: coef times their mean over the model's blocks)
+        self.moe_aux_weight = cfg.moe_aux_loss_coef / cfg.n_layer
+        self.moe_aux_loss: torch.Tensor | None = None  # the last training forward's, mean over this stage's blocks
+        self._aux_added: list[torch.Tensor] = []  # what this stage added to the loss, per micro-batch
 
     def set_wire(self, wire_dtype: torch.dtype | None) -> None:
         """Make the stage's boundaries FP8 carriers (None) or plain ones in ``wire_dtype``: precision
@@ -211,6 +233,26 @@ class PipelineStageModule(nn.Module):
             x = self.entry(x)
         for block in self.blocks.values():
             x = block(x)
+        if self.training:
+            x = self._with_aux_loss(x)
         if self.exit is not None:
             return self.exit(x.to_local() if isinstance(x, DTensor) else x)
         return self.lm_head(self.ln_f(x))
+
+    def _with_aux_loss(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` carrying this stage's blocks' load-balancing losses into its backward (a dense
+        stage: ``x``)."""
+        taken = [b.mlp.take_aux_loss() for b in self.blocks.values() if isinstance(b.mlp, MoE)]
+        losses = [a for a in taken if a is not None]
+        if not losses:
+            return x
+        aux = torch.stack(losses).sum()
+        self.moe_aux_loss = aux.detach() / len(losses)
+        self._aux_added.append(self.moe_aux_weight * aux.detach().float())
+        return _WithAuxLoss.apply(x, aux, self.moe_aux_weight)
+
+    def take_aux_added(self) -> torch.Tensor | None:
+        """The mean over the step's micro-batches of what this stage's load-balancing losses added
+        to the training loss (None: a dense stage); cleared."""
+        added, self._aux_added = self._aux_added, []
+        return torch.stack(added).mean() if added else None

@@ -314,14 +314,20 @@ class TrainingRun:
         layers = [m for m in self.core.modules() if isinstance(m, MoE)]
         if not layers:
             return {}
-        dropped = sum(int(m.dropped) for m in layers)
-        counts = [m.take_routed().cpu() for m in layers]
-        balance = [load_balance(c) for c in counts]
         aux = getattr(self.core, "moe_aux_loss", None)
+        dropped = torch.stack([m.dropped for m in layers]).sum().double()
+        routed = torch.stack([m.take_routed() for m in layers])  # (blocks, experts); clears dropped too
+        aux_or_nan = aux.double() if aux is not None else torch.full_like(dropped, float("nan"))
+        mine = torch.cat([torch.stack([aux_or_nan, dropped]), routed.flatten().double()])
+        # under --pp every stage's blocks, stage by stage (each holds n_layer / pp of them)
+        stages = self.layout.gather_stages(mine).cpu()
+        dropped, aux_mean = int(stages[:, 1].sum()), float(stages[:, 0].mean())
+        counts = list(stages[:, 2:].reshape(-1, routed.shape[1]).long())
+        balance = [load_balance(c) for c in counts]
         capacity = {"moe_dropped": dropped / max(int(sum(c.sum() for c in counts)), 1)}
         return {
             **(capacity if any(m.capacity_factor is not None for m in layers) else {}),
-            "moe_aux_loss": None if aux is None else float(aux),
+            "moe_aux_loss": None if aux is None else aux_mean,
             "moe_load_max_over_mean": sum(b["max_over_mean"] for b in balance) / len(balance),
             "moe_load_cv": sum(b["cv"] for b in balance) / len(balance),
             "moe_tokens_per_expert": torch.stack(counts).sum(0).tolist(),

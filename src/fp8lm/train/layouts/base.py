@@ -191,6 +191,11 @@ class Layout:
     def after_step(self, model: nn.Module) -> None:
         """What the layout does after each optimizer step (FSDP2: agree the FP8 all-gather scales)."""
 
+    def gather_stages(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` of every pipeline stage, stacked in stage order (every rank calls it; one
+        stage: ``values[None]``)."""
+        return values[None]
+
     def set_final_bf16(self, bf16: bool) -> None:
         """What the layout changes for ``--final-bf16-fraction``'s BF16 steps (``bf16``) beyond the
         FP8 layers' own switch (pipeline: BF16 stage boundaries); called before every step."""

@@ -46,7 +46,7 @@ class ExpertParallelLayout(ReplicatedLayout):
 
     @classmethod
     def applies(cls, spec: LayoutSpec, ranks) -> bool:
-        return spec.ep > 1 and not spec.fsdp
+        return spec.ep > 1 and not spec.fsdp and ranks.pp == 1  # under --pp: the pipeline layout's
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):

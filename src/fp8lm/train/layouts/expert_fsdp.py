@@ -30,7 +30,7 @@ class ExpertFSDPLayout(FSDPLayout):
 
     @classmethod
     def applies(cls, spec: LayoutSpec, ranks) -> bool:
-        return spec.ep > 1 and spec.fsdp
+        return spec.ep > 1 and spec.fsdp and ranks.pp == 1
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):

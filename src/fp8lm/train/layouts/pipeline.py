@@ -6,6 +6,12 @@ norms' partial gradients over ``tp`` (3-D) and averages every gradient over the 
 replicas (FP8 or FP32), or, with ``--fsdp``, the stage sharded with FSDP2 over the data-parallel
 ranks reduce-scatters them during the schedule's backward. The loss, the last stage's, is broadcast to the other stages;
 validation runs the stages one after another, micro-batch by micro-batch.
+
+A mixture of experts keeps each block's experts in its stage; with ``--ep N`` they are spread over
+groups of N of the stage's data-parallel ranks (`fp8lm.distributed.ExpertParallelMoE`, as
+`expert.ExpertParallelLayout` spreads them over all ranks), kept out of the replicas' average and
+averaged over their own replicas instead (`GradientSync`). Each stage's load-balancing losses enter
+its own backward (`PipelineStageModule`), and the step's loss adds them to the last stage's.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe
@@ -22,6 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ...amp import initialize
 from ...distributed import comm, precompute_fp8_scales
 from ...distributed.comm import counted_functional_collectives
+from ...distributed.expert_parallel import expert_parallel, expert_parameters
 from ...distributed.pipeline import FP8PipelineStage
 from ..gpt_parallel import PipelineStageModule
 from .base import Layout, LayoutSpec, PipelineShape, ShardedCheckpoints, gradient_sync, point_optimizer_at
@@ -48,6 +56,11 @@ class PipelineLayout(ShardedCheckpoints, Layout):
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         if spec.pipeline is None:
             raise ValueError("a pipeline layout needs the pipeline's shape (micro-batches, autocast)")
+        ep_groups = mesh.expert_groups(spec.ep) if spec.ep > 1 else (None, None)
+        if spec.ep > 1:  # each expert group of a stage's data-parallel ranks spreads its experts
+            before = {id(p): name for name, p in model.named_parameters()}
+            expert_parallel(model, ep_groups[0], fp8=spec.fp8)
+            point_optimizer_at(optimizer, before, dict(model.named_parameters()))
         if spec.fp8:
             model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
         names = {id(p): name for name, p in model.named_parameters()}
@@ -56,7 +69,8 @@ class PipelineLayout(ShardedCheckpoints, Layout):
         wire = None if spec.fp8 else (torch.bfloat16 if spec.opt_level == "bf16" else torch.float32)
         micro = spec.pipeline.local_batch // spec.pipeline.micro_batches
         stage = PipelineStageModule(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire, seq_shards=ranks.tp)
-        sync = gradient_sync(spec, ranks, mesh)
+        experts = {"experts": expert_parameters(stage), "ep_groups": ep_groups} if spec.ep > 1 else {}
+        sync = gradient_sync(spec, ranks, mesh, **experts)
         if spec.fsdp:
             shard_blocks_and_model(stage, spec, sync)
         params = dict(stage.named_parameters())
@@ -120,7 +134,19 @@ class PipelineLayout(ShardedCheckpoints, Layout):
             mean = torch.stack([replicated_value(v).detach().float() for v in losses]).mean().reshape(1)
         else:
             mean = torch.zeros(1, device=self.device)
-        return comm.broadcast(mean, src=self.n_stages - 1, group=self.pp_group)[0]
+        aux = self.stage.take_aux_added()
+        if aux is None:
+            return comm.broadcast(mean, src=self.n_stages - 1, group=self.pp_group)[0]
+        # a mixture of experts: the loss is the last stage's plus every stage's load-balancing part
+        total = mean + aux.to(mean.device).reshape(1)
+        comm.all_reduce(total, dist.ReduceOp.SUM, self.pp_group)
+        return total[0]
+
+    def gather_stages(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` of every stage, stacked in stage order (all-gathered over ``pp``)."""
+        out = torch.empty(self.n_stages * values.numel(), dtype=values.dtype, device=values.device)
+        comm.all_gather(out, values.contiguous().reshape(-1), self.pp_group)
+        return out.view(self.n_stages, *values.shape)
 
     def eval_loss(self, model: nn.Module, batch, loss: Callable) -> torch.Tensor:
         x, y = batch
