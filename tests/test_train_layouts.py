@@ -281,3 +281,18 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path)
     results = run_workers("dist_layout_skipping.py", 4, str(tmp_path), timeout=300)
     for r in results:  # one clip over the model's ranks: the NaN reaches every rank's decision
         assert r["skipped"] == [0, 0, 1, 1] and r["unchanged"] is True
+
+
+def test_each_replica_draws_its_own_rounding_noise(tmp_path):
+    """Replicas that rounded their own batches' output gradients with the same stochastic-rounding
+    noise would not average it away as one process averages its rows': after building the same
+    model, each replica draws its own stream, the ranks of one replica one stream."""
+    from dist_launch import run_workers
+
+    results = run_workers("dist_replica_noise.py", 4, str(tmp_path), timeout=300)
+    assert [r["dp_rank"] for r in results] == [0, 0, 1, 1]
+    assert torch.equal(results[0]["weights"], results[2]["weights"])  # tp rank 0 of each replica
+    assert torch.equal(results[0]["noise"], results[1]["noise"]) and torch.equal(
+        results[2]["noise"], results[3]["noise"]
+    )
+    assert not torch.equal(results[0]["noise"], results[2]["noise"])

@@ -62,6 +62,10 @@ from .tokenizer import bits_per_byte, recorded_tokenizer, tokenize
 
 __all__ = ["TrainingRun", "BF16Autocast", "lr_at"]
 
+# a replica's stream of torch's generator (nvfp4's stochastic rounding): seed + NOISE_STREAM x
+# replica, + NEW_STREAM x step when a resharded resume starts it anew
+NOISE_STREAM = 7_919
+
 
 def lr_at(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Learning rate of 0-based ``step``: linear warmup over ``warmup_steps``, then cosine decay
@@ -158,6 +162,7 @@ class TrainingRun:
             model, self.build_optimizer(model), spec, self.ranks, self.mesh
         )
         self.core = self.layout.core(self.model)  # the model itself (this rank's stage): evaluation, memory, telemetry
+        self._own_noise(0)
         self.load_data()
         self._check_tokenizer(resume)
         self.telemetry = self._telemetry()
@@ -236,6 +241,15 @@ class TrainingRun:
         x, y = batch
         with self.autocast:
             return model(x.to(self.device), y.to(self.device))[1]
+
+    def _own_noise(self, step: int) -> None:
+        """Give each data-parallel replica but the first its own stream of torch's generator from
+        step ``step`` on. Every rank seeds it alike, so that all build the same model; then nvfp4's
+        stochastic rounding of output gradients draws from it, and replicas rounding their own
+        batches' gradients with the same noise would not average it away as one process averages
+        its rows' (the ranks of one replica, which round the same tensors, keep one stream)."""
+        if self.ranks.dp_rank:
+            torch.manual_seed(self.cfg.seed + NOISE_STREAM * self.ranks.dp_rank + NEW_STREAM * step)
 
     def batch_tokens(self, batch) -> int:
         """Tokens in a micro-batch (the denominator of activation bytes per token)."""
@@ -515,6 +529,8 @@ class TrainingRun:
         torch.set_rng_state(own["rng"]["torch"])
         if self.device.type == "cuda" and len(own["rng"]["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(own["rng"]["cuda"])
+        if self.reshard is not None:  # rank 0's generator restored: the other replicas' own streams anew
+            self._own_noise(int(state["step"]))
         if self.fallback is not None and state["fallback"] is not None:
             saved = state["fallback"]
             held = {n: on for n, on in saved["high_precision"].items() if n in self.fallback.layers}
