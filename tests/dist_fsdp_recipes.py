@@ -13,7 +13,7 @@ from torch import nn
 
 from dist_launch import worker_main
 
-RECIPES = ("rowwise", "rowwise-wgrad-bf16", "blockwise", "mxfp8", "nvfp4")
+RECIPES = ("rowwise", "rowwise-wgrad-bf16", "blockwise", "mxfp8", "nvfp4", "nvfp4-4over6")
 LEVELS = ("O2", "O1")  # FP16-stored weights and FP8AdamW; plain FP32 weights and torch's AdamW
 # 256 rows: 128 per rank on 2 ranks (whole 128 x 128 blocks); 96 rows: 48 per rank (not for blockwise).
 IN, HIDDEN, OUT = 64, 256, 96
