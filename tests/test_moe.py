@@ -223,7 +223,7 @@ def test_moe_model_at_o2_is_near_6_bytes_per_param():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(tp=2), "--moe-experts does not combine with --tp yet"),
+        (dict(ep=2, tp=2), "--ep with --tp does not combine yet"),
         (dict(ep=2, pp=2, fsdp=True), "--ep with --pp does not combine with --fsdp yet"),
         (dict(moe_top_k=5), "moe_top_k must be in \\[1, moe_experts=4\\]"),
         (dict(ep=2, moe_experts=0), "--ep 2 spreads the experts of --moe-experts"),

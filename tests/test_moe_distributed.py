@@ -219,3 +219,35 @@ def test_ep2_within_pp2_stages_trains_as_their_data_parallelism_does(tmp_path):
         assert b["moe_tokens_per_expert"] == a["moe_tokens_per_expert"]
         assert b["comm_bytes_by_kind"]["expert_all_to_all"] > 0 and "expert_all_to_all" not in a["comm_bytes_by_kind"]
     assert runs["pp2_ep2"][-1]["val_loss"] == pytest.approx(runs["pp2"][-1]["val_loss"], rel=1e-5)
+
+
+def test_tp2_routes_each_ranks_slice_and_trains_as_one_process_does(tmp_path):
+    """--tp 2 (and --tp 2 --pp 2): each tensor-parallel rank routes its slice of the sequence
+    through the whole router and experts (`SequenceParallelMoE`), their gradients' parts summed over
+    the two ranks after backward, the load-balancing loss that of the whole sequences (the tokens
+    per expert summed first: a slice's own loss is not its part of the whole). At fp32 every step
+    is one process's: loss (its load-balancing part included), gradient norm, load-balancing loss,
+    tokens per expert, load balance, validation. --tp 2 --fsdp on 4 ranks is --fsdp on 2 ranks
+    (each data-parallel rank's load-balancing loss its own batch's, in both)."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--opt-level", "fp32", "--telemetry-every", "0"]
+    runs = {}
+    for name, launch, extra in (
+        ("one", [sys.executable], []),
+        ("tp2", forked_ranks(2), ["--tp", "2"]),
+        ("tp2_pp2", forked_ranks(4), ["--tp", "2", "--pp", "2", "--pp-microbatches", "1"]),
+        ("fsdp", forked_ranks(2), ["--fsdp"]),
+        ("tp2_fsdp", forked_ranks(4), ["--tp", "2", "--fsdp"]),
+    ):
+        out = tmp_path / name
+        args = ["-m", "fp8lm.cli", "train", *moe, *extra, *run_options(out, tmp_path / "cache", "--steps", "6")]
+        check(subprocess.run([*launch, *args], env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for name, reference in (("tp2", "one"), ("tp2_pp2", "one"), ("tp2_fsdp", "fsdp")):
+        one = runs[reference]
+        assert len(runs[name]) == len(one) == 6
+        for a, b in zip(one, runs[name]):
+            for key in ("train_loss", "grad_norm", "moe_aux_loss"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["step"], key)
+            assert b["moe_tokens_per_expert"] == a["moe_tokens_per_expert"]  # the whole sequences'
+            assert b["moe_load_cv"] == pytest.approx(a["moe_load_cv"], rel=1e-9)
+        assert runs[name][-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5)

@@ -84,6 +84,7 @@ def drop_last_checkpoint(run) -> None:
         (2, ("--pp", "2", "--pp-microbatches", "2", "--final-bf16-fraction", "0.5")),
         (2, ("--pp", "2", "--pp-microbatches", "2", "--moe-experts", "4")),  # every stage's load-balancing loss
         (4, ("--pp", "2", "--pp-microbatches", "2", "--moe-experts", "4", "--ep", "2")),
+        (2, ("--tp", "2", "--moe-experts", "4")),  # each rank routes its slice of the sequence
         (4, REPLICAS[0]),
         (4, REPLICAS[1]),
     ],
@@ -102,6 +103,7 @@ def drop_last_checkpoint(run) -> None:
         "pp2_bf16_tail",
         "pp2_moe",
         "pp2_ep2",
+        "tp2_moe",
         "tp2_dp2",
         "pp2_dp2",
     ],

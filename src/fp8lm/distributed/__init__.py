@@ -21,6 +21,7 @@ from .fsdp import fully_shard, precompute_fp8_scales, refresh_gathers
 from .mesh import ParallelDims, ParallelMesh
 from .reduction import SCALINGS, BF16Reduction, FlatLayout, FP8Reduction, LocalScaling, SharedScaling, sent_in_bf16
 from .runtime import is_distributed, rank, setup, shutdown, world_size
+from .sequence_moe import SequenceParallelMoE, sequence_parallel_experts
 from .tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 from .wrap import wrap
 from .zero import FP8ZeroOptimizer, partition_by_size
@@ -37,6 +38,8 @@ __all__ = [
     "broadcast_module",
     "ExpertParallelMoE",
     "expert_parallel",
+    "SequenceParallelMoE",
+    "sequence_parallel_experts",
     "SCALINGS",
     "FlatLayout",
     "FP8Reduction",

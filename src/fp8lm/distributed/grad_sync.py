@@ -1,9 +1,10 @@
 """Where a run's gradients are synchronized: `GradientSync`, one per run, makes each rank's
 gradients those of one process on all ranks' batches, one mesh dimension after the other:
 
-1. ``tp``: the partial gradients of parameters replicated over the tensor-parallel ranks (the
-   sequence-parallel norms: each rank saw its slice of the sequence) are summed, FP32 all-reduce
-   (they are small), after backward;
+1. ``tp``: the partial gradients of parameters replicated over the tensor-parallel ranks (each
+   rank saw its slice of the sequence) are summed after backward: the sequence-parallel norms' in
+   FP32 (they are small), a `SequenceParallelMoE`'s experts' in FP8 at O1/O2 (its router's in
+   FP32);
 2. ``dp_replicate``: every gradient is averaged over the replicas: through `FP8DataParallel` (O1/O2:
    buckets of FP8 all-reduce launched during backward) or torch's DDP (fp32/bf16) when a replica is
    the whole model (``"wrapper"``), else after backward tensor by tensor (``"all-reduce"``: the
@@ -42,6 +43,7 @@ from .collectives import bf16_all_reduce, fp8_all_reduce
 from .data_parallel import FP8DataParallel
 from .mesh import ParallelDims, ParallelMesh
 from .reduction import sent_in_bf16
+from .sequence_moe import sequence_parallel_parameters
 from .zero import FP8ZeroOptimizer
 
 __all__ = ["SyncPlan", "GradientSync", "DivideGrad", "SYNC_DIMS"]
@@ -183,10 +185,13 @@ class GradientSync:
         """After the step's last backward: the syncs that follow it, dimension by dimension."""
         if self.plan.tp is not None:
             _sum_partial_grads(model, self.group("tp"))
+            if routed_slices := sequence_parallel_parameters(model):  # a mixture's parts of the sequence
+                layers = gemm_layers_by_weight(model)
+                _reduce_in_place(routed_slices, layers, self.group("tp"), self.fp8, average=False)
         if self.plan.dp_replicate == "all-reduce":  # the experts are not replicas: averaged below
             _average_grads(model, self.group("dp_replicate"), self.fp8, skip={id(p) for p in self.experts})
         if self.plan.ep is not None and self.replica_group is not None:
-            _average_experts(self.experts, gemm_layers_by_weight(model), self.replica_group, self.fp8)
+            _reduce_in_place(self.experts, gemm_layers_by_weight(model), self.replica_group, self.fp8, average=True)
 
     def clip_options(self) -> dict:
         """`fp8lm.clip_grad_norm_`'s options for the gradients as synced: the group over which their
@@ -262,25 +267,36 @@ def _average_grads(model: nn.Module, group, fp8: bool, skip: Collection[int] = (
         p.grad = averaged
 
 
-def _fp8_mean(grad: torch.Tensor, param: nn.Parameter, layer: nn.Module | None, group) -> torch.Tensor:
-    """The mean of ``grad`` over ``group`` as the FP8 levels send it: FP8, or BF16 for a gradient
-    that `sent_in_bf16` keeps out of FP8 (``layer``: the FP8 layer whose weight ``param`` is)."""
+def _fp8_mean(
+    grad: torch.Tensor, param: nn.Parameter, layer: nn.Module | None, group, average: bool = True
+) -> torch.Tensor:
+    """The mean (``average``, else the sum) of ``grad`` over ``group`` as the FP8 levels send it:
+    FP8, or BF16 for a gradient that `sent_in_bf16` keeps out of FP8 (``layer``: the FP8 layer
+    whose weight ``param`` is)."""
     if sent_in_bf16(param, layer):
-        return bf16_all_reduce(grad, group, average=True)
-    return fp8_all_reduce(grad, group, average=True)
+        return bf16_all_reduce(grad, group, average=average)
+    return fp8_all_reduce(grad, group, average=average)
 
 
-def _average_experts(experts: list[nn.Parameter], layers: dict, replica_group, fp8: bool) -> None:
-    """Each expert's gradient averaged, in place, over its replicas (one per expert group): the FP8
-    all-reduce with ``fp8`` (BF16 while its layer is switched to high precision), else FP32."""
+def _reduce_in_place(params: list[nn.Parameter], layers: dict, group, fp8: bool, average: bool) -> None:
+    """Each gradient of ``params`` averaged (``average``) or summed over ``group``, in place, in its
+    own format and storage: the experts' over their replicas (one per expert group), the
+    sequence-parallel mixtures' parts over ``tp``. With ``fp8`` the weights of FP8 GEMMs
+    (``layers``) travel in FP8 (BF16 while their layer is switched to high precision); everything
+    else, and everything at bf16/fp32, in FP32 (a router's gradient: small, and routing stays out
+    of low precision)."""
+    size = comm.check_group(group)[1]
     with torch.no_grad():
-        for p in experts:
+        for p in params:
             g = p.grad
             if g is None:
                 continue
+            g = g.to_local() if isinstance(g, DTensor) else g  # under FSDP2: this rank's shard
             values = g.dequantize() if isinstance(g, ScalingTensor) else g.detach().float()
-            if fp8:
-                mean = _fp8_mean(values, p, layers.get(id(p)), replica_group)
+            layer = layers.get(id(p))
+            if fp8 and (layer is not None or isinstance(g, ScalingTensor)):
+                reduced = _fp8_mean(values, p, layer, group, average)
             else:
-                mean = comm.all_reduce(values.clone(), group=replica_group) / comm.check_group(replica_group)[1]
-            g.copy_(mean)
+                reduced = comm.all_reduce(values.clone(), group=group)
+                reduced = reduced / size if average else reduced
+            g.copy_(reduced.view(g.shape))

@@ -169,11 +169,17 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x2)
         if self.training:
-            aux = load_balance_loss(probs, experts)  # recomputed too: checkpointing saves the same tensors
+            aux, routed = self.balance(probs, experts, routed)  # recomputed too: checkpointing saves the same tensors
             if not is_recomputing():  # activation checkpointing's second forward: kept and counted once
                 self.aux_loss = aux
                 self.routed += routed
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def balance(self, probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor):
+        """The forward's load-balancing loss and tokens routed to each expert, from its router
+        probabilities ``probs`` (T, E), chosen ``experts`` (T, k) and their ``counts`` (E,)
+        (`fp8lm.distributed.SequenceParallelMoE`: over the whole sequences of which it has a slice)."""
+        return load_balance_loss(probs, experts), counts
 
     def _within_capacity(self, flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor):
         """The sorted slots that fit their expert's capacity, and the experts' counts of them."""

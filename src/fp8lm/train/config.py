@@ -603,7 +603,13 @@ class TrainConfig:
                 raise RunError(message)
 
     def _check_moe(self) -> None:
-        """What --moe-experts combines with (not yet: --tp, --ep with --pp, a --model folder), and --ep."""
+        """What --moe-experts combines with (not yet: --ep with --tp, --ep with --pp --fsdp, a --model
+        folder), and --ep."""
+        if self.ep > 1 and self.tp > 1:
+            raise RunError(
+                "--ep with --tp does not combine yet: drop --ep (under --tp every rank holds all the experts and "
+                "routes its slice of the sequence) or --tp"
+            )
         if self.ep > 1 and self.pp > 1 and self.fsdp:
             raise RunError(
                 "--ep with --pp does not combine with --fsdp yet: drop --fsdp (each stage's other parameters are "
@@ -612,11 +618,6 @@ class TrainConfig:
         self._check_ep()
         if not self.moe_experts:
             return
-        if self.tp > 1:
-            raise RunError(
-                "--moe-experts does not combine with --tp yet: train the mixture of experts with --pp, --fsdp, --ep "
-                "or data parallelism under torchrun"
-            )
         if self.model_folder() is not None:
             raise RunError(
                 "--moe-experts builds the built-in models' experts; a --model folder has its own MLPs: drop it"

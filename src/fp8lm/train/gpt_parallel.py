@@ -20,6 +20,9 @@ module                 style
 ``blocks.*.mlp``       `PrepareFP8ModuleInput` ``Shard(1) -> Replicate()``
 ``...mlp.c_fc``        `FP8ColwiseParallel` (``chunks=2`` for SwiGLU's gate and up halves)
 ``...mlp.c_proj``      `FP8RowwiseParallel` ``output_layouts=Shard(1)``
+``blocks.*.mlp`` (MoE) `local_slice`: this rank's slice of the sequence, through its whole router
+                       and experts (`fp8lm.distributed.SequenceParallelMoE`; no collective but the
+                       tokens per expert for the load-balancing loss)
 ``ln_f``               torch's ``SequenceParallel``
 ``lm_head``            `FP8ColwiseParallel` ``input_layouts=Shard(1)``, ``use_local_output=False``:
                        vocabulary-sharded logits as a DTensor; compute the loss under torch's
@@ -27,8 +30,8 @@ module                 style
 =====================  =============================================================================
 
 The embeddings stay replicated (every rank embeds the whole sequence). After backward,
-`fp8lm.distributed.grad_sync.GradientSync` sums the norms' partial gradients over the TP group and
-averages every gradient over the data-parallel group in FP8.
+`fp8lm.distributed.grad_sync.GradientSync` sums the norms' and the mixtures' partial gradients
+over the TP group and averages every gradient over the data-parallel group in FP8.
 
 **Pipeline stages** (`PipelineStageModule`): stage ``s`` of ``n`` holds a contiguous run of
 blocks; the first also the embeddings, the last also ``ln_f`` and ``lm_head`` (and returns the
@@ -63,6 +66,7 @@ from .model import GPT, GPTConfig, embed
 
 __all__ = [
     "block_plan",
+    "local_slice",
     "tensor_parallel_plan",
     "torch_tensor_parallel_plan",
     "PipelineStageModule",
@@ -78,16 +82,25 @@ def block_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
         attention = {"c_q": FP8ColwiseParallel(), "c_kv": FP8ColwiseParallel(chunks=2)}
     else:
         attention = {"c_attn": FP8ColwiseParallel(chunks=3)}
+    mlp = {
+        "mlp": gather,
+        "mlp.c_fc": FP8ColwiseParallel(chunks=2 if config.mlp == "swiglu" else 1),
+        "mlp.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
+    }
     return {
         "ln_1": SequenceParallel(),
         "ln_2": SequenceParallel(),
         "attn": gather,
         **{f"attn.{name}": style for name, style in attention.items()},
         "attn.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
-        "mlp": gather,
-        "mlp.c_fc": FP8ColwiseParallel(chunks=2 if config.mlp == "swiglu" else 1),
-        "mlp.c_proj": FP8RowwiseParallel(output_layouts=Shard(1)),
+        **({"mlp": local_slice()} if config.moe_experts else mlp),
     }
+
+
+def local_slice() -> ParallelStyle:
+    """A mixture of experts' input style: this rank's slice of the sequence as a plain tensor (a
+    `SequenceParallelMoE` routes it through its whole router and experts; its output is the slice's)."""
+    return PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(1), use_local_output=True)
 
 
 def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
@@ -111,6 +124,12 @@ def torch_tensor_parallel_plan(
     outputs are FP32 under CPU autocast), except llama's q and k/v layers, whose shared input the
     attention gathers once; the row-wise layers reduce-scatter their outputs in their own dtype
     (BF16 under autocast)."""
+    mlp = {
+        "blocks.*.mlp.c_fc": ChunkedColwiseParallel(
+            input_layouts=Shard(1), chunks=2 if config.mlp == "swiglu" else 1, input_dtype=activation_dtype
+        ),
+        "blocks.*.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
     if config.arch == "llama":
         attention = {
             "blocks.*.attn": CastPrepareModuleInput(
@@ -133,10 +152,7 @@ def torch_tensor_parallel_plan(
         "blocks.*.ln_2": SequenceParallel(),
         **attention,
         "blocks.*.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
-        "blocks.*.mlp.c_fc": ChunkedColwiseParallel(
-            input_layouts=Shard(1), chunks=2 if config.mlp == "swiglu" else 1, input_dtype=activation_dtype
-        ),
-        "blocks.*.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        **({"blocks.*.mlp": local_slice()} if config.moe_experts else mlp),
         "ln_f": SequenceParallel(),
         "lm_head": ChunkedColwiseParallel(input_layouts=Shard(1), use_local_output=False, input_dtype=activation_dtype),
     }

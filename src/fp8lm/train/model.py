@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..nn.checkpoint import checkpoint
 from ..nn.grouped import GroupedLinear
@@ -356,7 +357,9 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
             if self.training and self.config.moe_experts:
-                loss = loss + self.config.moe_aux_loss_coef * self._aux_loss()
+                # under --tp the loss is a replicated DTensor (loss_parallel), the load-balancing
+                # loss each rank's plain part of the whole (SequenceParallelMoE)
+                loss = _local(loss) + self.config.moe_aux_loss_coef * self._aux_loss()
         return logits, loss
 
     def _aux_loss(self) -> torch.Tensor:
@@ -365,3 +368,9 @@ class GPT(nn.Module):
         aux = torch.stack([a for a in taken if a is not None]).mean()
         self.moe_aux_loss = aux.detach()
         return aux
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor as this rank's plain tensor (its backward hands the gradient back as
+    the replicated DTensor's); any other tensor as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value

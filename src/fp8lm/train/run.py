@@ -323,8 +323,9 @@ class TrainingRun:
     def moe_metrics(self) -> dict:
         """A mixture of experts' step (none for a dense model): its load-balancing loss (the last
         micro-batch's, before the coefficient), the load balance of each block's routing this step
-        (this rank's tokens) averaged over the blocks, the tokens routed to each expert, summed
-        over the blocks, and with a capacity the share of routed slots dropped."""
+        (this rank's tokens; under --tp its sequences', every slice's) averaged over the blocks,
+        the tokens routed to each expert, summed over the blocks, and with a capacity the share of
+        routed slots dropped."""
         layers = [m for m in self.core.modules() if isinstance(m, MoE)]
         if not layers:
             return {}

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from ...amp import initialize
 from ...distributed import precompute_fp8_scales
 from ...distributed.comm import counted_functional_collectives
+from ...distributed.sequence_moe import sequence_parallel_experts
 from ..gpt_parallel import tensor_parallel_plan, torch_tensor_parallel_plan
 from .base import Layout, LayoutSpec, ShardedCheckpoints, gradient_sync, point_optimizer_at
 from .fsdp import shard_blocks_and_model
@@ -30,8 +31,10 @@ __all__ = ["TensorParallelLayout", "apply_tensor_parallel", "replicated_value"]
 
 def apply_tensor_parallel(model: nn.Module, spec: LayoutSpec, mesh) -> None:
     """The GPT's tensor + sequence parallel plan on ``mesh["tp"]``, for the level: FP8 styles
-    (after `fp8lm.initialize`), else torch's with the level's activations on the wire."""
+    (after `fp8lm.initialize`), else torch's with the level's activations on the wire; a mixture
+    of experts as `SequenceParallelMoE`s."""
     activations = torch.bfloat16 if spec.opt_level == "bf16" else None
+    sequence_parallel_experts(model, mesh.group("tp"))  # each rank routes its slice of the sequence
     plan = tensor_parallel_plan(model.config) if spec.fp8 else torch_tensor_parallel_plan(model.config, activations)
     parallelize_module(model, mesh["tp"], plan)
 

@@ -1,0 +1,99 @@
+"""A mixture of experts under sequence parallelism: each tensor-parallel rank routes its own slice
+of the sequence through the whole router and all the experts.
+
+Under tensor + sequence parallelism the residual stream between blocks is sharded on the sequence.
+`SequenceParallelMoE` is an `fp8lm.nn.MoE` that takes this rank's slice as it is (no all-gather,
+no reduce-scatter: an expert's tokens are whole rows, there is nothing to split in its GEMMs) and
+holds every parameter of ``moe`` whole, as the sequence-parallel norms do. What makes the step
+that of one process:
+
+- **Gradients**: each rank's gradient of the router and the experts is its tokens' part; after
+  backward `fp8lm.distributed.grad_sync.GradientSync` sums them over the group (the experts' FP8
+  GEMM weights in FP8, the router in FP32), as it sums the norms'.
+- **Load-balancing loss**: Switch's ``E * sum_e f_e * P_e`` is not a sum over tokens (a product
+  of two means), so a slice's own loss is not its part of the whole. The tokens routed to each
+  expert are summed over the group first (a small int64 all-reduce, on the device), so ``f_e`` is
+  the whole sequences'; each rank's part is ``E * sum_e f_e * (its probabilities' sum / all
+  tokens)``, and the parts add up to the whole loss, whose value every rank reports (its
+  gradient: the part's). Megatron-LM sums the tokens per expert over its tensor-parallel ranks the
+  same way. The routed counts (``routed``) are the whole sequences' too.
+
+A ``capacity_factor`` applies to each rank's slice (its first tokens first), as it applies to each
+data-parallel rank's batch; the dropped slots are counted over the whole sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..nn.checkpoint import is_recomputing
+from ..nn.moe import MoE
+from . import comm
+
+__all__ = ["SequenceParallelMoE", "sequence_parallel_experts", "sequence_parallel_parameters"]
+
+
+class SequenceParallelMoE(MoE):
+    """The `MoE` ``moe`` taking this rank's slice of each sequence, the slices spread over
+    ``group`` (module docstring); its router, experts and shared expert are ``moe``'s own modules
+    (converted or not), so its parameters and their names are ``moe``'s."""
+
+    def __init__(self, moe: MoE, group=None) -> None:
+        nn.Module.__init__(self)
+        self.group, self.group_size = group, comm.check_group(group)[1]
+        self.num_experts, self.top_k, self.router_kind = moe.num_experts, moe.top_k, moe.router_kind
+        self.capacity_factor = moe.capacity_factor
+        self.router, self.c_fc, self.act, self.c_proj, self.shared = (
+            moe.router,
+            moe.c_fc,
+            moe.act,
+            moe.c_proj,
+            moe.shared,
+        )
+        self.aux_loss = None
+        self.register_buffer("routed", torch.zeros_like(moe.routed), persistent=False)
+        self.register_buffer("dropped", torch.zeros_like(moe.dropped), persistent=False)
+
+    def balance(self, probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor):
+        """The whole sequences' load-balancing loss (this slice's part as its gradient) and tokens
+        routed to each expert (module docstring); every rank's slice holds as many tokens."""
+        n = self.group_size
+        counts = counts.clone()
+        comm.all_reduce(counts, group=self.group)
+        share = counts.to(probs.dtype) / max(experts.numel() * n, 1)
+        part = self.num_experts * (share * probs.sum(0) / max(probs.shape[0] * n, 1)).sum()
+        whole = part.detach().clone()
+        comm.all_reduce(whole, group=self.group)
+        return part + (whole - part.detach()), counts
+
+    def _within_capacity(self, flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor):
+        """`MoE`'s capacity on this slice, the dropped slots counted over the whole sequences (as
+        ``routed`` is)."""
+        before = self.dropped.clone()
+        kept = super()._within_capacity(flat, order, counts)
+        if self.training and not is_recomputing():  # as MoE counts them: every rank alike
+            added = self.dropped - before
+            comm.all_reduce(added, group=self.group)
+            self.dropped.copy_(before + added)
+        return kept
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, sequence slices over {self.group_size} ranks"
+
+
+def sequence_parallel_experts(model: nn.Module, group=None) -> nn.Module:
+    """Every `MoE` of ``model`` replaced, in place, by its `SequenceParallelMoE` over ``group`` (the
+    tensor-parallel ranks); returns ``model``. Before or after `fp8lm.initialize`."""
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is MoE]
+    for name, moe in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, SequenceParallelMoE(moe, group))
+    return model
+
+
+def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model``'s `SequenceParallelMoE` layers: whole on every rank of their
+    group, each rank's gradient its slice's part (to be summed over the group)."""
+    return [p for m in model.modules() if isinstance(m, SequenceParallelMoE) for p in m.parameters()]
