@@ -187,7 +187,10 @@ class GradientSync:
             _sum_partial_grads(model, self.group("tp"))
             if routed_slices := sequence_parallel_parameters(model):  # a mixture's parts of the sequence
                 layers = gemm_layers_by_weight(model)
-                _reduce_in_place(routed_slices, layers, self.group("tp"), self.fp8, average=False)
+                experts = [p for p in routed_slices if id(p) in layers]
+                others = [p for p in routed_slices if id(p) not in layers]  # routers, biases: FP32, as the norms
+                _reduce_in_place(experts, layers, self.group("tp"), self.fp8, average=False)
+                _reduce_in_place(others, layers, self.group("tp"), False, average=False)
         if self.plan.dp_replicate == "all-reduce":  # the experts are not replicas: averaged below
             _average_grads(model, self.group("dp_replicate"), self.fp8, skip={id(p) for p in self.experts})
         if self.plan.ep is not None and self.replica_group is not None:
@@ -281,10 +284,8 @@ def _fp8_mean(
 def _reduce_in_place(params: list[nn.Parameter], layers: dict, group, fp8: bool, average: bool) -> None:
     """Each gradient of ``params`` averaged (``average``) or summed over ``group``, in place, in its
     own format and storage: the experts' over their replicas (one per expert group), the
-    sequence-parallel mixtures' parts over ``tp``. With ``fp8`` the weights of FP8 GEMMs
-    (``layers``) travel in FP8 (BF16 while their layer is switched to high precision); everything
-    else, and everything at bf16/fp32, in FP32 (a router's gradient: small, and routing stays out
-    of low precision)."""
+    sequence-parallel mixtures' parts over ``tp``. With ``fp8`` they travel in FP8 (BF16 while
+    their layer in ``layers`` is switched to high precision), else in FP32."""
     size = comm.check_group(group)[1]
     with torch.no_grad():
         for p in params:
@@ -293,9 +294,8 @@ def _reduce_in_place(params: list[nn.Parameter], layers: dict, group, fp8: bool,
                 continue
             g = g.to_local() if isinstance(g, DTensor) else g  # under FSDP2: this rank's shard
             values = g.dequantize() if isinstance(g, ScalingTensor) else g.detach().float()
-            layer = layers.get(id(p))
-            if fp8 and (layer is not None or isinstance(g, ScalingTensor)):
-                reduced = _fp8_mean(values, p, layer, group, average)
+            if fp8:
+                reduced = _fp8_mean(values, p, layers.get(id(p)), group, average)
             else:
                 reduced = comm.all_reduce(values.clone(), group=group)
                 reduced = reduced / size if average else reduced
