@@ -35,7 +35,7 @@ from torch import nn
 
 from ..formats import E4M3, E5M2, Format
 from ..nn.grouped import ExpertWeights, GroupedLinear
-from ..nn.moe import MoE
+from ..nn.moe import MoE, replace_mixtures
 from ..nn.saved import GROUP_SIZE, dequantize_groups, quantize_groups
 from ..tensor import switched_to_high_precision
 from . import comm
@@ -137,18 +137,11 @@ class ExpertParallelMoE(MoE):
         if type(moe.c_fc) is not GroupedLinear or type(moe.c_proj) is not GroupedLinear:
             raise TypeError("ExpertParallelMoE splits a plain MoE's experts: apply it before fp8lm.initialize")
         nn.Module.__init__(self)
-        self.num_experts, self.top_k, self.router_kind = moe.num_experts, moe.top_k, moe.router_kind
+        self._share_state_of(moe)
         self.group, self.ep_rank, self.ep_size, self.fp8 = group, rank, size, fp8
         local = range(rank * moe.num_experts // size, (rank + 1) * moe.num_experts // size)
-        self.router = moe.router
         self.c_fc = _local_experts(moe.c_fc, local)
-        self.act = moe.act
         self.c_proj = _local_experts(moe.c_proj, local)
-        self.shared = moe.shared
-        self.aux_loss = None
-        self.capacity_factor = moe.capacity_factor
-        self.register_buffer("routed", torch.zeros_like(moe.routed), persistent=False)
-        self.register_buffer("dropped", torch.zeros_like(moe.dropped), persistent=False)
 
     @classmethod
     def from_moe(cls, moe: MoE, group=None, fp8: bool = True) -> ExpertParallelMoE:
@@ -215,9 +208,4 @@ def expert_parallel(model: nn.Module, group=None, fp8: bool = True) -> nn.Module
     """Every `MoE` of ``model`` replaced, in place, by its `ExpertParallelMoE` over ``group``
     (``fp8``: FP8 all-to-alls; False: the rows as they are, a baseline); returns ``model``. Call
     it on the plain model, before `fp8lm.initialize`."""
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is MoE]
-    for name, moe in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, ExpertParallelMoE(moe, group, fp8))
-    return model
+    return replace_mixtures(model, lambda moe: ExpertParallelMoE(moe, group, fp8))

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..nn.checkpoint import is_recomputing
-from ..nn.moe import MoE
+from ..nn.moe import MoE, replace_mixtures
 from . import comm
 
 __all__ = ["SequenceParallelMoE", "sequence_parallel_experts", "sequence_parallel_parameters"]
@@ -41,19 +41,8 @@ class SequenceParallelMoE(MoE):
 
     def __init__(self, moe: MoE, group=None) -> None:
         nn.Module.__init__(self)
+        self._share_state_of(moe)
         self.group, self.group_size = group, comm.check_group(group)[1]
-        self.num_experts, self.top_k, self.router_kind = moe.num_experts, moe.top_k, moe.router_kind
-        self.capacity_factor = moe.capacity_factor
-        self.router, self.c_fc, self.act, self.c_proj, self.shared = (
-            moe.router,
-            moe.c_fc,
-            moe.act,
-            moe.c_proj,
-            moe.shared,
-        )
-        self.aux_loss = None
-        self.register_buffer("routed", torch.zeros_like(moe.routed), persistent=False)
-        self.register_buffer("dropped", torch.zeros_like(moe.dropped), persistent=False)
 
     def balance(self, probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor):
         """The whole sequences' load-balancing loss (this slice's part as its gradient) and tokens
@@ -85,12 +74,7 @@ class SequenceParallelMoE(MoE):
 def sequence_parallel_experts(model: nn.Module, group=None) -> nn.Module:
     """Every `MoE` of ``model`` replaced, in place, by its `SequenceParallelMoE` over ``group`` (the
     tensor-parallel ranks); returns ``model``. Before or after `fp8lm.initialize`."""
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is MoE]
-    for name, moe in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, SequenceParallelMoE(moe, group))
-    return model
+    return replace_mixtures(model, lambda moe: SequenceParallelMoE(moe, group))
 
 
 def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -47,6 +47,7 @@ __all__ = [
     "load_balance_loss",
     "load_balance",
     "expert_counts",
+    "replace_mixtures",
 ]
 
 ROUTERS = ("softmax", "sigmoid")
@@ -175,6 +176,23 @@ class MoE(nn.Module):
                 self.routed += routed
         return out.reshape(*shape[:-1], out.shape[-1])
 
+    def _share_state_of(self, moe: MoE) -> None:
+        """Take ``moe``'s settings and modules as this mixture's own (the same modules, so the same
+        parameters under the same names), with fresh counters: for subclasses that run ``moe``
+        another way (`fp8lm.distributed.ExpertParallelMoE`, `SequenceParallelMoE`)."""
+        self.num_experts, self.top_k, self.router_kind = moe.num_experts, moe.top_k, moe.router_kind
+        self.capacity_factor = moe.capacity_factor
+        self.router, self.c_fc, self.act, self.c_proj, self.shared = (
+            moe.router,
+            moe.c_fc,
+            moe.act,
+            moe.c_proj,
+            moe.shared,
+        )
+        self.aux_loss = None
+        self.register_buffer("routed", torch.zeros_like(moe.routed), persistent=False)
+        self.register_buffer("dropped", torch.zeros_like(moe.dropped), persistent=False)
+
     def balance(self, probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor):
         """The forward's load-balancing loss and tokens routed to each expert, from its router
         probabilities ``probs`` (T, E), chosen ``experts`` (T, k) and their ``counts`` (E,)
@@ -216,3 +234,13 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         capacity = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor}"
         return f"num_experts={self.num_experts}, top_k={self.top_k}, router={self.router_kind}{capacity}"
+
+
+def replace_mixtures(model: nn.Module, make) -> nn.Module:
+    """Every plain `MoE` of ``model`` replaced, in place, by ``make(moe)``; returns ``model``."""
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is MoE]
+    for name, moe in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, make(moe))
+    return model
