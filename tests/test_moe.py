@@ -223,8 +223,8 @@ def test_moe_model_at_o2_is_near_6_bytes_per_param():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(ep=2, tp=2), "--ep with --tp does not combine yet"),
-        (dict(ep=2, pp=2, fsdp=True), "--ep with --pp does not combine with --fsdp yet"),
+        (dict(ep=2, tp=2), "of each tensor-parallel place: launch torchrun with a multiple of 4 ranks"),
+        (dict(ep=2, pp=2, tp=2), "of each pipeline stage and tensor-parallel place: .* multiple of 8 ranks"),
         (dict(moe_top_k=5), "moe_top_k must be in \\[1, moe_experts=4\\]"),
         (dict(ep=2, moe_experts=0), "--ep 2 spreads the experts of --moe-experts"),
         (dict(ep=3), "pass --moe-experts E with E a multiple of 3 \\(got 4\\)"),

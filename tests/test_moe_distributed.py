@@ -251,3 +251,72 @@ def test_tp2_routes_each_ranks_slice_and_trains_as_one_process_does(tmp_path):
             assert b["moe_tokens_per_expert"] == a["moe_tokens_per_expert"]  # the whole sequences'
             assert b["moe_load_cv"] == pytest.approx(a["moe_load_cv"], rel=1e-9)
         assert runs[name][-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5)
+
+
+def test_ep2_with_tp2_and_with_pp2_fsdp_trains_as_their_data_parallelism_does(tmp_path):
+    """--ep 2 with --tp 2 (4 ranks; with --fsdp too) and with --pp 2 --fsdp (4 ranks): each expert
+    group is the data-parallel ranks at one tensor-parallel place or stage, which exchange their
+    slices' tokens; an expert's gradient is summed over ``tp``, divided by 2 and (with more groups)
+    averaged over its replicas. At fp32 every step is that of the same layout with every expert
+    replicated (2 data-parallel ranks): loss, gradient norm (each expert's added once), load
+    balance and its loss, validation; the token exchanges are counted."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--opt-level", "fp32", "--telemetry-every", "0"]
+    runs = {}
+    for name, ranks, extra in (
+        ("dp2", 2, []),
+        ("tp2_ep2", 4, ["--tp", "2", "--ep", "2"]),
+        ("fsdp2", 2, ["--fsdp"]),
+        ("tp2_ep2_fsdp", 4, ["--tp", "2", "--ep", "2", "--fsdp"]),
+        ("pp2_fsdp", 4, ["--pp", "2", "--pp-microbatches", "1", "--fsdp"]),
+        ("pp2_ep2_fsdp", 4, ["--pp", "2", "--pp-microbatches", "1", "--fsdp", "--ep", "2"]),
+    ):
+        out = tmp_path / name
+        args = ["-m", "fp8lm.cli", "train", *moe, *extra, *run_options(out, tmp_path / "cache", "--steps", "6")]
+        check(subprocess.run(forked_ranks(ranks, *args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for name, reference in (("tp2_ep2", "dp2"), ("tp2_ep2_fsdp", "fsdp2"), ("pp2_ep2_fsdp", "pp2_fsdp")):
+        for a, b in zip(runs[reference], runs[name], strict=True):
+            for key in ("train_loss", "grad_norm", "moe_aux_loss"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["step"], key)
+            assert b["moe_tokens_per_expert"] == a["moe_tokens_per_expert"]
+            assert b["comm_bytes_by_kind"]["expert_all_to_all"] > 0
+            assert "expert_all_to_all" not in a.get("comm_bytes_by_kind", {})  # DDP's: not by kind
+        assert runs[name][-1]["val_loss"] == pytest.approx(runs[reference][-1]["val_loss"], rel=1e-5)
+
+
+def test_ep2_with_tp2_at_o2_sends_fp8_tokens_and_resumes_byte_for_byte(tmp_path):
+    """--tp 2 --ep 2 at O2 on 4 ranks: within 1 % of --tp 2 alone, the tokens in FP8 (against the
+    same layout at bf16), and a resume from its Distributed Checkpoint continues byte for byte (and
+    in one process, resharded: each expert read from a rank that held it)."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--tp", "2"]
+    runs = {}
+    for name, extra in (("tp2", ["--levels", "O2"]), ("tp2_ep2", ["--levels", "bf16,O2", "--ep", "2"])):
+        out = tmp_path / name
+        args = ["-m", "fp8lm.cli", "compare", *moe, *extra, *run_options(out, tmp_path / "cache", "--steps", "8")]
+        check(subprocess.run(forked_ranks(4, *args), env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        runs[name] = {lv: json.loads((out / lv / "summary.json").read_text()) for lv in extra[1].split(",")}
+    ep = runs["tp2_ep2"]
+    assert ep["O2"]["layout"] == "tensor parallel" and ep["O2"]["world_size"] == 4
+    assert abs(ep["O2"]["val_loss"] / runs["tp2"]["O2"]["val_loss"] - 1) < 1e-2
+    fp8, bf16 = (ep[lv]["comm_bytes_by_kind_per_step"]["expert_all_to_all"] for lv in ("O2", "bf16"))
+    assert 0 < fp8 / bf16 <= 0.55
+    whole = tmp_path / "tp2_ep2" / "O2"
+    for name, launch, layout in (
+        ("resumed", forked_ranks(4), ["--tp", "2", "--ep", "2"]),
+        ("resumed_one", [sys.executable], ["--tp", "1", "--ep", "1"]),
+    ):
+        out = tmp_path / name
+        subprocess.run(["cp", "-r", str(whole), str(out)], check=True)
+        (out / "summary.json").unlink()
+        for p in (out / "checkpoints").glob("step_00000008*"):
+            subprocess.run(["rm", "-rf", str(p)], check=True)
+        args = ["-m", "fp8lm.cli", "train", "--out", str(out), "--resume", "--no-progress", *layout]
+        log = check(subprocess.run([*launch, *args], env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S))
+        if name == "resumed":
+            assert "resharded" not in log
+            assert (out / "metrics.jsonl").read_bytes() == (whole / "metrics.jsonl").read_bytes()
+        else:
+            assert "resharded" in log
+            summary = json.loads((out / "summary.json").read_text())
+            assert summary["layout"] == "one process"
+            assert abs(summary["val_loss"] / ep["O2"]["val_loss"] - 1) < 1e-2

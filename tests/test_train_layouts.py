@@ -85,6 +85,8 @@ def drop_last_checkpoint(run) -> None:
         (2, ("--pp", "2", "--pp-microbatches", "2", "--moe-experts", "4")),  # every stage's load-balancing loss
         (4, ("--pp", "2", "--pp-microbatches", "2", "--moe-experts", "4", "--ep", "2")),
         (2, ("--tp", "2", "--moe-experts", "4")),  # each rank routes its slice of the sequence
+        (4, ("--tp", "2", "--moe-experts", "4", "--ep", "2")),  # experts spread at each tp place
+        (4, ("--pp", "2", "--pp-microbatches", "2", "--fsdp", "--moe-experts", "4", "--ep", "2")),
         (4, REPLICAS[0]),
         (4, REPLICAS[1]),
     ],
@@ -104,6 +106,8 @@ def drop_last_checkpoint(run) -> None:
         "pp2_moe",
         "pp2_ep2",
         "tp2_moe",
+        "tp2_ep2",
+        "pp2_ep2_fsdp",
         "tp2_dp2",
         "pp2_dp2",
     ],

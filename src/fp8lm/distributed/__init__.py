@@ -21,7 +21,7 @@ from .fsdp import fully_shard, precompute_fp8_scales, refresh_gathers
 from .mesh import ParallelDims, ParallelMesh
 from .reduction import SCALINGS, BF16Reduction, FlatLayout, FP8Reduction, LocalScaling, SharedScaling, sent_in_bf16
 from .runtime import is_distributed, rank, setup, shutdown, world_size
-from .sequence_moe import SequenceParallelMoE, sequence_parallel_experts
+from .sequence_moe import SequenceExpertParallelMoE, SequenceParallelMoE, sequence_parallel_experts
 from .tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 from .wrap import wrap
 from .zero import FP8ZeroOptimizer, partition_by_size
@@ -39,6 +39,7 @@ __all__ = [
     "ExpertParallelMoE",
     "expert_parallel",
     "SequenceParallelMoE",
+    "SequenceExpertParallelMoE",
     "sequence_parallel_experts",
     "SCALINGS",
     "FlatLayout",

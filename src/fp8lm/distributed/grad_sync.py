@@ -121,8 +121,11 @@ class GradientSync:
         self.ep = comm.check_group(self.ep_group)[1] if plan.ep else 1
         for p in self.experts:  # as they arrive: every micro-batch's, before it accumulates
             p.register_hook(DivideGrad(self.ep))
-        # under pipeline parallelism the experts' norm adds up over an expert group of every stage
-        self.expert_model = mesh.expert_model_group(self.ep) if plan.ep and mesh and mesh.dims.pp > 1 else None
+        # unsharded, the norm adds up over an expert group of every stage and tensor-parallel place
+        self.expert_model = None
+        if plan.ep and mesh is not None and mesh.dims.dp_shard == 1:
+            whole = mesh.dims.pp == mesh.dims.tp == 1
+            self.expert_model = self.ep_group if whole else mesh.expert_model_group(self.ep)
 
     @classmethod
     def none(cls) -> GradientSync:
@@ -205,12 +208,10 @@ class GradientSync:
         if mesh is None:
             return {}
         experts = {"ep_params": self.experts, "ep": self.ep} if self.plan.ep else {}
-        if self.expert_model is not None:  # each stage's part over one of its expert groups
-            return {"group": self.expert_model, "stage_size": self.ep, **experts}
-        if mesh.model.size() > 1:
+        if self.expert_model is not None:  # each stage's and tp place's part over one expert group
+            return {"group": self.expert_model, "stage_size": self.ep * mesh.dims.tp, **experts}
+        if mesh.model.size() > 1:  # sharded: the model group holds every expert group
             return {**mesh.clip_options(), **experts}
-        if experts:  # replicated but for the experts: each once within its group
-            return {"group": self.ep_group, "stage_size": self.ep, **experts}
         return {}
 
     def uncounted_bytes(self, model: nn.Module, num_params: int, world: int) -> float:

@@ -113,27 +113,30 @@ class ParallelMesh:
         """The process group of `mesh` ``name``."""
         return self.mesh(name).get_group()
 
-    def expert_groups(self, ep: int, over: str = "dp_replicate") -> tuple:
-        """Expert parallelism over dimension ``over``, the data-parallel ranks of a pipeline stage
-        (tp = 1): the group of this rank's ``ep`` consecutive ranks of its stage, which exchange
-        tokens, and the group of its experts' replicas (the ranks at its place in the stage's other
-        groups; None when there is one group)."""
+    def expert_groups(self, ep: int, over: str = "dp") -> tuple:
+        """Expert parallelism over the data-parallel ranks of each pipeline stage and tensor-parallel
+        rank (dimension ``over``: ``dp``, or the one of ``dp_replicate`` / ``dp_shard`` larger than 1):
+        the group of this rank's ``ep`` consecutive data-parallel ranks at its stage and ``tp``
+        place, which exchange tokens, and the group of its experts' replicas (the ranks at its place
+        in the other such groups; None when there is one group)."""
         dp = self.dims.dp
         if ep == dp:
             return self.group(over), None
-        experts = init_device_mesh(
-            self.root.device_type, (self.dims.pp, dp // ep, ep), mesh_dim_names=("ep_pp", "ep_replicate", "ep")
-        )
+        shape = (self.dims.pp, dp // ep, ep, self.dims.tp)
+        names = ("ep_pp", "ep_replicate", "ep", "ep_tp")
+        experts = init_device_mesh(self.root.device_type, shape, mesh_dim_names=names)
         return experts.get_group("ep"), experts.get_group("ep_replicate")
 
     def expert_model_group(self, ep: int):
-        """Under pipeline and expert parallelism (tp = 1), the ranks that together hold one copy of
-        the model: one expert group of ``ep`` ranks per stage, at this rank's place (the group over
-        which a gradient norm adds up)."""
-        pp, dp = self.dims.pp, self.dims.dp
-        ranks = torch.arange(self.dims.world).reshape(pp, dp // ep, ep).transpose(0, 1)
-        mesh = DeviceMesh(self.root.device_type, ranks, mesh_dim_names=("ep_replicate", "ep_pp", "ep"))
-        return mesh["ep_pp", "ep"]._flatten("ep_model").get_group()
+        """Under expert parallelism without sharding (dp_shard = 1), the ranks that together hold
+        one copy of the model: at this rank's place among the expert groups, every stage's ``ep``
+        ranks of every ``tp`` place (the group over which a gradient norm adds up; each rank holds
+        its experts and 1/tp of the tensor-parallel weights)."""
+        pp, dp, tp = self.dims.pp, self.dims.dp, self.dims.tp
+        ranks = torch.arange(self.dims.world).reshape(pp, dp // ep, ep, tp).transpose(0, 1)
+        names = ("ep_replicate", "ep_pp", "ep", "ep_tp")
+        mesh = DeviceMesh(self.root.device_type, ranks, mesh_dim_names=names)
+        return mesh["ep_pp", "ep", "ep_tp"]._flatten("ep_model").get_group()
 
     def clip_options(self) -> dict:
         """`fp8lm.clip_grad_norm_`'s ``group`` and ``stage_size`` for gradients laid out on this mesh."""

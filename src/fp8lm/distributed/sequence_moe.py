@@ -20,6 +20,14 @@ that of one process:
 
 A ``capacity_factor`` applies to each rank's slice (its first tokens first), as it applies to each
 data-parallel rank's batch; the dropped slots are counted over the whole sequences.
+
+With expert parallelism too (``--ep`` with ``--tp``), a mixture that is an
+`fp8lm.distributed.ExpertParallelMoE` becomes a `SequenceExpertParallelMoE`: its slice is routed
+as above, and its tokens travel to their experts' ranks within its expert group (the data-parallel
+ranks at its tensor-parallel place, which hold the same slice of their own sequences). An expert's
+gradient is then the sum of its group's tokens at this ``tp`` place: summed over ``tp`` like the
+router's, divided by the group's size and averaged over the expert's replicas as under ``--ep``
+alone (`fp8lm.distributed.grad_sync`).
 """
 
 from __future__ import annotations
@@ -30,8 +38,14 @@ from torch import nn
 from ..nn.checkpoint import is_recomputing
 from ..nn.moe import MoE, replace_mixtures
 from . import comm
+from .expert_parallel import ExpertParallelMoE
 
-__all__ = ["SequenceParallelMoE", "sequence_parallel_experts", "sequence_parallel_parameters"]
+__all__ = [
+    "SequenceParallelMoE",
+    "SequenceExpertParallelMoE",
+    "sequence_parallel_experts",
+    "sequence_parallel_parameters",
+]
 
 
 class SequenceParallelMoE(MoE):
@@ -42,18 +56,18 @@ class SequenceParallelMoE(MoE):
     def __init__(self, moe: MoE, group=None) -> None:
         nn.Module.__init__(self)
         self._share_state_of(moe)
-        self.group, self.group_size = group, comm.check_group(group)[1]
+        self.tp_group, self.tp_size = group, comm.check_group(group)[1]
 
     def balance(self, probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor):
         """The whole sequences' load-balancing loss (this slice's part as its gradient) and tokens
         routed to each expert (module docstring); every rank's slice holds as many tokens."""
-        n = self.group_size
+        n = self.tp_size
         counts = counts.clone()
-        comm.all_reduce(counts, group=self.group)
+        comm.all_reduce(counts, group=self.tp_group)
         share = counts.to(probs.dtype) / max(experts.numel() * n, 1)
         part = self.num_experts * (share * probs.sum(0) / max(probs.shape[0] * n, 1)).sum()
         whole = part.detach().clone()
-        comm.all_reduce(whole, group=self.group)
+        comm.all_reduce(whole, group=self.tp_group)
         return part + (whole - part.detach()), counts
 
     def _within_capacity(self, flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor):
@@ -63,18 +77,36 @@ class SequenceParallelMoE(MoE):
         kept = super()._within_capacity(flat, order, counts)
         if self.training and not is_recomputing():  # as MoE counts them: every rank alike
             added = self.dropped - before
-            comm.all_reduce(added, group=self.group)
+            comm.all_reduce(added, group=self.tp_group)
             self.dropped.copy_(before + added)
         return kept
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, sequence slices over {self.group_size} ranks"
+        return f"{super().extra_repr()}, sequence slices over {self.tp_size} ranks"
+
+
+class SequenceExpertParallelMoE(SequenceParallelMoE, ExpertParallelMoE):
+    """The `ExpertParallelMoE` ``moe`` taking this rank's slice of each sequence, the slices spread
+    over ``group`` (the tensor-parallel ranks): routed and balanced as `SequenceParallelMoE` does,
+    its tokens exchanged with ``moe``'s expert group as `ExpertParallelMoE` does (module
+    docstring). Its parameters are ``moe``'s: the router, the shared expert and this rank's experts."""
+
+    def __init__(self, moe: ExpertParallelMoE, group=None) -> None:
+        super().__init__(moe, group)  # SequenceParallelMoE's: shares moe's modules
+        self.group, self.ep_rank, self.ep_size, self.fp8 = moe.group, moe.ep_rank, moe.ep_size, moe.fp8
 
 
 def sequence_parallel_experts(model: nn.Module, group=None) -> nn.Module:
     """Every `MoE` of ``model`` replaced, in place, by its `SequenceParallelMoE` over ``group`` (the
-    tensor-parallel ranks); returns ``model``. Before or after `fp8lm.initialize`."""
-    return replace_mixtures(model, lambda moe: SequenceParallelMoE(moe, group))
+    tensor-parallel ranks; an `ExpertParallelMoE` by its `SequenceExpertParallelMoE`); returns
+    ``model``. Before or after `fp8lm.initialize`."""
+
+    def make(moe: MoE) -> SequenceParallelMoE:
+        if isinstance(moe, ExpertParallelMoE):
+            return SequenceExpertParallelMoE(moe, group)
+        return SequenceParallelMoE(moe, group)
+
+    return replace_mixtures(model, make, kinds=(ExpertParallelMoE,))
 
 
 def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -236,9 +236,10 @@ class MoE(nn.Module):
         return f"num_experts={self.num_experts}, top_k={self.top_k}, router={self.router_kind}{capacity}"
 
 
-def replace_mixtures(model: nn.Module, make) -> nn.Module:
-    """Every plain `MoE` of ``model`` replaced, in place, by ``make(moe)``; returns ``model``."""
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is MoE]
+def replace_mixtures(model: nn.Module, make, kinds: tuple[type, ...] = ()) -> nn.Module:
+    """Every plain `MoE` of ``model`` (and every module of exactly a type in ``kinds``) replaced, in
+    place, by ``make(moe)``; returns ``model``."""
+    targets = [(name, m) for name, m in model.named_modules() if type(m) in (MoE, *kinds)]
     for name, moe in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -603,18 +603,7 @@ class TrainConfig:
                 raise RunError(message)
 
     def _check_moe(self) -> None:
-        """What --moe-experts combines with (not yet: --ep with --tp, --ep with --pp --fsdp, a --model
-        folder), and --ep."""
-        if self.ep > 1 and self.tp > 1:
-            raise RunError(
-                "--ep with --tp does not combine yet: drop --ep (under --tp every rank holds all the experts and "
-                "routes its slice of the sequence) or --tp"
-            )
-        if self.ep > 1 and self.pp > 1 and self.fsdp:
-            raise RunError(
-                "--ep with --pp does not combine with --fsdp yet: drop --fsdp (each stage's other parameters are "
-                "then replicated over its data-parallel ranks) or --ep"
-            )
+        """What --moe-experts combines with (not a --model folder), and --ep."""
         self._check_ep()
         if not self.moe_experts:
             return
@@ -635,12 +624,14 @@ class TrainConfig:
             )
         if self.opt_level == "O3":
             raise RunError("--ep with O3: FP8 ZeRO would shard the experts each rank holds alone; use O2 with --ep")
-        world, needed = int(os.environ.get("WORLD_SIZE", "1")), self.ep * self.pp  # groups within each stage
+        # groups of data-parallel ranks within each stage and tensor-parallel place
+        world, needed = int(os.environ.get("WORLD_SIZE", "1")), self.ep * self.pp * self.tp
         if world % needed:
+            within = [name for n, name in ((self.pp, "pipeline stage"), (self.tp, "tensor-parallel place")) if n > 1]
             raise RunError(
-                f"--ep {self.ep} spreads the experts over groups of {self.ep} ranks"
-                f"{' of each pipeline stage' if self.pp > 1 else ''}: launch torchrun with a multiple of {needed} "
-                f"ranks (this run has {world})"
+                f"--ep {self.ep} spreads the experts over groups of {self.ep} data-parallel ranks"
+                f"{' of each ' + ' and '.join(within) if within else ''}: launch torchrun with a multiple of "
+                f"{needed} ranks (this run has {world})"
             )
 
     def _check_split(self, model: GPTConfig) -> None:

@@ -24,17 +24,24 @@ from ...distributed.expert_parallel import expert_parallel, expert_parameters
 from .base import Layout, LayoutSpec, gradient_sync, point_optimizer_at
 from .replicated import ReplicatedLayout
 
-__all__ = ["ExpertParallelLayout", "spread_experts"]
+__all__ = ["ExpertParallelLayout", "split_experts", "spread_experts"]
 
 
-def spread_experts(model: nn.Module, optimizer, spec: LayoutSpec, ranks, mesh, over: str):
-    """Keep this rank's experts of its expert-parallel group (of the mesh's dimension ``over``), the
-    optimizer pointed at them, and convert the model for an FP8 level; returns the model, the
-    optimizer and the run's `GradientSync` (which divides and averages the experts' gradients)."""
-    groups = mesh.expert_groups(spec.ep, over)
+def split_experts(model: nn.Module, optimizer, spec: LayoutSpec, mesh) -> tuple:
+    """Keep this rank's experts of its expert-parallel group (``spec.ep`` of the data-parallel ranks
+    at its pipeline stage and tensor-parallel place), the optimizer pointed at them; returns the
+    groups `GradientSync` takes as ``ep_groups``. On the plain model, before `fp8lm.initialize`."""
+    groups = mesh.expert_groups(spec.ep)
     names = {id(p): n for n, p in model.named_parameters()}
     expert_parallel(model, groups[0], fp8=spec.fp8)  # the bf16 and fp32 baselines send their own rows
     point_optimizer_at(optimizer, names, dict(model.named_parameters()))  # this rank's experts only
+    return groups
+
+
+def spread_experts(model: nn.Module, optimizer, spec: LayoutSpec, ranks, mesh):
+    """`split_experts`, then the model converted for an FP8 level; returns the model, the optimizer
+    and the run's `GradientSync` (which divides and averages the experts' gradients)."""
+    groups = split_experts(model, optimizer, spec, mesh)
     if spec.fp8:
         model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
     return model, optimizer, gradient_sync(spec, ranks, mesh, experts=expert_parameters(model), ep_groups=groups)
@@ -46,11 +53,11 @@ class ExpertParallelLayout(ReplicatedLayout):
 
     @classmethod
     def applies(cls, spec: LayoutSpec, ranks) -> bool:
-        return spec.ep > 1 and not spec.fsdp and ranks.pp == 1  # under --pp: the pipeline layout's
+        return spec.ep > 1 and not spec.fsdp and ranks.pp == ranks.tp == 1  # else the pipeline's or tensor's
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
-        model, optimizer, sync = spread_experts(model, optimizer, spec, ranks, mesh, "dp_replicate")
+        model, optimizer, sync = spread_experts(model, optimizer, spec, ranks, mesh)
         return sync.wrap(model), optimizer, cls(ranks, mesh, sync)
 
     def counted_comm(self, model: nn.Module) -> dict | None:

@@ -30,11 +30,11 @@ class ExpertFSDPLayout(FSDPLayout):
 
     @classmethod
     def applies(cls, spec: LayoutSpec, ranks) -> bool:
-        return spec.ep > 1 and spec.fsdp and ranks.pp == 1
+        return spec.ep > 1 and spec.fsdp and ranks.pp == ranks.tp == 1
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
-        model, optimizer, sync = spread_experts(model, optimizer, spec, ranks, mesh, "dp_shard")
+        model, optimizer, sync = spread_experts(model, optimizer, spec, ranks, mesh)
         names = {id(p): n for n, p in model.named_parameters()}
         shard_blocks_and_model(model, spec, sync)
         point_optimizer_at(optimizer, names, dict(model.named_parameters()))

@@ -8,9 +8,10 @@ ranks reduce-scatters them during the schedule's backward. The loss, the last st
 validation runs the stages one after another, micro-batch by micro-batch.
 
 A mixture of experts keeps each block's experts in its stage; with ``--ep N`` they are spread over
-groups of N of the stage's data-parallel ranks (`fp8lm.distributed.ExpertParallelMoE`, as
-`expert.ExpertParallelLayout` spreads them over all ranks), kept out of the replicas' average and
-averaged over their own replicas instead (`GradientSync`). Each stage's load-balancing losses enter
+groups of N of the stage's data-parallel ranks (at each ``tp`` place under 3-D;
+`fp8lm.distributed.ExpertParallelMoE`, as `expert.ExpertParallelLayout` spreads them over all
+ranks), kept out of the replicas' average (and of FSDP2) and averaged over their own replicas
+instead (`GradientSync`). Each stage's load-balancing losses enter
 its own backward (`PipelineStageModule`), and the step's loss adds them to the last stage's.
 """
 
@@ -29,10 +30,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ...amp import initialize
 from ...distributed import comm, precompute_fp8_scales
 from ...distributed.comm import counted_functional_collectives
-from ...distributed.expert_parallel import expert_parallel, expert_parameters
+from ...distributed.expert_parallel import expert_parameters
 from ...distributed.pipeline import FP8PipelineStage
 from ..gpt_parallel import PipelineStageModule
 from .base import Layout, LayoutSpec, PipelineShape, ShardedCheckpoints, gradient_sync, point_optimizer_at
+from .expert import split_experts
 from .fsdp import shard_blocks_and_model
 from .tensor import apply_tensor_parallel, replicated_value
 
@@ -56,11 +58,8 @@ class PipelineLayout(ShardedCheckpoints, Layout):
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
         if spec.pipeline is None:
             raise ValueError("a pipeline layout needs the pipeline's shape (micro-batches, autocast)")
-        ep_groups = mesh.expert_groups(spec.ep) if spec.ep > 1 else (None, None)
-        if spec.ep > 1:  # each expert group of a stage's data-parallel ranks spreads its experts
-            before = {id(p): name for name, p in model.named_parameters()}
-            expert_parallel(model, ep_groups[0], fp8=spec.fp8)
-            point_optimizer_at(optimizer, before, dict(model.named_parameters()))
+        # each expert group of a stage's data-parallel ranks (at a tp place) spreads its experts
+        ep_groups = split_experts(model, optimizer, spec, mesh) if spec.ep > 1 else None
         if spec.fp8:
             model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
         names = {id(p): name for name, p in model.named_parameters()}
@@ -69,7 +68,7 @@ class PipelineLayout(ShardedCheckpoints, Layout):
         wire = None if spec.fp8 else (torch.bfloat16 if spec.opt_level == "bf16" else torch.float32)
         micro = spec.pipeline.local_batch // spec.pipeline.micro_batches
         stage = PipelineStageModule(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire, seq_shards=ranks.tp)
-        experts = {"experts": expert_parameters(stage), "ep_groups": ep_groups} if spec.ep > 1 else {}
+        experts = {"experts": expert_parameters(stage), "ep_groups": ep_groups} if ep_groups else {}
         sync = gradient_sync(spec, ranks, mesh, **experts)
         if spec.fsdp:
             shard_blocks_and_model(stage, spec, sync)

@@ -7,6 +7,12 @@ activations at bf16, FP32 at fp32. Forward and backward run under torch's ``loss
 (`CountedFunctionalCollectives`, while `accounting.counting()`); after backward `GradientSync`
 sums the norms' partial gradients over ``tp`` and, without FSDP2, averages every gradient over the
 data-parallel replicas (FP8 or FP32, as the level's data parallelism).
+
+A mixture of experts is a `SequenceParallelMoE` on every rank (each routes its slice of the
+sequence through all the experts); with ``--ep N`` its experts are first spread over groups of N
+data-parallel ranks at each ``tp`` place (`expert.split_experts`), its tokens sent to their
+experts' ranks (`SequenceExpertParallelMoE`), the experts kept out of FSDP2 and of the replicas'
+average and averaged over their own replicas instead (`GradientSync`).
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from ...amp import initialize
 from ...distributed import precompute_fp8_scales
 from ...distributed.comm import counted_functional_collectives
+from ...distributed.expert_parallel import expert_parameters
 from ...distributed.sequence_moe import sequence_parallel_experts
 from ..gpt_parallel import tensor_parallel_plan, torch_tensor_parallel_plan
 from .base import Layout, LayoutSpec, ShardedCheckpoints, gradient_sync, point_optimizer_at
+from .expert import split_experts
 from .fsdp import shard_blocks_and_model
 
 __all__ = ["TensorParallelLayout", "apply_tensor_parallel", "replicated_value"]
@@ -54,11 +62,14 @@ class TensorParallelLayout(ShardedCheckpoints, Layout):
 
     @classmethod
     def parallelize(cls, model, optimizer, spec: LayoutSpec, ranks, mesh):
+        # with --ep: the experts spread over the data-parallel ranks at each tp place
+        ep_groups = split_experts(model, optimizer, spec, mesh) if spec.ep > 1 else None
         if spec.fp8:
             model, optimizer = initialize(model, optimizer, spec.opt_level, **spec.initialize_options)
         names = {id(p): name for name, p in model.named_parameters()}
         apply_tensor_parallel(model, spec, mesh)
-        sync = gradient_sync(spec, ranks, mesh)
+        experts = {"experts": expert_parameters(model), "ep_groups": ep_groups} if ep_groups else {}
+        sync = gradient_sync(spec, ranks, mesh, **experts)
         if spec.fsdp:
             shard_blocks_and_model(model, spec, sync)
         point_optimizer_at(optimizer, names, dict(model.named_parameters()))
