@@ -543,10 +543,10 @@ class TrainConfig:
             raise RunError(
                 f"--model {self.model!r} takes its architecture and sizes from its config.json: drop {', '.join(given)}"
             )
-        if self.tp > 1 or self.pp > 1:
+        if self.pp > 1:
             raise RunError(
-                "--tp and --pp split the built-in models (--arch gpt, llama); train a --model folder with --fsdp "
-                "or data parallelism under torchrun"
+                "--pp splits the built-in models (--arch gpt, llama) into stages; train a --model folder with --tp, "
+                "--fsdp or data parallelism under torchrun"
             )
 
     def _check_vocabulary(self, model: GPTConfig | HFModelConfig) -> None:
@@ -634,8 +634,37 @@ class TrainConfig:
                 f"{needed} ranks (this run has {world})"
             )
 
-    def _check_split(self, model: GPTConfig) -> None:
+    def _check_folder_split(self, model: HFModelConfig) -> None:
+        """A --model folder under --tp: its architecture declares a plan fp8lm splits, and --tp
+        divides the sizes that plan splits."""
+        from .hf_model import hf_config_object
+        from .hf_parallel import PLAN_STYLES, declared_plan, plan_sizes
+
+        config = hf_config_object(model.hf_config)
+        declared, kind = declared_plan(config), model.hf_config["model_type"]
+        if not declared:
+            raise RunError(
+                f"--tp splits a --model folder by the tensor-parallel plan transformers declares for its architecture, "
+                f"and model_type {kind!r} declares none: train it with --fsdp or data parallelism"
+            )
+        odd = sorted({style for style in declared.values() if style not in PLAN_STYLES})
+        if odd:
+            raise RunError(
+                f"model_type {kind!r} declares {', '.join(odd)} tensor-parallel layers, which fp8lm does not split (only "
+                f"{', '.join(PLAN_STYLES)}): train it with --fsdp or data parallelism"
+            )
+        for what, size in plan_sizes(config).items():
+            if size % self.tp:
+                raise RunError(
+                    f"--tp {self.tp} splits the {what} of --model ({size}), which it does not divide: pick a divisor"
+                )
+
+    def _check_split(self, model: GPTConfig | HFModelConfig) -> None:
         """The model's sizes divide into --tp shards and --pp stages."""
+        if hasattr(model, "hf_config"):  # a --model folder (no import of its module here)
+            if self.tp > 1:
+                self._check_folder_split(model)  # type: ignore[arg-type]
+            return
         if model.n_layer % self.pp:
             raise RunError(f"--pp {self.pp} needs a layer count divisible by it, got {model.n_layer}: pick a divisor")
         sizes = {

@@ -6,7 +6,9 @@ activations at bf16, FP32 at fp32. Forward and backward run under torch's ``loss
 (vocabulary-sharded logits) with torch's functional collectives counted while `comm_stats` is on
 (`CountedFunctionalCollectives`, while `accounting.counting()`); after backward `GradientSync`
 sums the norms' partial gradients over ``tp`` and, without FSDP2, averages every gradient over the
-data-parallel replicas (FP8 or FP32, as the level's data parallelism).
+data-parallel replicas (FP8 or FP32, as the level's data parallelism). A ``--model`` folder is
+split by the plan its ``transformers`` architecture declares (`fp8lm.train.hf_parallel`: no
+sequence parallelism).
 
 A mixture of experts is a `SequenceParallelMoE` on every rank (each routes its slice of the
 sequence through all the experts); with ``--ep N`` its experts are first spread over groups of N
@@ -30,6 +32,8 @@ from ...distributed.comm import counted_functional_collectives
 from ...distributed.expert_parallel import expert_parameters
 from ...distributed.sequence_moe import sequence_parallel_experts
 from ..gpt_parallel import tensor_parallel_plan, torch_tensor_parallel_plan
+from ..hf_model import HFCausalLM
+from ..hf_parallel import hf_tensor_parallel_plan
 from .base import Layout, LayoutSpec, ShardedCheckpoints, gradient_sync, point_optimizer_at
 from .expert import split_experts
 from .fsdp import shard_blocks_and_model
@@ -40,7 +44,11 @@ __all__ = ["TensorParallelLayout", "apply_tensor_parallel", "replicated_value"]
 def apply_tensor_parallel(model: nn.Module, spec: LayoutSpec, mesh) -> None:
     """The GPT's tensor + sequence parallel plan on ``mesh["tp"]``, for the level: FP8 styles
     (after `fp8lm.initialize`), else torch's with the level's activations on the wire; a mixture
-    of experts as `SequenceParallelMoE`s."""
+    of experts as `SequenceParallelMoE`s. A ``--model`` folder: the plan its ``transformers``
+    architecture declares (`fp8lm.train.hf_parallel`)."""
+    if isinstance(model, HFCausalLM):  # a --model folder: the plan its architecture declares
+        parallelize_module(model, mesh["tp"], hf_tensor_parallel_plan(model, spec.fp8))
+        return
     activations = torch.bfloat16 if spec.opt_level == "bf16" else None
     sequence_parallel_experts(model, mesh.group("tp"))  # each rank routes its slice of the sequence
     plan = tensor_parallel_plan(model.config) if spec.fp8 else torch_tensor_parallel_plan(model.config, activations)
