@@ -503,7 +503,10 @@ class TrainConfig:
         except ValueError as e:  # a bad preset or sizes
             raise RunError(str(e)) from None
         self._check_vocabulary(model)
-        self._check_split(model)
+        if self.model_folder() is None:
+            self._check_split(model)
+        elif self.tp > 1:
+            self._check_folder_split(model)
         self._check_memory(model)
 
     def _check_final_bf16(self) -> None:
@@ -659,12 +662,8 @@ class TrainConfig:
                     f"--tp {self.tp} splits the {what} of --model ({size}), which it does not divide: pick a divisor"
                 )
 
-    def _check_split(self, model: GPTConfig | HFModelConfig) -> None:
+    def _check_split(self, model: GPTConfig) -> None:
         """The model's sizes divide into --tp shards and --pp stages."""
-        if hasattr(model, "hf_config"):  # a --model folder (no import of its module here)
-            if self.tp > 1:
-                self._check_folder_split(model)  # type: ignore[arg-type]
-            return
         if model.n_layer % self.pp:
             raise RunError(f"--pp {self.pp} needs a layer count divisible by it, got {model.n_layer}: pick a divisor")
         sizes = {
