@@ -530,7 +530,7 @@ class TrainConfig:
         check_tokenizer_options(self.tokenizer_spec(), self.vocab_size)
 
     def _check_model_folder(self) -> None:
-        """What a ``--model`` folder does not combine with: the built-in model's sizes, --tp, --pp."""
+        """What a ``--model`` folder does not combine with: the built-in model's sizes, --pp (--tp: `_check_folder_split`)."""
         if self.model_folder() is None:
             return
         from .hf_model import require_transformers
