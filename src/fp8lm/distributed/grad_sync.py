@@ -186,18 +186,19 @@ class GradientSync:
 
     def finish(self, model: nn.Module) -> None:
         """After the step's last backward: the syncs that follow it, dimension by dimension."""
+        routed = sequence_parallel_parameters(model) if self.plan.tp is not None else []  # a mixture's slices
+        replicas = self.plan.ep is not None and self.replica_group is not None
+        layers = gemm_layers_by_weight(model) if routed or replicas else {}  # one walk for both
         if self.plan.tp is not None:
             _sum_partial_grads(model, self.group("tp"))
-            if routed_slices := sequence_parallel_parameters(model):  # a mixture's parts of the sequence
-                layers = gemm_layers_by_weight(model)
-                experts = [p for p in routed_slices if id(p) in layers]
-                others = [p for p in routed_slices if id(p) not in layers]  # routers, biases: FP32, as the norms
-                _reduce_in_place(experts, layers, self.group("tp"), self.fp8, average=False)
-                _reduce_in_place(others, layers, self.group("tp"), False, average=False)
+            experts = [p for p in routed if id(p) in layers]
+            others = [p for p in routed if id(p) not in layers]  # routers, biases: FP32, as the norms
+            _reduce_in_place(experts, layers, self.group("tp"), self.fp8, average=False)
+            _reduce_in_place(others, layers, self.group("tp"), False, average=False)
         if self.plan.dp_replicate == "all-reduce":  # the experts are not replicas: averaged below
             _average_grads(model, self.group("dp_replicate"), self.fp8, skip={id(p) for p in self.experts})
-        if self.plan.ep is not None and self.replica_group is not None:
-            _reduce_in_place(self.experts, gemm_layers_by_weight(model), self.replica_group, self.fp8, average=True)
+        if replicas:
+            _reduce_in_place(self.experts, layers, self.replica_group, self.fp8, average=True)
 
     def clip_options(self) -> dict:
         """`fp8lm.clip_grad_norm_`'s options for the gradients as synced: the group over which their

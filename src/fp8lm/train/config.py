@@ -641,21 +641,13 @@ class TrainConfig:
         """A --model folder under --tp: its architecture declares a plan fp8lm splits, and --tp
         divides the sizes that plan splits."""
         from .hf_model import hf_config_object
-        from .hf_parallel import PLAN_STYLES, declared_plan, plan_sizes
+        from .hf_parallel import declared_plan, plan_sizes
 
         config = hf_config_object(model.hf_config)
-        declared, kind = declared_plan(config), model.hf_config["model_type"]
-        if not declared:
-            raise RunError(
-                f"--tp splits a --model folder by the tensor-parallel plan transformers declares for its architecture, "
-                f"and model_type {kind!r} declares none: train it with --fsdp or data parallelism"
-            )
-        odd = sorted({style for style in declared.values() if style not in PLAN_STYLES})
-        if odd:
-            raise RunError(
-                f"model_type {kind!r} declares {', '.join(odd)} tensor-parallel layers, which fp8lm does not split (only "
-                f"{', '.join(PLAN_STYLES)}): train it with --fsdp or data parallelism"
-            )
+        try:
+            declared_plan(config)
+        except ValueError as e:
+            raise RunError(str(e)) from None
         for what, size in plan_sizes(config).items():
             if size % self.tp:
                 raise RunError(

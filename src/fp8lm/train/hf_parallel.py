@@ -38,8 +38,22 @@ PLAN_STYLES = ("colwise", "rowwise")  # the declared styles fp8lm maps; others a
 
 
 def declared_plan(hf_config) -> dict[str, str]:
-    """The tensor-parallel plan a ``transformers`` config declares for its base model (empty: none)."""
-    return dict(getattr(hf_config, "base_model_tp_plan", None) or {})
+    """The tensor-parallel plan a ``transformers`` config declares for its base model; a one-line
+    ValueError when it declares none or styles other than `PLAN_STYLES`."""
+    plan = dict(getattr(hf_config, "base_model_tp_plan", None) or {})
+    kind = getattr(hf_config, "model_type", type(hf_config).__name__)
+    if not plan:
+        raise ValueError(
+            f"--tp splits a --model folder by the tensor-parallel plan transformers declares for its architecture, "
+            f"and model_type {kind!r} declares none: train it with --fsdp or data parallelism"
+        )
+    odd = sorted({style for style in plan.values() if style not in PLAN_STYLES})
+    if odd:
+        raise ValueError(
+            f"model_type {kind!r} declares {', '.join(odd)} tensor-parallel layers, which fp8lm does not split (only "
+            f"{', '.join(PLAN_STYLES)}): train it with --fsdp or data parallelism"
+        )
+    return plan
 
 
 def _style(kind: str, fp8: bool, head: bool = False) -> ParallelStyle:
@@ -55,9 +69,6 @@ def hf_tensor_parallel_plan(model: HFCausalLM, fp8: bool) -> dict[str, ParallelS
     `fp8lm.initialize`), by module names of ``model``."""
     hf = model.hf
     declared = declared_plan(hf.config)
-    odd = sorted({kind for kind in declared.values() if kind not in PLAN_STYLES})
-    if not declared or odd:  # unreachable through TrainConfig.validate, which refuses both
-        raise ValueError(f"{type(hf).__name__}: no colwise/rowwise tensor-parallel plan ({odd or 'none'})")
     prefix = f"hf.{hf.base_model_prefix}."
     plan = {prefix + pattern: _style(kind, fp8) for pattern, kind in declared.items()}
     if hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:
