@@ -56,6 +56,15 @@ def checks(rank: int, world: int) -> dict:
     for r in range(world):
         alone(x[:, r * SEQ // world : (r + 1) * SEQ // world])
     out["capped_dropped"], out["slices_dropped"] = capped.dropped.clone(), alone.dropped.clone()
+
+    # experts spread over the ranks too (the world as both groups): each rank's slice, its tokens
+    # sent to their experts' ranks, is still the whole mixture on that slice
+    from fp8lm.distributed import ExpertParallelMoE
+    from fp8lm.distributed.sequence_moe import SequenceExpertParallelMoE
+
+    spread = SequenceExpertParallelMoE.from_moe(ExpertParallelMoE.from_moe(build(), None, fp8=False), None)
+    out["spread_y"] = spread(x[:, part]).detach()
+    out["spread_experts"] = len(spread.local_experts)
     return out
 
 

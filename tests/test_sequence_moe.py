@@ -38,3 +38,18 @@ def test_a_capacity_applies_to_each_slice_and_counts_both_slices_drops(ranks):
     for r in ranks:
         assert r["capped_dropped"] > 0
         assert torch.equal(r["capped_dropped"], r["slices_dropped"])
+
+
+def test_experts_spread_over_the_ranks_too_keep_each_slices_output(ranks):
+    """`SequenceExpertParallelMoE.from_moe` of an `ExpertParallelMoE`: half the experts a rank."""
+    for r in ranks:
+        assert r["spread_experts"] == EXPERTS // 2
+        torch.testing.assert_close(r["spread_y"], r["whole_y"], rtol=1e-5, atol=1e-6)
+
+
+def test_from_moe_takes_an_expert_parallel_mixture_and_names_what_to_do_otherwise():
+    from dist_sequence_moe import build
+    from fp8lm.distributed.sequence_moe import SequenceExpertParallelMoE
+
+    with pytest.raises(TypeError, match="spread its experts with ExpertParallelMoE first"):
+        SequenceExpertParallelMoE.from_moe(build(), None)

@@ -95,6 +95,20 @@ class SequenceExpertParallelMoE(SequenceParallelMoE, ExpertParallelMoE):
         super().__init__(moe, group)  # SequenceParallelMoE's: shares moe's modules
         self.group, self.ep_rank, self.ep_size, self.fp8 = moe.group, moe.ep_rank, moe.ep_size, moe.fp8
 
+    @classmethod
+    def from_moe(cls, moe: MoE, group=None, fp8: bool | None = None) -> SequenceExpertParallelMoE:
+        """``cls(moe, group)``: ``moe`` is already an `ExpertParallelMoE`, whose token exchange (its
+        expert group, its ``fp8``) this keeps; ``group`` is the tensor-parallel ranks. An ``fp8``
+        other than ``moe``'s is refused."""
+        if not isinstance(moe, ExpertParallelMoE):
+            raise TypeError(
+                f"SequenceExpertParallelMoE.from_moe takes an ExpertParallelMoE, got {type(moe).__name__}: "
+                "spread its experts with ExpertParallelMoE first"
+            )
+        if fp8 is not None and fp8 != moe.fp8:
+            raise ValueError(f"fp8={fp8} differs from the ExpertParallelMoE's own fp8={moe.fp8}: leave it out")
+        return cls(moe, group)
+
 
 def sequence_parallel_experts(model: nn.Module, group=None) -> nn.Module:
     """Every `MoE` of ``model`` replaced, in place, by its `SequenceParallelMoE` over ``group`` (the
