@@ -133,7 +133,10 @@ def test_refusals_are_one_line(folders, tmp_path, email_corpus, token_cache, mon
         folders / "llama", n_layer=4
     )
     assert "drop --arch" in refused(folders / "llama", arch="llama")
-    assert "--pp splits the built-in models" in refused(folders / "llama", pp=2)
+    assert "--pp splits --model folders of model_type llama, mistral, qwen2, qwen3" in refused(folders / "gpt2", pp=2)
+    assert "--pp 4 splits the 2 decoder layers of --model" in refused(folders / "llama", pp=4)
+    llama_config(tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    assert "(tie_word_embeddings): set it false" in refused(tmp_path / "tied", pp=2)
     assert "--tp 2 splits the key/value heads of --model (1)" in refused(folders / "llama", tp=2)
     assert "model_type 'gpt2' declares none" in refused(folders / "gpt2", tp=2)
     assert "exceeds the 64 positions" in refused(folders / "llama", seq_len=128)
@@ -208,34 +211,48 @@ def test_two_ranks_train_a_folder(folders, tmp_path, email_corpus, layout, optio
     assert summary["world_size"] == 2 and summary["layout"] == layout and math.isfinite(summary["val_loss"])
 
 
+def folder_run(tmp_path, email_corpus, folder, out, *options, ranks=2):
+    """6 steps of ``tmp_path / folder`` on ``ranks`` forked gloo ranks (checkpoints at 3 and 6); its metrics."""
+    from dist_launch import forked_ranks
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    args = ["--model", str(tmp_path / folder), "--steps", "6", "--batch-size", "8", "--seq-len", "32"]
+    args += ["--eval-every", "3", "--eval-batches", "2", "--save-every", "3", "--data", email_corpus]
+    args += ["--cache-dir", str(tmp_path / "cache"), "--telemetry-every", "0", "--out", str(tmp_path / out)]
+    launch = (
+        forked_ranks(ranks, "-m", "fp8lm.cli", "train") if ranks > 1 else [sys.executable, "-m", "fp8lm.cli", "train"]
+    )
+    done = subprocess.run(
+        [*launch, *args, *options, "--no-progress"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+
+def resume_last_checkpoint(tmp_path, email_corpus, out, *options, ranks=2) -> bytes:
+    """``out`` resumed from its step-3 checkpoint to step 6 (in a copy); the copy's metrics' bytes."""
+    resumed = tmp_path / f"{out}_resumed"
+    shutil.copytree(tmp_path / out, resumed)
+    (resumed / "summary.json").unlink()
+    for p in (resumed / "checkpoints").glob("step_00000006*"):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    folder_run(tmp_path, email_corpus, "llama", resumed.name, *options, "--resume", ranks=ranks)
+    return (resumed / "metrics.jsonl").read_bytes()
+
+
 @pytest.mark.slow  # two ranks
 def test_tp2_splits_a_folder_by_its_declared_plan_and_trains_as_one_process(tmp_path, email_corpus):
     """--tp 2 on llama folders: q/k/v/gate/up column-wise, o/down row-wise (the plan transformers
     declares, base_model_tp_plan), the head vocabulary-sharded, or whole when tied to the embedding.
     At fp32 every step is one process's (loss, gradient norm, validation); at O2 (FP8 all-reduces)
     within 1 % of one process, and a resumed run continues byte for byte."""
-    from dist_launch import forked_ranks
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     for name, tie in (("llama", False), ("llama_tied", True)):  # 2 key/value heads: --tp 2 divides them
         llama_config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie).save_pretrained(
             tmp_path / name
         )
 
     def run(folder, out, *options, ranks=2):
-        args = ["--model", str(tmp_path / folder), "--steps", "6", "--batch-size", "8", "--seq-len", "32"]
-        args += ["--eval-every", "3", "--eval-batches", "2", "--save-every", "3", "--data", email_corpus]
-        args += ["--cache-dir", str(tmp_path / "cache"), "--telemetry-every", "0", "--out", str(tmp_path / out)]
-        launch = (
-            forked_ranks(ranks, "-m", "fp8lm.cli", "train")
-            if ranks > 1
-            else [sys.executable, "-m", "fp8lm.cli", "train"]
-        )
-        done = subprocess.run(
-            [*launch, *args, *options, "--no-progress"], env=env, capture_output=True, text=True, timeout=300
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return folder_run(tmp_path, email_corpus, folder, out, *options, ranks=ranks)
 
     for folder in ("llama", "llama_tied"):
         one = run(folder, f"{folder}_one", "--opt-level", "fp32", ranks=1)
@@ -250,10 +267,37 @@ def test_tp2_splits_a_folder_by_its_declared_plan_and_trains_as_one_process(tmp_
     assert summary["layout"] == "tensor parallel" and summary["world_size"] == 2
     assert abs(tp2[-1]["val_loss"] / one[-1]["val_loss"] - 1) < 1e-2
     assert tp2[-1]["comm_bytes_by_kind"]["all_reduce"] > 0
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "o2_tp2", resumed)
-    (resumed / "summary.json").unlink()
-    for p in (resumed / "checkpoints").glob("step_00000006*"):
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    run("llama", "resumed", "--opt-level", "O2", "--tp", "2", "--resume")
-    assert (resumed / "metrics.jsonl").read_bytes() == (tmp_path / "o2_tp2" / "metrics.jsonl").read_bytes()
+    resumed = resume_last_checkpoint(tmp_path, email_corpus, "o2_tp2", "--opt-level", "O2", "--tp", "2")
+    assert resumed == (tmp_path / "o2_tp2" / "metrics.jsonl").read_bytes()
+
+
+@pytest.mark.slow  # two ranks
+def test_pp2_splits_a_folder_into_stages_and_trains_as_one_process(tmp_path, email_corpus):
+    """--pp 2 on a llama folder: each stage runs the model's own backbone on its decoder layers (the
+    first embeds, the last norms and computes the head). At fp32 every step is one process's; at O2
+    (FP8 boundaries) within 1 % of one process; a resumed run continues byte for byte, and the
+    stages' checkpoint exports as the whole model."""
+    llama_config(num_hidden_layers=4).save_pretrained(tmp_path / "llama")
+    one = folder_run(tmp_path, email_corpus, "llama", "one", "--opt-level", "fp32", ranks=1)
+    pp2 = folder_run(tmp_path, email_corpus, "llama", "pp2", "--opt-level", "fp32", "--pp", "2")
+    for a, b in zip(one, pp2, strict=True):
+        for key in ("train_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+    assert pp2[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5)
+    from fp8lm.train.export import export_run, read_run_checkpoint, run_autocast, run_model
+
+    exported = export_run(tmp_path / "pp2", tmp_path / "exported")  # the stages' DCP folder, resharded
+    exported = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    state = read_run_checkpoint(tmp_path / "one")
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), run_autocast(state):
+        ours = run_model(state)(ids)[0].float()
+    assert torch.allclose(ours, exported(ids).logits.float(), atol=0.05)  # BF16 export of the same weights
+    one = folder_run(tmp_path, email_corpus, "llama", "o2_one", "--opt-level", "O2", ranks=1)
+    pp2 = folder_run(tmp_path, email_corpus, "llama", "o2_pp2", "--opt-level", "O2", "--pp", "2")
+    summary = json.loads((tmp_path / "o2_pp2" / "summary.json").read_text())
+    assert summary["layout"] == "pipeline parallel" and summary["world_size"] == 2
+    assert abs(pp2[-1]["val_loss"] / one[-1]["val_loss"] - 1) < 1e-2
+    assert pp2[-1]["comm_bytes_by_kind"]["send"] > 0
+    resumed = resume_last_checkpoint(tmp_path, email_corpus, "o2_pp2", "--opt-level", "O2", "--pp", "2")
+    assert resumed == (tmp_path / "o2_pp2" / "metrics.jsonl").read_bytes()

@@ -505,7 +505,7 @@ class TrainConfig:
         self._check_vocabulary(model)
         if self.model_folder() is None:
             self._check_split(model)
-        elif self.tp > 1:
+        elif self.tp > 1 or self.pp > 1:
             self._check_folder_split(model)
         self._check_memory(model)
 
@@ -530,7 +530,7 @@ class TrainConfig:
         check_tokenizer_options(self.tokenizer_spec(), self.vocab_size)
 
     def _check_model_folder(self) -> None:
-        """What a ``--model`` folder does not combine with: the built-in model's sizes, --pp (--tp: `_check_folder_split`)."""
+        """What a ``--model`` folder does not combine with: the built-in model's sizes (--tp, --pp: `_check_folder_split`)."""
         if self.model_folder() is None:
             return
         from .hf_model import require_transformers
@@ -545,11 +545,6 @@ class TrainConfig:
         if given:
             raise RunError(
                 f"--model {self.model!r} takes its architecture and sizes from its config.json: drop {', '.join(given)}"
-            )
-        if self.pp > 1:
-            raise RunError(
-                "--pp splits the built-in models (--arch gpt, llama) into stages; train a --model folder with --tp, "
-                "--fsdp or data parallelism under torchrun"
             )
 
     def _check_vocabulary(self, model: GPTConfig | HFModelConfig) -> None:
@@ -639,15 +634,20 @@ class TrainConfig:
 
     def _check_folder_split(self, model: HFModelConfig) -> None:
         """A --model folder under --tp: its architecture declares a plan fp8lm splits, and --tp
-        divides the sizes that plan splits."""
+        divides the sizes that plan splits; under --pp: a model its stages split."""
         from .hf_model import hf_config_object
-        from .hf_parallel import declared_plan, plan_sizes
+        from .hf_parallel import check_pipeline_split, declared_plan, plan_sizes
 
         config = hf_config_object(model.hf_config)
         try:
-            declared_plan(config)
+            if self.pp > 1:
+                check_pipeline_split(config, self.pp)
+            if self.tp > 1:
+                declared_plan(config)
         except ValueError as e:
             raise RunError(str(e)) from None
+        if self.tp == 1:
+            return
         for what, size in plan_sizes(config).items():
             if size % self.tp:
                 raise RunError(

@@ -23,16 +23,39 @@ are equal on every rank: nothing to sum), so the model's own forward (its attent
 rotary embeddings) runs unchanged; each attention layer computes its rank's heads, as
 ``transformers``' own tensor parallelism does. Each column-wise layer reduces its input's gradient
 itself: a layer's q, k and v projections send three all-reduces where a fused one would send one.
+
+**Pipeline stages** (`HFPipelineStage`, ``--pp N``): stage ``s`` of ``n`` holds an equal run of the
+decoder layers; the first also the token embedding, the last also the final norm and the head. Each
+stage runs the model's own backbone forward from ``inputs_embeds`` (the embedded tokens, or the
+hidden states the previous stage sent), so its attention mask and rotary embeddings are the
+model's; the backbone then holds this stage's layers only. This fits the decoders whose backbone
+is a token embedding, a list of layers and a norm, with positions applied inside the layers
+(`PIPELINE_MODEL_TYPES`: llama, mistral, qwen2, qwen3; not GPT-2, which adds a position embedding
+to ``inputs_embeds``, nor Gemma, which scales it). A head tied to the input embedding would be one weight on two stages and is
+refused. The boundaries are `fp8lm.train.gpt_parallel.PipelineStageModule`'s: FP8 carriers at the
+FP8 levels.
 """
 
 from __future__ import annotations
 
+import torch
+from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ..distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel
+from .gpt_parallel import PipelineStageModule, stage_blocks
 from .hf_model import HFCausalLM
 
-__all__ = ["declared_plan", "hf_tensor_parallel_plan", "plan_sizes", "PLAN_STYLES"]
+__all__ = [
+    "declared_plan",
+    "hf_tensor_parallel_plan",
+    "plan_sizes",
+    "PLAN_STYLES",
+    "HFPipelineStage",
+    "check_pipeline_split",
+    "pipeline_backbone",
+    "PIPELINE_MODEL_TYPES",
+]
 
 PLAN_STYLES = ("colwise", "rowwise")  # the declared styles fp8lm maps; others are refused
 
@@ -86,3 +109,108 @@ def plan_sizes(hf_config) -> dict[str, int]:
         "vocabulary": "vocab_size",
     }
     return {what: int(v) for what, key in names.items() if isinstance(v := getattr(hf_config, key, None), int)}
+
+
+# the backbone's modules that hold weights, when a pipeline can split it: the rest (a rotary
+# embedding) is computed from positions on every stage
+_BACKBONE_PARTS = ("embed_tokens", "layers", "norm")
+# the model types whose backbone forward takes inputs_embeds as they are (no scaling, no position
+# embedding added) and whose head's logits are the head's output (no soft-capping or scale):
+# checked against the whole model at fp32 (tests/test_train_hf_model.py, by hand for the others)
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def pipeline_backbone(hf: nn.Module) -> nn.Module:
+    """The backbone of the ``transformers`` causal LM ``hf`` that `HFPipelineStage` splits (module
+    docstring); a one-line ValueError naming what does not fit."""
+    base = hf.base_model
+    kind = getattr(hf.config, "model_type", type(hf).__name__)
+    weighted = sorted(name for name, m in base.named_children() if any(True for _ in m.parameters()))
+    fits = isinstance(getattr(base, "layers", None), nn.ModuleList) and not set(weighted) - set(_BACKBONE_PARTS)
+    if kind not in PIPELINE_MODEL_TYPES or not fits:
+        raise _not_split(kind)
+    return base
+
+
+def _not_split(kind: str) -> ValueError:
+    return ValueError(
+        f"--pp splits --model folders of model_type {', '.join(PIPELINE_MODEL_TYPES)} (a backbone of embed_tokens, "
+        f"layers and norm), not {kind!r}: train it with --tp, --fsdp or data parallelism"
+    )
+
+
+def check_pipeline_split(hf_config, pp: int) -> None:
+    """One-line ValueErrors for a model ``--pp pp`` cannot split: a model type other than
+    `PIPELINE_MODEL_TYPES`, a layer count it does not divide, a head tied to the input embedding, a
+    backbone other than `pipeline_backbone`'s (checked on a model built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    kind = getattr(hf_config, "model_type", type(hf_config).__name__)
+    if kind not in PIPELINE_MODEL_TYPES:
+        raise _not_split(kind)
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    if layers % pp:
+        raise ValueError(
+            f"--pp {pp} splits the {layers} decoder layers of --model, which it does not divide: pick a divisor"
+        )
+    if getattr(hf_config, "tie_word_embeddings", False):
+        raise ValueError(
+            "--pp would hold the --model head on the last stage and the input embedding it is tied to on the first "
+            "(tie_word_embeddings): set it false in config.json, or train with --tp, --fsdp or data parallelism"
+        )
+    with torch.device("meta"):
+        pipeline_backbone(AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False))
+
+
+class HFPipelineStage(PipelineStageModule):
+    """Stage ``stage`` of ``n_stages`` of the ``--model`` folder's ``model`` (module docstring), with
+    `PipelineStageModule`'s boundaries. Its parameters keep ``model``'s names (``hf.model.layers.5...``),
+    so its checkpoints load into any other layout."""
+
+    def __init__(
+        self,
+        model: HFCausalLM,
+        stage: int,
+        n_stages: int,
+        micro_batch: int,
+        wire_dtype: torch.dtype | None = None,
+        seq_shards: int = 1,
+    ) -> None:
+        nn.Module.__init__(self)
+        if seq_shards != 1:
+            raise ValueError(
+                "a --model folder's stages carry whole sequences: its tensor parallelism has no sequence split"
+            )
+        cfg, hf = model.config, model.hf
+        base = pipeline_backbone(hf)
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        self.boundary = (micro_batch, cfg.block_size, cfg.n_embd)
+        layers = nn.ModuleList()
+        for i in stage_blocks(len(base.layers), stage, n_stages):
+            layers.add_module(str(i), base.layers[i])  # keyed by the whole model's indices
+        base.layers = layers
+        if not self.first:
+            base.embed_tokens = None  # the backbone runs from inputs_embeds
+        if not self.last:
+            base.norm, hf.lm_head = nn.Identity(), None
+        self.hf = hf
+        self.set_wire(wire_dtype)
+        self.moe_aux_weight, self.moe_aux_loss = 0.0, None
+        self._aux_added: list[torch.Tensor] = []
+
+    @property
+    def blocks(self) -> nn.ModuleList:  # type: ignore[override]
+        """This stage's decoder layers (FSDP2 wraps them one by one)."""
+        return self.hf.base_model.layers
+
+    @property
+    def lm_head(self) -> nn.Module | None:  # type: ignore[override]
+        return self.hf.lm_head if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.hf.base_model
+        h = base.embed_tokens(x) if self.entry is None else self.entry(x)
+        h = base(inputs_embeds=h, use_cache=False).last_hidden_state
+        if self.exit is not None:
+            return self.exit(h)
+        return self.hf.lm_head(h)

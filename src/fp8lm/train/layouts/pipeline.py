@@ -1,5 +1,5 @@
 """Pipeline parallelism on the mesh's ``pp`` dimension (``--pp N``): this rank holds one stage of
-the GPT (`PipelineStageModule`: FP8 carriers at the FP8 levels, plain boundaries in BF16 at bf16
+the GPT (`PipelineStageModule`; a ``--model`` folder's: `fp8lm.train.hf_parallel.HFPipelineStage`: FP8 carriers at the FP8 levels, plain boundaries in BF16 at bf16
 and in precision annealing's BF16 steps, FP32 at fp32) and its optimizer state; a step is one ``ScheduleGPipe`` step over the shape's
 micro-batches (sends and receives counted by `FP8PipelineStage`), then `GradientSync` sums the
 norms' partial gradients over ``tp`` (3-D) and averages every gradient over the data-parallel
@@ -33,6 +33,8 @@ from ...distributed.comm import counted_functional_collectives
 from ...distributed.expert_parallel import expert_parameters
 from ...distributed.pipeline import FP8PipelineStage
 from ..gpt_parallel import PipelineStageModule
+from ..hf_model import HFCausalLM
+from ..hf_parallel import HFPipelineStage
 from .base import Layout, LayoutSpec, PipelineShape, ShardedCheckpoints, gradient_sync, point_optimizer_at
 from .expert import split_experts
 from .fsdp import shard_blocks_and_model
@@ -67,7 +69,10 @@ class PipelineLayout(ShardedCheckpoints, Layout):
             apply_tensor_parallel(model, spec, mesh)
         wire = None if spec.fp8 else (torch.bfloat16 if spec.opt_level == "bf16" else torch.float32)
         micro = spec.pipeline.local_batch // spec.pipeline.micro_batches
-        stage = PipelineStageModule(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire, seq_shards=ranks.tp)
+        if isinstance(model, HFCausalLM):  # a --model folder: whole sequences on every tp rank
+            stage = HFPipelineStage(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire)
+        else:
+            stage = PipelineStageModule(model, mesh["pp"].get_local_rank(), ranks.pp, micro, wire, seq_shards=ranks.tp)
         experts = {"experts": expert_parameters(stage), "ep_groups": ep_groups} if ep_groups else {}
         sync = gradient_sync(spec, ranks, mesh, **experts)
         if spec.fsdp:
