@@ -240,6 +240,22 @@ def resume_last_checkpoint(tmp_path, email_corpus, out, *options, ranks=2) -> by
     return (resumed / "metrics.jsonl").read_bytes()
 
 
+def test_the_tp_plan_sums_a_shared_inputs_gradient_once(folders):
+    """q, k and v (gate and up) read one input: its gradient is summed over the ranks once, at the
+    attention layer (the MLP), not by each projection; not where the module holds other weights."""
+    from fp8lm.distributed.tensor_parallel import SharedReplicatedInput
+    from fp8lm.train.hf_model import HFCausalLM, folder_model_config
+    from fp8lm.train.hf_parallel import declared_plan, hf_tensor_parallel_plan, shared_inputs
+
+    model = HFCausalLM(folder_model_config(str(folders / "llama")), str(folders / "llama"))
+    declared = declared_plan(model.hf.config)
+    assert shared_inputs(model, declared) == ["layers.*.self_attn", "layers.*.mlp"]
+    plan = hf_tensor_parallel_plan(model, fp8=True)
+    assert isinstance(plan["hf.model.layers.*.self_attn"], SharedReplicatedInput) and plan["hf.model.layers.*.mlp"].fp8
+    without_o = {k: v for k, v in declared.items() if not k.endswith("o_proj")}  # o_proj would meet a DTensor
+    assert shared_inputs(model, without_o) == ["layers.*.mlp"]
+
+
 @pytest.mark.slow  # two ranks
 def test_tp2_splits_a_folder_by_its_declared_plan_and_trains_as_one_process(tmp_path, email_corpus):
     """--tp 2 on llama folders: q/k/v/gate/up column-wise, o/down row-wise (the plan transformers

@@ -22,7 +22,7 @@ from .mesh import ParallelDims, ParallelMesh
 from .reduction import SCALINGS, BF16Reduction, FlatLayout, FP8Reduction, LocalScaling, SharedScaling, sent_in_bf16
 from .runtime import is_distributed, rank, setup, shutdown, world_size
 from .sequence_moe import SequenceExpertParallelMoE, SequenceParallelMoE, sequence_parallel_experts
-from .tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
+from .tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput, SharedReplicatedInput
 from .wrap import wrap
 from .zero import FP8ZeroOptimizer, partition_by_size
 
@@ -72,4 +72,5 @@ __all__ = [
     "FP8ColwiseParallel",
     "FP8RowwiseParallel",
     "PrepareFP8ModuleInput",
+    "SharedReplicatedInput",
 ]

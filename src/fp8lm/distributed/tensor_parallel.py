@@ -16,6 +16,11 @@
   ``Shard(d) -> Replicate()`` is the E4M3 all-gather (for tensor-parallel consumers, whose input
   gradients are partial sums: backward reduce-scatters them), ``Replicate() -> Shard(d)`` a local
   slice whose gradient is all-gathered as E5M2.
+- `SharedReplicatedInput`: a module whose replicated input feeds several column-wise layers (an
+  attention layer's separate q, k and v projections, an MLP's gate and up) hands it to them as one
+  replicated DTensor, so their partial input gradients are added up first and summed over the
+  ranks once (one FP8 all-reduce, or torch's in the gradient's dtype at bf16/fp32) rather than
+  once per layer.
 
 A layer switched to high precision (``high_precision``: a fallback, precision annealing) gets and
 gives its activations and gradients in their own dtype instead, the reductions summed in FP32
@@ -42,7 +47,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
 from ..grad import QuantizeGrad
@@ -63,6 +68,7 @@ __all__ = [
     "FP8ColwiseParallel",
     "FP8RowwiseParallel",
     "PrepareFP8ModuleInput",
+    "SharedReplicatedInput",
     "ChunkedColwiseParallel",
     "CastPrepareModuleInput",
     "layers_recipe",
@@ -274,6 +280,41 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
 
     def __repr__(self) -> str:
         return "PrepareFP8ModuleInput" + super().__repr__().removeprefix("PrepareModuleInput")
+
+
+class SharedReplicatedInput(ParallelStyle):
+    """The replicated input of a module that feeds it to several column-wise layers (module
+    docstring), as a ``Replicate()`` DTensor: the layers (`FP8ColwiseParallel`, torch's
+    `ColwiseParallel`) leave the gradient of a DTensor input to its producer, which sums it over the
+    ranks once: with the FP8 all-reduce when ``fp8`` (in FP32 while every FP8 layer of the module is
+    switched to high precision), else torch's all-reduce of the partial DTensor gradient. The input
+    is the keyword ``kwarg`` when the module is called with it, else the first positional one."""
+
+    def __init__(self, *, fp8: bool, kwarg: str = "hidden_states") -> None:
+        super().__init__()
+        self.fp8, self.kwarg = fp8, kwarg
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        layers = tuple(m for m in module.modules() if isinstance(m, FP8Linear))
+
+        def share(x):
+            if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
+                return x
+            if self.fp8:
+                x = copy_to_parallel_region(x, group, fp8=not _switched(layers))
+            return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+
+        def prepare_input(mod, args, kwargs):
+            if self.kwarg in kwargs:
+                return args, {**kwargs, self.kwarg: share(kwargs[self.kwarg])}
+            return (share(args[0]), *args[1:]), kwargs
+
+        module.register_forward_pre_hook(prepare_input, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"SharedReplicatedInput(fp8={self.fp8}, kwarg={self.kwarg!r})"
 
 
 class ChunkedColwiseParallel(ColwiseParallel):

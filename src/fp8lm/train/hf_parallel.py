@@ -21,8 +21,11 @@ reductions in the level's dtype). This is Megatron-LM's tensor parallelism witho
 parallelism: embeddings, norms and the residual stream stay whole on every rank (their gradients
 are equal on every rank: nothing to sum), so the model's own forward (its attention mask, its
 rotary embeddings) runs unchanged; each attention layer computes its rank's heads, as
-``transformers``' own tensor parallelism does. Each column-wise layer reduces its input's gradient
-itself: a layer's q, k and v projections send three all-reduces where a fused one would send one.
+``transformers``' own tensor parallelism does. Where one input feeds several column-wise layers
+(an attention layer's q, k and v, an MLP's gate and up: `shared_inputs`), the module hands it to
+them as one replicated DTensor (`fp8lm.distributed.tensor_parallel.SharedReplicatedInput`), so
+their input gradients are added first and summed over the ranks once: two sums of the input
+gradient per decoder layer rather than five.
 
 **Pipeline stages** (`HFPipelineStage`, ``--pp N``): stage ``s`` of ``n`` holds an equal run of the
 decoder layers; the first also the token embedding, the last also the final norm and the head. Each
@@ -38,17 +41,20 @@ FP8 levels.
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from ..distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel
+from ..distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, SharedReplicatedInput
 from .gpt_parallel import PipelineStageModule, stage_blocks
 from .hf_model import HFCausalLM
 
 __all__ = [
     "declared_plan",
     "hf_tensor_parallel_plan",
+    "shared_inputs",
     "plan_sizes",
     "PLAN_STYLES",
     "HFPipelineStage",
@@ -93,10 +99,38 @@ def hf_tensor_parallel_plan(model: HFCausalLM, fp8: bool) -> dict[str, ParallelS
     hf = model.hf
     declared = declared_plan(hf.config)
     prefix = f"hf.{hf.base_model_prefix}."
-    plan = {prefix + pattern: _style(kind, fp8) for pattern, kind in declared.items()}
+    plan: dict[str, ParallelStyle] = {
+        prefix + p: SharedReplicatedInput(fp8=fp8) for p in shared_inputs(model, declared)
+    }
+    plan |= {prefix + pattern: _style(kind, fp8) for pattern, kind in declared.items()}
     if hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:
         plan["hf.lm_head"] = _style("colwise", fp8, head=True)  # a tied head stays whole, as its embedding
     return plan
+
+
+def shared_inputs(model: HFCausalLM, declared: dict[str, str]) -> list[str]:
+    """The modules (as patterns of ``declared``) whose input feeds two or more of their column-wise
+    layers: an attention layer's q, k and v, an MLP's gate and up. Their input gradient is summed
+    over the ranks once (`SharedReplicatedInput`). Only where every child holding weights is in the
+    plan, so that nothing else in the module meets the replicated DTensor (a module with more, a
+    norm on the projections' outputs say, keeps one sum per column-wise layer)."""
+    children: dict[str, dict[str, str]] = {}  # parent pattern -> {child: declared style}
+    for pattern, kind in declared.items():
+        parent, _, child = pattern.rpartition(".")
+        if parent:
+            children.setdefault(parent, {})[child] = kind
+    modules = dict(model.hf.base_model.named_modules())
+    shared = []
+    for parent, kinds in children.items():
+        if sum(kind == "colwise" for kind in kinds.values()) < 2:
+            continue
+        instance = next((m for name, m in modules.items() if fnmatch.fnmatchcase(name, parent)), None)
+        weighted = {
+            name for name, m in (instance.named_children() if instance else ()) if any(True for _ in m.parameters())
+        }
+        if instance is not None and weighted <= set(kinds):
+            shared.append(parent)
+    return shared
 
 
 def plan_sizes(hf_config) -> dict[str, int]:
