@@ -22,6 +22,12 @@ keeps each run's exports there (``DIR/NAME-hf``, ``DIR/NAME-hf-fp8``, ``DIR/NAME
 with ``DIR/NAME-reference.json``: the held-out windows, their targets, fp8lm's most likely next
 token at each position and its log-probability of the target, which
 ``benchmarks/vllm_serve.py`` compares a serving engine against.
+
+Two more references against the FP32 GPT say where the gap to fp8lm's model comes from:
+``bf16_vs_high_precision``, the same GPT under BF16 autocast without FP8 (BF16 arithmetic alone),
+and with ``--fp8-recipes NAME,...`` ``recipes_vs_high_precision``: the checkpoint's weights run
+with each named recipe's FP8 casts at the run's level (scales from each batch; a recipe with finer
+scales than the run's shows whether the inputs' scales are what costs agreement).
 """
 
 from __future__ import annotations
@@ -46,8 +52,10 @@ from fp8lm.train.export import (  # noqa: E402
     full_weights,
     read_run_checkpoint,
     run_autocast,
+    run_initialize_options,
     run_model,
 )
+from fp8lm.train.hf_model import build_model  # noqa: E402
 from fp8lm.train.model import GPT  # noqa: E402
 
 
@@ -81,7 +89,20 @@ def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
     }
 
 
-def measure(run: Path, tokens: int, work: Path, w8a8: bool = False, name: str | None = None) -> dict:
+def recipe_model(state: dict, weights: dict, recipe: str):
+    """The checkpoint's model at its level with ``recipe``'s FP8 casts (no saved scaling state)."""
+    from fp8lm import Recipe, initialize
+
+    model = build_model(state["model_config"])
+    model.load_state_dict(weights)
+    options = {**run_initialize_options(state), "recipe": Recipe.from_name(recipe)}
+    model, _ = initialize(model, None, state["opt_level"], **options)
+    return model.eval()
+
+
+def measure(
+    run: Path, tokens: int, work: Path, w8a8: bool = False, name: str | None = None, recipes: tuple[str, ...] = ()
+) -> dict:
     from transformers import AutoModelForCausalLM
 
     state = read_run_checkpoint(run)
@@ -103,6 +124,13 @@ def measure(run: Path, tokens: int, work: Path, w8a8: bool = False, name: str | 
         "high_precision_perplexity": compare(high_precision, high_precision, targets, tokens)["perplexity"],
         "high_precision": compare(reference, high_precision, targets, tokens),
     }
+    with run_autocast(state):
+        # as "high_precision" compares fp8lm's model: KL(this || FP32), the FP32 GPT's perplexity
+        result["bf16_vs_high_precision"] = compare(logits_of(plain, inputs), high_precision, targets, tokens)
+        result["recipes_vs_high_precision"] = {
+            recipe: compare(logits_of(recipe_model(state, weights, recipe), inputs), high_precision, targets, tokens)
+            for recipe in recipes
+        }
     exports = {fmt: (fmt, "bf16") for fmt in FORMATS}
     if w8a8 and getattr(state["model_config"], "arch", None) == "llama":
         exports["hf-fp8-w8a8"] = ("hf-fp8", "fp8")
@@ -141,17 +169,22 @@ def main() -> None:
         help="fp8: also the W8A8 hf-fp8 export of --arch llama runs (default: %(default)s)",
     )
     parser.add_argument("--serve-dir", help="keep the hf-fp8 exports and fp8lm's predictions here (a new folder)")
+    parser.add_argument("--fp8-recipes", default="", help="also these recipes' FP8 casts against FP32 (NAME,...)")
     args = parser.parse_args()
     runs = dict(spec.split("=", 1) for spec in args.run)
     w8a8 = args.input_activations == "fp8"
+    recipes = tuple(r for r in args.fp8_recipes.split(",") if r)
     if args.serve_dir:
         Path(args.serve_dir).mkdir(parents=True, exist_ok=False)
         results = {
-            name: measure(Path(path), args.tokens, Path(args.serve_dir), w8a8, name) for name, path in runs.items()
+            name: measure(Path(path), args.tokens, Path(args.serve_dir), w8a8, name, recipes)
+            for name, path in runs.items()
         }
     else:
         with tempfile.TemporaryDirectory() as work:
-            results = {name: measure(Path(path), args.tokens, Path(work), w8a8) for name, path in runs.items()}
+            results = {
+                name: measure(Path(path), args.tokens, Path(work), w8a8, recipes=recipes) for name, path in runs.items()
+            }
     print(json.dumps({"machine": machine(), "runs": results}, indent=1))
 
 

@@ -69,10 +69,15 @@ def test_the_reference_export_agreement_writes_lines_up_with_the_scoring(
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "export_agreement.py"
     serve = tmp_path / "serve"
     args = ["--run", f"tiny={run}", "--tokens", "40", "--input-activations", "fp8", "--serve-dir", str(serve)]
+    args += ["--fp8-recipes", "rowwise"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "hf-fp8-w8a8" in json.loads(proc.stdout)["runs"]["tiny"]
+    measured = json.loads(proc.stdout)["runs"]["tiny"]
+    assert "hf-fp8-w8a8" in measured
+    # the run's own recipe rebuilt with fresh scales is fp8lm's model (rowwise keeps no scaling state)
+    assert measured["recipes_vs_high_precision"]["rowwise"] == measured["high_precision"]
+    assert 0.5 < measured["bf16_vs_high_precision"]["agreement"] <= 1.0
     assert {p.name for p in serve.iterdir()} >= {"tiny-hf-fp8", "tiny-hf-fp8-w8a8", "tiny-reference.json"}
     reference = json.loads((serve / "tiny-reference.json").read_text())
     inputs, targets = torch.tensor(reference["inputs"]), torch.tensor(reference["targets"])
