@@ -27,7 +27,8 @@ Two more references against the FP32 GPT say where the gap to fp8lm's model come
 ``bf16_vs_high_precision``, the same GPT under BF16 autocast without FP8 (BF16 arithmetic alone),
 and with ``--fp8-recipes NAME,...`` ``recipes_vs_high_precision``: the checkpoint's weights run
 with each named recipe's FP8 casts at the run's level (scales from each batch; a recipe with finer
-scales than the run's shows whether the inputs' scales are what costs agreement).
+scales than the run's shows whether the inputs' scales are what costs agreement);
+``high_precision_top2_gap_quantiles``: how close the FP32 GPT's two most likely next tokens are.
 """
 
 from __future__ import annotations
@@ -124,6 +125,11 @@ def measure(
         "high_precision_perplexity": compare(high_precision, high_precision, targets, tokens)["perplexity"],
         "high_precision": compare(reference, high_precision, targets, tokens),
     }
+    # how near ties the FP32 GPT's predictions are: the gap between its two most likely tokens'
+    # log-probabilities (nats), at a few quantiles over the positions
+    top2 = high_precision.reshape(-1, high_precision.shape[-1])[:tokens].topk(2, dim=-1).values
+    gaps = top2[:, 0] - top2[:, 1]
+    result["high_precision_top2_gap_quantiles"] = {str(q): gaps.quantile(q).item() for q in (0.01, 0.02, 0.05)}
     with run_autocast(state):
         # as "high_precision" compares fp8lm's model: KL(this || FP32), the FP32 GPT's perplexity
         result["bf16_vs_high_precision"] = compare(logits_of(plain, inputs), high_precision, targets, tokens)
