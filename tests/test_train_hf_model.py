@@ -254,23 +254,31 @@ def test_the_tp_plan_sums_a_shared_inputs_gradient_once(folders):
     assert isinstance(plan["hf.model.layers.*.self_attn"], SharedReplicatedInput) and plan["hf.model.layers.*.mlp"].fp8
     without_o = {k: v for k, v in declared.items() if not k.endswith("o_proj")}  # o_proj would meet a DTensor
     assert shared_inputs(model, without_o) == ["layers.*.mlp"]
+    # a replicated module with summed gradients is split as a norm over each head's features
+    model.hf.config.base_model_tp_plan = {**declared, "layers.*.input_layernorm": "replicated_with_grad_allreduce"}
+    with pytest.raises(ValueError, match=r"as a norm over each head's 16 features, but its weights are \[\(32,\)\]"):
+        hf_tensor_parallel_plan(model, fp8=True)
 
 
 @pytest.mark.slow  # two ranks
 def test_tp2_splits_a_folder_by_its_declared_plan_and_trains_as_one_process(tmp_path, email_corpus):
     """--tp 2 on llama folders: q/k/v/gate/up column-wise, o/down row-wise (the plan transformers
-    declares, base_model_tp_plan), the head vocabulary-sharded, or whole when tied to the embedding.
+    declares, base_model_tp_plan), the head vocabulary-sharded, or whole when tied to the embedding;
+    and on a qwen3 folder, whose per-head q and k norms keep whole weights with summed gradients.
     At fp32 every step is one process's (loss, gradient norm, validation); at O2 (FP8 all-reduces)
     within 1 % of one process, and a resumed run continues byte for byte."""
     for name, tie in (("llama", False), ("llama_tied", True)):  # 2 key/value heads: --tp 2 divides them
         llama_config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie).save_pretrained(
             tmp_path / name
         )
+    sizes = dict(hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, head_dim=8)
+    sizes |= dict(num_key_value_heads=2, max_position_embeddings=64, vocab_size=256, tie_word_embeddings=False)
+    transformers.Qwen3Config(**sizes, bos_token_id=None, eos_token_id=None).save_pretrained(tmp_path / "qwen3")
 
     def run(folder, out, *options, ranks=2):
         return folder_run(tmp_path, email_corpus, folder, out, *options, ranks=ranks)
 
-    for folder in ("llama", "llama_tied"):
+    for folder in ("llama", "llama_tied", "qwen3"):
         one = run(folder, f"{folder}_one", "--opt-level", "fp32", ranks=1)
         tp2 = run(folder, f"{folder}_tp2", "--opt-level", "fp32", "--tp", "2")
         for a, b in zip(one, tp2, strict=True):

@@ -636,14 +636,14 @@ class TrainConfig:
         """A --model folder under --tp: its architecture declares a plan fp8lm splits, and --tp
         divides the sizes that plan splits; under --pp: a model its stages split."""
         from .hf_model import hf_config_object
-        from .hf_parallel import check_pipeline_split, declared_plan, plan_sizes
+        from .hf_parallel import check_pipeline_split, check_tensor_split, plan_sizes
 
         config = hf_config_object(model.hf_config)
         try:
             if self.pp > 1:
                 check_pipeline_split(config, self.pp)
             if self.tp > 1:
-                declared_plan(config)
+                check_tensor_split(config)
         except ValueError as e:
             raise RunError(str(e)) from None
         if self.tp == 1:

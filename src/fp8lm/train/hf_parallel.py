@@ -2,19 +2,18 @@
 architecture (the config class's ``base_model_tp_plan``: ``"colwise"`` and ``"rowwise"`` layers,
 as ``from_pretrained(tp_plan="auto")`` reads it), with fp8lm's FP8 styles.
 
-=====================  =============================================================================
-declared               style
-=====================  =============================================================================
-``"colwise"``          `FP8ColwiseParallel`: the weight's rows (and bias) sharded; the replicated
-                       input's gradient summed over the ranks with the FP8 all-reduce; the local
-                       output (this rank's heads, its slice of the MLP's hidden features)
-``"rowwise"``          `FP8RowwiseParallel`: the weight's columns sharded; the partial outputs
-                       summed with the FP8 all-reduce, replicated
-``lm_head``            `FP8ColwiseParallel` ``use_local_output=False``: vocabulary-sharded logits
-                       as a DTensor, the loss under torch's ``loss_parallel()`` (never gathered);
-                       a head tied to the input embedding stays whole on every rank, as the
-                       embedding does
-=====================  =============================================================================
+- ``"colwise"``: `FP8ColwiseParallel`, the weight's rows (and bias) sharded; the replicated
+  input's gradient summed over the ranks with the FP8 all-reduce; the local output (this rank's
+  heads, its slice of the MLP's hidden features).
+- ``"rowwise"``: `FP8RowwiseParallel`, the weight's columns sharded; the partial outputs summed
+  with the FP8 all-reduce, replicated.
+- ``"replicated_with_grad_allreduce"``: torch's `SequenceParallel` on the heads dimension. A norm
+  over each head's features (qwen3's q and k norms) runs on this rank's heads with its whole
+  weight, whose partial gradient is summed over the ranks after backward
+  (`fp8lm.distributed.grad_sync`, as the sequence-parallel norms' are).
+- ``lm_head``: `FP8ColwiseParallel` ``use_local_output=False``, vocabulary-sharded logits as a
+  DTensor, the loss under torch's ``loss_parallel()`` (never gathered); a head tied to the input
+  embedding stays whole on every rank, as the embedding does.
 
 At bf16 and fp32 torch's own ``ColwiseParallel`` / ``RowwiseParallel`` (the activations and
 reductions in the level's dtype). This is Megatron-LM's tensor parallelism without sequence
@@ -45,7 +44,7 @@ import fnmatch
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ..distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, SharedReplicatedInput
 from .gpt_parallel import PipelineStageModule, stage_blocks
@@ -53,6 +52,7 @@ from .hf_model import HFCausalLM
 
 __all__ = [
     "declared_plan",
+    "check_tensor_split",
     "hf_tensor_parallel_plan",
     "shared_inputs",
     "plan_sizes",
@@ -63,7 +63,7 @@ __all__ = [
     "PIPELINE_MODEL_TYPES",
 ]
 
-PLAN_STYLES = ("colwise", "rowwise")  # the declared styles fp8lm maps; others are refused
+PLAN_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")  # those fp8lm maps; others are refused
 
 
 def declared_plan(hf_config) -> dict[str, str]:
@@ -86,6 +86,10 @@ def declared_plan(hf_config) -> dict[str, str]:
 
 
 def _style(kind: str, fp8: bool, head: bool = False) -> ParallelStyle:
+    if kind == "replicated_with_grad_allreduce":
+        # a norm over each head's features (qwen3's q_norm, k_norm), on (batch, seq, heads, head_dim):
+        # this rank's heads, the weight whole, its gradient partial until GradientSync sums it
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if kind == "colwise":
         if fp8:
             return FP8ColwiseParallel(use_local_output=not head)
@@ -103,9 +107,42 @@ def hf_tensor_parallel_plan(model: HFCausalLM, fp8: bool) -> dict[str, ParallelS
         prefix + p: SharedReplicatedInput(fp8=fp8) for p in shared_inputs(model, declared)
     }
     plan |= {prefix + pattern: _style(kind, fp8) for pattern, kind in declared.items()}
+    _check_head_norms(hf, declared)
     if hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:
         plan["hf.lm_head"] = _style("colwise", fp8, head=True)  # a tied head stays whole, as its embedding
     return plan
+
+
+def check_tensor_split(hf_config) -> None:
+    """One-line ValueErrors for a model whose declared plan ``--tp`` does not split (`declared_plan`,
+    and each ``"replicated_with_grad_allreduce"`` module a norm over each head's features: checked on
+    a model built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    declared = declared_plan(hf_config)
+    if "replicated_with_grad_allreduce" in declared.values():
+        with torch.device("meta"):
+            _check_head_norms(AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False), declared)
+
+
+def _check_head_norms(hf: nn.Module, declared: dict[str, str]) -> None:
+    """A one-line ValueError unless each ``"replicated_with_grad_allreduce"`` module of ``hf`` is
+    what its style assumes: a norm over each head's features (one weight of ``head_dim`` values)."""
+    config = hf.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    modules = dict(hf.base_model.named_modules())
+    for pattern, kind in declared.items():
+        if kind != "replicated_with_grad_allreduce":
+            continue
+        for name, module in modules.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                shapes = [tuple(p.shape) for p in module.parameters()]
+                if shapes != [(head_dim,)]:
+                    raise ValueError(
+                        f"--tp splits {pattern} (replicated_with_grad_allreduce) as a norm over each head's "
+                        f"{head_dim} features, but its weights are {shapes}: train this model with --fsdp or data parallelism"
+                    )
+                break
 
 
 def shared_inputs(model: HFCausalLM, declared: dict[str, str]) -> list[str]:
