@@ -1,6 +1,6 @@
 """A ``--model`` folder's tensor-parallel plan: the one ``transformers`` declares for its
-architecture (the config class's ``base_model_tp_plan``: ``"colwise"`` and ``"rowwise"`` layers,
-as ``from_pretrained(tp_plan="auto")`` reads it), with fp8lm's FP8 styles.
+architecture (the config class's ``base_model_tp_plan``, as ``from_pretrained(tp_plan="auto")``
+reads it), with fp8lm's FP8 styles, and its pipeline stages.
 
 - ``"colwise"``: `FP8ColwiseParallel`, the weight's rows (and bias) sharded; the replicated
   input's gradient summed over the ranks with the FP8 all-reduce; the local output (this rank's
@@ -33,9 +33,9 @@ hidden states the previous stage sent), so its attention mask and rotary embeddi
 model's; the backbone then holds this stage's layers only. This fits the decoders whose backbone
 is a token embedding, a list of layers and a norm, with positions applied inside the layers
 (`PIPELINE_MODEL_TYPES`: llama, mistral, qwen2, qwen3; not GPT-2, which adds a position embedding
-to ``inputs_embeds``, nor Gemma, which scales it). A head tied to the input embedding would be one weight on two stages and is
-refused. The boundaries are `fp8lm.train.gpt_parallel.PipelineStageModule`'s: FP8 carriers at the
-FP8 levels.
+to ``inputs_embeds``, nor Gemma, which scales it). A head tied to the input embedding would be one
+weight on two stages and is refused. The boundaries are
+`fp8lm.train.gpt_parallel.PipelineStageModule`'s: FP8 carriers at the FP8 levels.
 """
 
 from __future__ import annotations
@@ -102,12 +102,12 @@ def hf_tensor_parallel_plan(model: HFCausalLM, fp8: bool) -> dict[str, ParallelS
     `fp8lm.initialize`), by module names of ``model``."""
     hf = model.hf
     declared = declared_plan(hf.config)
+    _check_head_norms(hf, declared)
     prefix = f"hf.{hf.base_model_prefix}."
     plan: dict[str, ParallelStyle] = {
         prefix + p: SharedReplicatedInput(fp8=fp8) for p in shared_inputs(model, declared)
     }
     plan |= {prefix + pattern: _style(kind, fp8) for pattern, kind in declared.items()}
-    _check_head_norms(hf, declared)
     if hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:
         plan["hf.lm_head"] = _style("colwise", fp8, head=True)  # a tied head stays whole, as its embedding
     return plan
@@ -162,10 +162,10 @@ def shared_inputs(model: HFCausalLM, declared: dict[str, str]) -> list[str]:
         if sum(kind == "colwise" for kind in kinds.values()) < 2:
             continue
         instance = next((m for name, m in modules.items() if fnmatch.fnmatchcase(name, parent)), None)
-        weighted = {
-            name for name, m in (instance.named_children() if instance else ()) if any(True for _ in m.parameters())
-        }
-        if instance is not None and weighted <= set(kinds):
+        if instance is None:
+            continue
+        weighted = {name for name, m in instance.named_children() if any(True for _ in m.parameters())}
+        if weighted <= set(kinds):
             shared.append(parent)
     return shared
 
@@ -258,7 +258,9 @@ class HFPipelineStage(PipelineStageModule):
         self.boundary = (micro_batch, cfg.block_size, cfg.n_embd)
         layers = nn.ModuleList()
         for i in stage_blocks(len(base.layers), stage, n_stages):
-            layers.add_module(str(i), base.layers[i])  # keyed by the whole model's indices
+            # keyed by the whole model's indices (the parameters' names); the backbone's own loop
+            # (``self.layers[: num_hidden_layers]``) goes by insertion order: this stage's layers
+            layers.add_module(str(i), base.layers[i])
         base.layers = layers
         if not self.first:
             base.embed_tokens = None  # the backbone runs from inputs_embeds
