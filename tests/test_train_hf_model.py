@@ -298,16 +298,20 @@ def test_tp2_splits_a_folder_by_its_declared_plan_and_trains_as_one_process(tmp_
 @pytest.mark.slow  # two ranks
 def test_pp2_splits_a_folder_into_stages_and_trains_as_one_process(tmp_path, email_corpus):
     """--pp 2 on a llama folder: each stage runs the model's own backbone on its decoder layers (the
-    first embeds, the last norms and computes the head). At fp32 every step is one process's; at O2
-    (FP8 boundaries) within 1 % of one process; a resumed run continues byte for byte, and the
-    stages' checkpoint exports as the whole model."""
-    llama_config(num_hidden_layers=4).save_pretrained(tmp_path / "llama")
+    first embeds, the last norms and computes the head). At fp32 every step is one process's, with
+    --tp 2 inside each stage too; at O2 (FP8 boundaries) within 1 % of one process; a resumed run
+    continues byte for byte, and the stages' checkpoint exports as the whole model."""
+    llama_config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path / "llama")
     one = folder_run(tmp_path, email_corpus, "llama", "one", "--opt-level", "fp32", ranks=1)
     pp2 = folder_run(tmp_path, email_corpus, "llama", "pp2", "--opt-level", "fp32", "--pp", "2")
-    for a, b in zip(one, pp2, strict=True):
-        for key in ("train_loss", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
-    assert pp2[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5)
+    pp2_tp2 = folder_run(
+        tmp_path, email_corpus, "llama", "pp2_tp2", "--opt-level", "fp32", "--pp", "2", "--tp", "2", ranks=4
+    )
+    for split in (pp2, pp2_tp2):  # stages, and stages split by the declared plan (3-D without data parallelism)
+        for a, b in zip(one, split, strict=True):
+            for key in ("train_loss", "grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+        assert split[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5)
     from fp8lm.train.export import export_run, read_run_checkpoint, run_autocast, run_model
 
     exported = export_run(tmp_path / "pp2", tmp_path / "exported")  # the stages' DCP folder, resharded
