@@ -178,8 +178,64 @@ def functional_checks(rank, world) -> dict:
     }
 
 
+def shared_checks(rank, world) -> dict:
+    """Two column-wise projections of one input, each summing its own input gradient (FP8), and
+    under `SharedReplicatedInput` (FP8, called by keyword; and torch's fp32 styles, positionally);
+    the input gradients and what each sent, next to the same projections in one process."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from fp8lm.distributed import FP8ColwiseParallel, SharedReplicatedInput, comm_stats, reset_comm_stats
+    from fp8lm.distributed.comm import counted_functional_collectives
+    from fp8lm.nn.convert import convert_linears
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = nn.Linear(EMBD, EMBD), nn.Linear(EMBD, EMBD)
+
+        def forward(self, hidden_states):
+            return self.q(hidden_states), self.k(hidden_states)
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(3)
+    x, gq, gk = (torch.randn(BATCH, SEQ, EMBD, generator=g) for _ in range(3))
+    cols = slice(rank * EMBD // world, (rank + 1) * EMBD // world)
+
+    def run(model, keyword: bool) -> tuple[torch.Tensor, dict]:
+        inp = x.clone().requires_grad_()
+        reset_comm_stats()
+        with counted_functional_collectives():
+            q, k = model(hidden_states=inp) if keyword else model(inp)
+            if q.shape[-1] != EMBD:  # a rank's columns
+                gq_, gk_ = gq[..., cols], gk[..., cols]
+            else:
+                gq_, gk_ = gq, gk
+            ((q * gq_).sum() + (k * gk_).sum()).backward()
+        return inp.grad.clone(), comm_stats()
+
+    torch.manual_seed(0)
+    plain = Pair()
+    fp8 = copy.deepcopy(plain)
+    convert_linears(fp8)
+    res = {}
+    res["fp8_ref_grad"], _ = run(copy.deepcopy(fp8), keyword=True)
+    res["fp32_grad"], _ = run(copy.deepcopy(plain), keyword=True)
+    per_layer = parallelize_module(copy.deepcopy(fp8), mesh, {"q": FP8ColwiseParallel(), "k": FP8ColwiseParallel()})
+    res["per_layer_grad"], res["per_layer_stats"] = run(per_layer, keyword=True)
+    shared = parallelize_module(copy.deepcopy(fp8), mesh, {"q": FP8ColwiseParallel(), "k": FP8ColwiseParallel()})
+    parallelize_module(shared, mesh, SharedReplicatedInput(fp8=True))
+    res["shared_grad"], res["shared_stats"] = run(shared, keyword=True)
+    torch_styles = parallelize_module(copy.deepcopy(plain), mesh, {"q": ColwiseParallel(), "k": ColwiseParallel()})
+    parallelize_module(torch_styles, mesh, SharedReplicatedInput(fp8=False))
+    res["torch_grad"], res["torch_stats"] = run(torch_styles, keyword=False)
+    return res
+
+
 def checks(rank, world, mode, *args):
     modes = {
+        "shared": shared_checks,
         "block": block_checks,
         "recipe_block": recipe_block_checks,
         "indivisible": indivisible_checks,

@@ -1,6 +1,7 @@
 """FP8 tensor + sequence parallelism (tests/dist_tp.py on 2 and 4 gloo ranks): a GPT block's
 output and input gradient against the same FP8 block in one process and a float64 copy, the
-weights' storage, the bytes by collective kind; and the styles' bad input."""
+weights' storage, the bytes by collective kind; a shared input's one gradient sum; and the
+styles' bad input."""
 
 import pytest
 import torch
@@ -66,6 +67,23 @@ def test_bytes_by_kind(block_ranks):
         # 4 agreed scales (amax + flag, 8 bytes) and the 2 row-wise biases' gradients (FP32)
         assert s["all_reduce_calls"] == 6
         assert s["all_reduce_bytes"] == 2 * share * (4 * 8 + 2 * 4 * EMBD)
+
+
+@pytest.mark.slow
+def test_a_shared_input_sums_its_gradient_once():
+    """`SharedReplicatedInput` on a module whose input feeds two column-wise layers: one FP8
+    reduction of the input gradient where each layer would send its own (half the bytes), its error
+    within the FP8 wire's bound; with torch's styles (fp32) one all-reduce, one process's gradient."""
+    for r in run_workers("dist_tp.py", 2, "shared", timeout=TIMEOUT):
+        shared, per_layer = r["shared_stats"], r["per_layer_stats"]
+        assert (shared["all_to_all_calls"], per_layer["all_to_all_calls"]) == (1, 2)
+        assert shared["total_bytes"] == per_layer["total_bytes"] / 2
+        fp32 = r["fp32_grad"].double()
+        assert not torch.equal(r["shared_grad"], r["fp8_ref_grad"])  # the sum travelled in FP8
+        assert relative_error(r["shared_grad"], fp32) <= ERROR_GROWTH * relative_error(r["fp8_ref_grad"], fp32)
+        torch.testing.assert_close(r["torch_grad"], r["fp32_grad"], rtol=1e-5, atol=1e-6)
+        assert r["torch_stats"]["all_reduce_calls"] == 1
+        assert r["torch_stats"]["all_reduce_bytes"] == BATCH * SEQ * EMBD * 4
 
 
 @pytest.mark.slow

@@ -308,6 +308,11 @@ class SharedReplicatedInput(ParallelStyle):
         def prepare_input(mod, args, kwargs):
             if self.kwarg in kwargs:
                 return args, {**kwargs, self.kwarg: share(kwargs[self.kwarg])}
+            if not args:
+                raise TypeError(
+                    f"SharedReplicatedInput: {type(mod).__name__} was called without a positional input or "
+                    f"{self.kwarg}=: pass kwarg= the keyword it takes its input by"
+                )
             return (share(args[0]), *args[1:]), kwargs
 
         module.register_forward_pre_hook(prepare_input, with_kwargs=True)

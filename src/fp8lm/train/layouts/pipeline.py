@@ -1,5 +1,6 @@
 """Pipeline parallelism on the mesh's ``pp`` dimension (``--pp N``): this rank holds one stage of
-the GPT (`PipelineStageModule`; a ``--model`` folder's: `fp8lm.train.hf_parallel.HFPipelineStage`: FP8 carriers at the FP8 levels, plain boundaries in BF16 at bf16
+the GPT (`PipelineStageModule`; a ``--model`` folder's `fp8lm.train.hf_parallel.HFPipelineStage`:
+FP8 carriers at the FP8 levels, plain boundaries in BF16 at bf16
 and in precision annealing's BF16 steps, FP32 at fp32) and its optimizer state; a step is one ``ScheduleGPipe`` step over the shape's
 micro-batches (sends and receives counted by `FP8PipelineStage`), then `GradientSync` sums the
 norms' partial gradients over ``tp`` (3-D) and averages every gradient over the data-parallel
