@@ -180,13 +180,21 @@ def functional_checks(rank, world) -> dict:
 
 def shared_checks(rank, world) -> dict:
     """Two column-wise projections of one input, each summing its own input gradient (FP8), and
-    under `SharedReplicatedInput` (FP8, called by keyword; and torch's fp32 styles, positionally);
+    under `SharedReplicatedInput` (FP8, called by keyword; and torch's fp32 styles, positionally)
+    and `PrepareFP8ModuleInput` handing on a replicated DTensor (positionally);
     the input gradients and what each sent, next to the same projections in one process."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from fp8lm.distributed import FP8ColwiseParallel, SharedReplicatedInput, comm_stats, reset_comm_stats
+    from fp8lm.distributed import (
+        FP8ColwiseParallel,
+        PrepareFP8ModuleInput,
+        SharedReplicatedInput,
+        comm_stats,
+        reset_comm_stats,
+    )
     from fp8lm.distributed.comm import counted_functional_collectives
     from fp8lm.nn.convert import convert_linears
 
@@ -227,6 +235,12 @@ def shared_checks(rank, world) -> dict:
     shared = parallelize_module(copy.deepcopy(fp8), mesh, {"q": FP8ColwiseParallel(), "k": FP8ColwiseParallel()})
     parallelize_module(shared, mesh, SharedReplicatedInput(fp8=True))
     res["shared_grad"], res["shared_stats"] = run(shared, keyword=True)
+    prepared = parallelize_module(copy.deepcopy(fp8), mesh, {"q": FP8ColwiseParallel(), "k": FP8ColwiseParallel()})
+    keep = PrepareFP8ModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+    )
+    parallelize_module(prepared, mesh, keep)
+    res["prepared_grad"], res["prepared_stats"] = run(prepared, keyword=False)
     torch_styles = parallelize_module(copy.deepcopy(plain), mesh, {"q": ColwiseParallel(), "k": ColwiseParallel()})
     parallelize_module(torch_styles, mesh, SharedReplicatedInput(fp8=False))
     res["torch_grad"], res["torch_stats"] = run(torch_styles, keyword=False)

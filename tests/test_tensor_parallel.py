@@ -81,6 +81,9 @@ def test_a_shared_input_sums_its_gradient_once():
         fp32 = r["fp32_grad"].double()
         assert not torch.equal(r["shared_grad"], r["fp8_ref_grad"])  # the sum travelled in FP8
         assert relative_error(r["shared_grad"], fp32) <= ERROR_GROWTH * relative_error(r["fp8_ref_grad"], fp32)
+        # PrepareFP8ModuleInput(Replicate() -> Replicate(), use_local_output=False) is that producer too
+        assert torch.equal(r["prepared_grad"], r["shared_grad"])
+        assert r["prepared_stats"] == shared
         torch.testing.assert_close(r["torch_grad"], r["fp32_grad"], rtol=1e-5, atol=1e-6)
         assert r["torch_stats"]["all_reduce_calls"] == 1
         assert r["torch_stats"]["all_reduce_bytes"] == BATCH * SEQ * EMBD * 4

@@ -15,7 +15,8 @@
 - `PrepareFP8ModuleInput`: torch's `PrepareModuleInput` with the layout changes in FP8:
   ``Shard(d) -> Replicate()`` is the E4M3 all-gather (for tensor-parallel consumers, whose input
   gradients are partial sums: backward reduce-scatters them), ``Replicate() -> Shard(d)`` a local
-  slice whose gradient is all-gathered as E5M2.
+  slice whose gradient is all-gathered as E5M2, and ``Replicate() -> Replicate()`` handed on as a
+  DTensor (``use_local_output=False``) has its gradient summed once, as `SharedReplicatedInput`'s.
 - `SharedReplicatedInput`: a module whose replicated input feeds several column-wise layers (an
   attention layer's separate q, k and v projections, an MLP's gate and up) hands it to them as one
   replicated DTensor, so their partial input gradients are added up first and summed over the
@@ -250,6 +251,13 @@ class FP8RowwiseParallel(RowwiseParallel):
         return "FP8" + super().__repr__()
 
 
+def _shared_replicated(x: torch.Tensor, mesh: DeviceMesh, fp8: bool) -> DTensor:
+    """``x`` (the same on every rank) as a ``Replicate()`` DTensor whose gradient is summed over
+    the ranks once, with the FP8 all-reduce (``fp8=False``: in FP32)."""
+    x = copy_to_parallel_region(x, mesh.get_group(), fp8=fp8)
+    return DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+
+
 class PrepareFP8ModuleInput(PrepareModuleInput):
     """torch's `PrepareModuleInput` (same arguments) whose layout changes go through FP8
     collectives (module docstring). ``Shard(d) -> Replicate()`` is meant for inputs that feed
@@ -272,10 +280,15 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
     def _prepare_input_arg(self, input, mesh: DeviceMesh, input_layout, desired_layout):
         if input_layout is None:
             return input
-        x, current, _ = _local_input(input, input_layout)
+        x, current, was_dtensor = _local_input(input, input_layout)
         desired = desired_layout or current
         # In the tensors' own dtype when every FP8 layer the input feeds is switched to high precision.
-        x = _change_layout(x, current, desired, mesh.get_group(), self.recipe, fp8=not _switched(self.layers))
+        fp8 = not _switched(self.layers)
+        if isinstance(current, Replicate) and isinstance(desired, Replicate) and not self.use_local_output:
+            # Handed on as a replicated DTensor, whose consumers leave its gradient to its producer
+            # (`FP8ColwiseParallel`): this style is that producer unless the input already was one.
+            return input if was_dtensor else _shared_replicated(x, mesh, fp8)
+        x = _change_layout(x, current, desired, mesh.get_group(), self.recipe, fp8=fp8)
         return x if self.use_local_output else DTensor.from_local(x, mesh, (desired,), run_check=False)
 
     def __repr__(self) -> str:
@@ -295,14 +308,13 @@ class SharedReplicatedInput(ParallelStyle):
         self.fp8, self.kwarg = fp8, kwarg
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        group = device_mesh.get_group()
         layers = tuple(m for m in module.modules() if isinstance(m, FP8Linear))
 
         def share(x):
             if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
                 return x
             if self.fp8:
-                x = copy_to_parallel_region(x, group, fp8=not _switched(layers))
+                return _shared_replicated(x, device_mesh, fp8=not _switched(layers))
             return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
 
         def prepare_input(mod, args, kwargs):
