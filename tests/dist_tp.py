@@ -181,7 +181,8 @@ def functional_checks(rank, world) -> dict:
 def shared_checks(rank, world) -> dict:
     """Two column-wise projections of one input, each summing its own input gradient (FP8), and
     under `SharedReplicatedInput` (FP8, called by keyword; and torch's fp32 styles, positionally)
-    and `PrepareFP8ModuleInput` handing on a replicated DTensor (positionally);
+    and `PrepareFP8ModuleInput` handing on a replicated DTensor (positionally); with q and k
+    switched to high precision, per layer and shared;
     the input gradients and what each sent, next to the same projections in one process."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -202,6 +203,7 @@ def shared_checks(rank, world) -> dict:
         def __init__(self) -> None:
             super().__init__()
             self.q, self.k = nn.Linear(EMBD, EMBD), nn.Linear(EMBD, EMBD)
+            self.o = nn.Linear(EMBD, EMBD)  # an FP8 layer beside them that does not read the input
 
         def forward(self, hidden_states):
             return self.q(hidden_states), self.k(hidden_states)
@@ -241,6 +243,13 @@ def shared_checks(rank, world) -> dict:
     )
     parallelize_module(prepared, mesh, keep)
     res["prepared_grad"], res["prepared_stats"] = run(prepared, keyword=False)
+    for shared_style in (False, True):  # q and k switched to high precision, o not
+        switched = parallelize_module(copy.deepcopy(fp8), mesh, {"q": FP8ColwiseParallel(), "k": FP8ColwiseParallel()})
+        if shared_style:
+            parallelize_module(switched, mesh, SharedReplicatedInput(fp8=True))
+        switched.q.high_precision = switched.k.high_precision = True
+        key = "switched_shared" if shared_style else "switched_per_layer"
+        res[f"{key}_grad"], res[f"{key}_stats"] = run(switched, keyword=True)
     torch_styles = parallelize_module(copy.deepcopy(plain), mesh, {"q": ColwiseParallel(), "k": ColwiseParallel()})
     parallelize_module(torch_styles, mesh, SharedReplicatedInput(fp8=False))
     res["torch_grad"], res["torch_stats"] = run(torch_styles, keyword=False)

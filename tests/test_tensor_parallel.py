@@ -84,6 +84,13 @@ def test_a_shared_input_sums_its_gradient_once():
         # PrepareFP8ModuleInput(Replicate() -> Replicate(), use_local_output=False) is that producer too
         assert torch.equal(r["prepared_grad"], r["shared_grad"])
         assert r["prepared_stats"] == shared
+        # q and k switched to high precision: one FP32 sum, as their own two would be (the FP8
+        # layer beside them, not switched, reads no input and has no say)
+        switched, switched_per_layer = r["switched_shared_stats"], r["switched_per_layer_stats"]
+        assert (switched["all_to_all_calls"], switched_per_layer["all_to_all_calls"]) == (0, 0)
+        assert (switched["all_reduce_calls"], switched_per_layer["all_reduce_calls"]) == (1, 2)
+        assert switched["all_reduce_bytes"] == BATCH * SEQ * EMBD * 4
+        torch.testing.assert_close(r["switched_shared_grad"], r["switched_per_layer_grad"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["torch_grad"], r["fp32_grad"], rtol=1e-5, atol=1e-6)
         assert r["torch_stats"]["all_reduce_calls"] == 1
         assert r["torch_stats"]["all_reduce_bytes"] == BATCH * SEQ * EMBD * 4

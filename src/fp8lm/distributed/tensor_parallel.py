@@ -251,6 +251,15 @@ class FP8RowwiseParallel(RowwiseParallel):
         return "FP8" + super().__repr__()
 
 
+def _column_wise_layers(module: nn.Module) -> tuple:
+    """The FP8 layers of ``module`` whose weights are sharded by output rows (`FP8ColwiseParallel`):
+    the consumers of an input it shares, whose precision the shared input's gradient sum follows
+    (not an ``o_proj`` beside them); every FP8 layer of ``module`` where none is sharded so."""
+    layers = tuple(m for m in module.modules() if isinstance(m, FP8Linear))
+    column_wise = tuple(m for m in layers if isinstance(m.weight, DTensor) and m.weight.placements[-1] == Shard(0))
+    return column_wise or layers
+
+
 def _shared_replicated(x: torch.Tensor, mesh: DeviceMesh, fp8: bool) -> DTensor:
     """``x`` (the same on every rank) as a ``Replicate()`` DTensor whose gradient is summed over
     the ranks once, with the FP8 all-reduce (``fp8=False``: in FP32)."""
@@ -299,33 +308,32 @@ class SharedReplicatedInput(ParallelStyle):
     """The replicated input of a module that feeds it to several column-wise layers (module
     docstring), as a ``Replicate()`` DTensor: the layers (`FP8ColwiseParallel`, torch's
     `ColwiseParallel`) leave the gradient of a DTensor input to its producer, which sums it over the
-    ranks once: with the FP8 all-reduce when ``fp8`` (in FP32 while every FP8 layer of the module is
-    switched to high precision), else torch's all-reduce of the partial DTensor gradient. The input
-    is the keyword ``kwarg`` when the module is called with it, else the first positional one."""
+    ranks once: with the FP8 all-reduce when ``fp8`` (in FP32 while all the module's column-wise FP8
+    layers are switched to high precision: read at each forward), else torch's all-reduce of the
+    partial DTensor gradient. The input is the keyword ``kwarg`` when the module is called with it,
+    else the first positional one."""
 
     def __init__(self, *, fp8: bool, kwarg: str = "hidden_states") -> None:
         super().__init__()
         self.fp8, self.kwarg = fp8, kwarg
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        layers = tuple(m for m in module.modules() if isinstance(m, FP8Linear))
-
-        def share(x):
+        def share(mod, x):
             if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
                 return x
             if self.fp8:
-                return _shared_replicated(x, device_mesh, fp8=not _switched(layers))
+                return _shared_replicated(x, device_mesh, fp8=not _switched(_column_wise_layers(mod)))
             return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
 
         def prepare_input(mod, args, kwargs):
             if self.kwarg in kwargs:
-                return args, {**kwargs, self.kwarg: share(kwargs[self.kwarg])}
+                return args, {**kwargs, self.kwarg: share(mod, kwargs[self.kwarg])}
             if not args:
                 raise TypeError(
                     f"SharedReplicatedInput: {type(mod).__name__} was called without a positional input or "
                     f"{self.kwarg}=: pass kwarg= the keyword it takes its input by"
                 )
-            return (share(args[0]), *args[1:]), kwargs
+            return (share(mod, args[0]), *args[1:]), kwargs
 
         module.register_forward_pre_hook(prepare_input, with_kwargs=True)
         return module
