@@ -182,8 +182,8 @@ def shared_checks(rank, world) -> dict:
     """Two column-wise projections of one input, each summing its own input gradient (FP8), and
     under `SharedReplicatedInput` (FP8, called by keyword; and torch's fp32 styles, positionally)
     and `PrepareFP8ModuleInput` handing on a replicated DTensor (positionally); with q and k
-    switched to high precision, per layer and shared;
-    the input gradients and what each sent, next to the same projections in one process."""
+    switched to high precision, per layer and shared; the input gradients and what each sent,
+    next to the same projections in one process."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
