@@ -2,11 +2,13 @@
 (gloo ranks), next to the same FP8 block in one process and a float64 copy; saves what the test
 compares."""
 
+import contextlib
 import copy
 import sys
 
 import torch
 
+from dist_fsdp_compile import BACKEND
 from dist_launch import worker_main
 
 BATCH, SEQ, EMBD, HEADS = 2, 16, 64, 4
@@ -182,8 +184,9 @@ def shared_checks(rank, world) -> dict:
     """Two column-wise projections of one input, each summing its own input gradient (FP8), and
     under `SharedReplicatedInput` (FP8, called by keyword; and torch's fp32 styles, positionally)
     and `PrepareFP8ModuleInput` handing on a replicated DTensor (positionally); with q and k
-    switched to high precision, per layer and shared; the input gradients and what each sent,
-    next to the same projections in one process."""
+    switched to high precision, per layer and shared; compiled with ``fullgraph=True``, per layer
+    and shared; the input gradients and what each sent, next to the same projections in one
+    process."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -213,10 +216,12 @@ def shared_checks(rank, world) -> dict:
     x, gq, gk = (torch.randn(BATCH, SEQ, EMBD, generator=g) for _ in range(3))
     cols = slice(rank * EMBD // world, (rank + 1) * EMBD // world)
 
-    def run(model, keyword: bool) -> tuple[torch.Tensor, dict]:
+    def run(model, keyword: bool, compiled: bool = False) -> tuple[torch.Tensor, dict]:
         inp = x.clone().requires_grad_()
         reset_comm_stats()
-        with counted_functional_collectives():
+        # torch's collectives (DTensor's) counted by a dispatch mode, which dynamo does not trace;
+        # fp8lm's count themselves in a compiled graph
+        with contextlib.nullcontext() if compiled else counted_functional_collectives():
             q, k = model(hidden_states=inp) if keyword else model(inp)
             if q.shape[-1] != EMBD:  # a rank's columns
                 gq_, gk_ = gq[..., cols], gk[..., cols]
@@ -250,6 +255,13 @@ def shared_checks(rank, world) -> dict:
         switched.q.high_precision = switched.k.high_precision = True
         key = "switched_shared" if shared_style else "switched_per_layer"
         res[f"{key}_grad"], res[f"{key}_stats"] = run(switched, keyword=True)
+    for shared_style in (False, True):  # compiled whole: the FP8 all-reduce traced in the backward
+        compiled = parallelize_module(copy.deepcopy(fp8), mesh, {"q": FP8ColwiseParallel(), "k": FP8ColwiseParallel()})
+        if shared_style:
+            parallelize_module(compiled, mesh, SharedReplicatedInput(fp8=True))
+        compiled.compile(fullgraph=True, backend=BACKEND)
+        key = "compiled_shared" if shared_style else "compiled_per_layer"
+        res[f"{key}_grad"], res[f"{key}_stats"] = run(compiled, keyword=True, compiled=True)
     torch_styles = parallelize_module(copy.deepcopy(plain), mesh, {"q": ColwiseParallel(), "k": ColwiseParallel()})
     parallelize_module(torch_styles, mesh, SharedReplicatedInput(fp8=False))
     res["torch_grad"], res["torch_stats"] = run(torch_styles, keyword=False)

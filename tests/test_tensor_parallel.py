@@ -73,7 +73,8 @@ def test_bytes_by_kind(block_ranks):
 def test_a_shared_input_sums_its_gradient_once():
     """`SharedReplicatedInput` on a module whose input feeds two column-wise layers: one FP8
     reduction of the input gradient where each layer would send its own (half the bytes), its error
-    within the FP8 wire's bound; with torch's styles (fp32) one all-reduce, one process's gradient."""
+    within the FP8 wire's bound; with torch's styles (fp32) one all-reduce, one process's gradient;
+    compiled with ``fullgraph=True``, eager's gradient and bytes."""
     for r in run_workers("dist_tp.py", 2, "shared", timeout=TIMEOUT):
         shared, per_layer = r["shared_stats"], r["per_layer_stats"]
         assert (shared["all_to_all_calls"], per_layer["all_to_all_calls"]) == (1, 2)
@@ -91,6 +92,10 @@ def test_a_shared_input_sums_its_gradient_once():
         assert (switched["all_reduce_calls"], switched_per_layer["all_reduce_calls"]) == (1, 2)
         assert switched["all_reduce_bytes"] == BATCH * SEQ * EMBD * 4
         torch.testing.assert_close(r["switched_shared_grad"], r["switched_per_layer_grad"], rtol=1e-5, atol=1e-6)
+        # compiled with fullgraph=True (the reduction traced in the backward): eager's bits and bytes
+        for key in ("per_layer", "shared"):
+            assert torch.equal(r[f"compiled_{key}_grad"], r[f"{key}_grad"]), key
+            assert r[f"compiled_{key}_stats"] == r[f"{key}_stats"], key
         torch.testing.assert_close(r["torch_grad"], r["fp32_grad"], rtol=1e-5, atol=1e-6)
         assert r["torch_stats"]["all_reduce_calls"] == 1
         assert r["torch_stats"]["all_reduce_bytes"] == BATCH * SEQ * EMBD * 4

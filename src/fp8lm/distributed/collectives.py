@@ -89,8 +89,7 @@ def fp8_all_reduce(x: torch.Tensor, group=None, fmt: Format | str = E4M3, averag
     pieces, layout = _chunks(x, world)
     red = FP8Reduction(pieces, layout, group, fmt, average=average).start()
     red.reduce()
-    out = red.start_gather().results()
-    return torch.cat([dequantize_payload(p.payload, p.scale_inv) for p in out]).view(x.shape)
+    return torch.cat(red.start_gather().dequantized_results()).view(x.shape)
 
 
 def bf16_all_reduce(x: torch.Tensor, group=None, average: bool = False) -> torch.Tensor:
@@ -121,8 +120,8 @@ def shared_scale_all_reduce(
     layout = FlatLayout.contiguous([flat.numel()], world)
     red = FP8Reduction([flat], layout, group, fmt, scaling="shared", mu=mu, average=average).start()
     red.reduce()
-    (out,) = red.start_gather().results()
-    return dequantize_payload(out.payload, out.scale_inv).view(x.shape), red.global_saturated()
+    (out,) = red.start_gather().dequantized_results()
+    return out.view(x.shape), red.global_saturated()
 
 
 def fp8_all_reduce_error_bound(

@@ -428,12 +428,22 @@ class FP8Reduction:
     def results(self) -> list[ScalingTensor]:
         """The reduced segments, identical on every rank; a segment in which any rank had a
         non-finite value comes back with a NaN scale, so all its values read as NaN."""
+        return [ScalingTensor(payload, scale.clone(), torch.float32) for payload, scale in self._segments()]
+
+    def dequantized_results(self) -> list[torch.Tensor]:
+        """`results` in FP32, without making `ScalingTensor`s: dynamo cannot yet build one inside a
+        custom autograd Function's backward ("Unexpected type in sourceless builder"), where
+        the FP8 all-reduce of a replicated input's gradient runs."""
+        return [dequantize_payload(payload, scale.reciprocal()) for payload, scale in self._segments()]
+
+    def _segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each segment's gathered payload (of its tensor's shape) and scale."""
         self._wait()
         flat = self._gathered.view(self.fmt.dtype)
         out = []
         for s, (t, off, n) in enumerate(zip(self.tensors, self.layout.offsets, self.layout.lengths, strict=True)):
             scale = self.out_scales[s] * self.strategy.wire_factor  # NaN for a non-finite segment
-            out.append(ScalingTensor(flat[off : off + n].view(t.shape), scale.clone(), torch.float32))
+            out.append((flat[off : off + n].view(t.shape), scale))
         return out
 
     def global_saturated(self) -> int:
