@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..formats import format_of
 from ..recipe import Recipe, recipe_from
 from . import nvfp4
 from .block_scales import amax_over_max, e8m0_codes, pow2_ceil, pow2_floor
@@ -95,7 +96,9 @@ class BlockOperand(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """The values the GEMM sees, ``payload * d``, as float32 (compiled off the CPU, as
-        `quantize_operand`)."""
+        `quantize_operand`; one op on the CPU while torch.compile traces, `CPU_QUANTIZE_OP`)."""
+        if _quantizes_as_op(self.payload.device):
+            return _dequantize_blocks(self.payload, self.d, self.block[0], self.block[1])
         return _fused(_dequantize, (self.block,), self.payload.device, self.payload, self.d, self.block)
 
     def t(self) -> BlockOperand:
@@ -104,7 +107,11 @@ class BlockOperand(NamedTuple):
 
 
 def _dequantize(payload: torch.Tensor, d: torch.Tensor, block: Block) -> torch.Tensor:
-    return from_blocks(to_blocks(_float32_values(payload), block) * per_block(d), payload.shape)
+    return _scaled_values(_float32_values(payload), d, block)
+
+
+def _scaled_values(values: torch.Tensor, d: torch.Tensor, block: Block) -> torch.Tensor:
+    return from_blocks(to_blocks(values, block) * per_block(d), values.shape)
 
 
 def _float32_values(payload: torch.Tensor) -> torch.Tensor:
@@ -157,12 +164,16 @@ def _role_format(recipe: Recipe, role: str):
     ]
 
 
-def _scale_rule(recipe: Recipe):
+_SCALE_RULES = {"amax_over_max": amax_over_max, "pow2_floor": pow2_floor, "pow2_ceil": pow2_ceil}
+
+
+def _scale_rule(recipe: Recipe) -> str:
+    """The name (in `_SCALE_RULES`) of the rule that gives each block its scale."""
     if recipe.granularity == "blockwise" and not recipe.pow2_scales:
-        return amax_over_max
+        return "amax_over_max"
     if recipe.granularity == "mxfp8" and recipe.mx_rounding == "floor":
-        return pow2_floor
-    return pow2_ceil
+        return "pow2_floor"
+    return "pow2_ceil"
 
 
 def quantize_operand(
@@ -182,6 +193,9 @@ def quantize_operand(
     torch.compile is already tracing."""
     block = operand_block(recipe, role, x.shape, dim)
     x = x.detach()
+    if generator is None and _quantizes_as_op(x.device):
+        payload, d, tensor_scale = _opaque_quantize(_stored_values(x, stored_scale), recipe, role, block, tensor_amax)
+        return BlockOperand(payload, d, block, tensor_scale)
     if x.device.type == "cpu" or generator is not None or torch.compiler.is_compiling() or not FUSED_QUANTIZE.enabled:
         payload, d, tensor_scale = _quantize(
             _stored_values(x, stored_scale), recipe, role, block, generator, tensor_amax
@@ -210,6 +224,9 @@ def requantize_operand(op: BlockOperand, recipe: Recipe, role: str, dim: int) ->
     float32 values (`FUSED_QUANTIZE`)."""
     block = operand_block(recipe, role, op.payload.shape, dim)
     column_major = _column_major(recipe, block, dim)
+    if _quantizes_as_op(op.payload.device):
+        payload, d, tensor_scale = _opaque_quantize(op.dequantize(), recipe, role, block, None)
+        return BlockOperand(_laid_out(payload, column_major), d, block, tensor_scale)
     with torch.no_grad():
         payload, d, tensor_scale = _fused(
             _requantize,
@@ -272,15 +289,42 @@ def _quantize(
     tensor_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The payload, scales and (nvfp4) tensor scale of `quantize_operand`."""
+    return _quantize_as(x, _QuantizeRule.of(recipe, role), block, generator, tensor_amax)
+
+
+class _QuantizeRule(NamedTuple):
+    """What `_quantize` reads of a recipe and a role: strings and a dtype, which a `torch.library`
+    op takes as arguments (`_quantize_blocks`)."""
+
+    granularity: str
+    dtype: torch.dtype  # of the elements (not read for nvfp4: E2M1 values in E4M3 bytes)
+    scale_rule: str  # of `_SCALE_RULES` (not read for nvfp4)
+    nvfp4_scale_rule: str
+    stochastic: bool  # nvfp4's grad_output
+
+    @classmethod
+    def of(cls, recipe: Recipe, role: str) -> _QuantizeRule:
+        nvfp4 = recipe.granularity == "nvfp4"
+        dtype = _role_format(recipe, role).dtype
+        stochastic = nvfp4 and role == "grad_output"
+        return cls(recipe.granularity, dtype, _scale_rule(recipe), recipe.nvfp4_scale_rule, stochastic)
+
+
+def _quantize_as(
+    x: torch.Tensor,
+    rule: _QuantizeRule,
+    block: Block,
+    generator: torch.Generator | None,
+    tensor_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     xb = to_blocks(x, block)
     amax = block_amax(xb)
-    if recipe.granularity == "nvfp4":
+    if rule.granularity == "nvfp4":
         whole = amax.amax() if tensor_amax is None else tensor_amax.to(torch.float32)
-        stochastic = role == "grad_output"
-        return _nvfp4_operand(x, xb, amax, whole, block, recipe.nvfp4_scale_rule, stochastic, generator)
-    fmt = _role_format(recipe, role)
-    d = _scale_rule(recipe)(amax, fmt.max)
-    q = (xb.to(torch.float32) / per_block(d)).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+        return _nvfp4_operand(x, xb, amax, whole, block, rule.nvfp4_scale_rule, rule.stochastic, generator)
+    fmax = format_of(rule.dtype).max
+    d = _SCALE_RULES[rule.scale_rule](amax, fmax)
+    q = (xb.to(torch.float32) / per_block(d)).clamp(-fmax, fmax).to(rule.dtype)
     return from_blocks(q, x.shape), d, None
 
 
@@ -804,3 +848,99 @@ def fake_quantize(
         return x.detach().clone()
     x2 = x.detach().reshape(-1, x.shape[-1])
     return quantize_operand(x2, recipe, role, generator=generator).dequantize().to(x.dtype).reshape(x.shape)
+
+
+# -- the CPU emulation as ops under torch.compile -------------------------------------------------
+# On the CPU, while torch.compile traces, an operand's quantization and dequantization are one
+# `torch.library` op each (`fp8lm::quantize_blocks`, `fp8lm::dequantize_blocks`), which run the
+# eager code:
+# - Traced, one operand's quantization is some 50 to 150 ATen ops (nvfp4's two-level scales and
+#   rounding the most), which dynamo and AOTAutograd trace one by one: a compiled block compiles
+#   in about half the time as ops (docs/performance.md).
+# - Inductor's CPU code (torch 2.13) reads wrong values in the dequantization's pattern, a product
+#   broadcast over blocks and then cut to a shape the blocks do not divide (`from_blocks`): a
+#   compiled layer whose in_features no block divides gave garbage. As an op it runs eager code.
+# - nvfp4's stochastic rounding draws eager's noise (inductor's own random numbers differ).
+# Off the CPU the quantization stays traced, for inductor to fuse. ``CPU_QUANTIZE_OP = False``
+# traces it on the CPU too (the tests compare both).
+CPU_QUANTIZE_OP = True
+
+
+def _quantizes_as_op(device: torch.device) -> bool:
+    return CPU_QUANTIZE_OP and device.type == "cpu" and torch.compiler.is_compiling()
+
+
+def _opaque_quantize(
+    x: torch.Tensor, recipe: Recipe, role: str, block: Block, tensor_amax: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    rule = _QuantizeRule.of(recipe, role)
+    op = _quantize_blocks_stochastic if rule.stochastic else _quantize_blocks
+    payload, d, tensor_scale = op(
+        x, rule.granularity, rule.dtype, rule.scale_rule, rule.nvfp4_scale_rule, block[0], block[1], tensor_amax
+    )
+    return payload, d, (tensor_scale if rule.granularity == "nvfp4" else None)
+
+
+def _quantize_op_impl(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax, stochastic):
+    rule = _QuantizeRule(granularity, dtype, scale_rule, nvfp4_scale_rule, stochastic)
+    payload, d, tensor_scale = _quantize_as(x, rule, (rows, cols), None, tensor_amax)
+    return payload, d, (d.new_ones(()) if tensor_scale is None else tensor_scale)
+
+
+def _quantize_op_fake(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax):
+    payload_dtype = torch.float8_e4m3fn if granularity == "nvfp4" else dtype
+    blocks = (-(-x.shape[0] // rows), -(-x.shape[1] // cols))
+    return (
+        x.new_empty(x.shape, dtype=payload_dtype),
+        x.new_empty(blocks, dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("fp8lm::quantize_blocks", mutates_args=(), device_types="cpu")
+def _quantize_blocks(
+    x: torch.Tensor,
+    granularity: str,
+    dtype: torch.dtype,
+    scale_rule: str,
+    nvfp4_scale_rule: str,
+    rows: int,
+    cols: int,
+    tensor_amax: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_op_impl(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax, False)
+
+
+@torch.library.custom_op(
+    "fp8lm::quantize_blocks_stochastic",
+    mutates_args=(),
+    device_types="cpu",
+    tags=(torch.Tag.nondeterministic_seeded,),
+)
+def _quantize_blocks_stochastic(
+    x: torch.Tensor,
+    granularity: str,
+    dtype: torch.dtype,
+    scale_rule: str,
+    nvfp4_scale_rule: str,
+    rows: int,
+    cols: int,
+    tensor_amax: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_op_impl(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax, True)
+
+
+_quantize_blocks.register_fake(_quantize_op_fake)
+_quantize_blocks_stochastic.register_fake(_quantize_op_fake)
+
+
+@torch.library.custom_op("fp8lm::dequantize_blocks", mutates_args=(), device_types="cpu")
+def _dequantize_blocks(payload: torch.Tensor, d: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return _dequantize(payload, d, (rows, cols))
+
+
+@_dequantize_blocks.register_fake
+def _(payload: torch.Tensor, d: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    # the eager result's strides (`upcast`'s kernel, which `_dequantize` takes on the CPU, reads
+    # real memory; `to` keeps the strides as it does)
+    return _scaled_values(payload.to(torch.float32), d, (rows, cols))
