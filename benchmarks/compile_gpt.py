@@ -9,10 +9,13 @@ train`` runs O1 and O2), backward, optimizer step. Reported per level:
 ``recompiles`` (graphs compiled after the first step), both losses of every step and their largest
 difference in float32 ulps of the eager loss (0 or 1 is "equal within float32 rounding"), the
 time of the first (compiling) step and the mean compiled and eager times of the others.
+``--cpu-quantization op,traced`` measures each level twice: a fine-grained recipe's CPU
+quantization as one op per operand (the default) and traced op by op (as on CUDA).
 
     python benchmarks/compile_gpt.py [--preset gpt2] [--levels O1,O2] [--steps 4] [--batch 2] [--seq 64] [--backend inductor]
         [--layers N] [--no-autocast] [--arch llama] [--n-kv-head N]
-        [--activations fp8] [--activation-checkpointing none|selective|full]
+        [--activations fp8] [--activation-checkpointing none|selective|full] [--recipe NAME]
+        [--cpu-quantization op,traced]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from common import machine
 from torch._dynamo.utils import counters
 
 import fp8lm
+from fp8lm.ops import finegrained
 from fp8lm.policy import ACTIVATIONS
 from fp8lm.train.model import ARCHS, CHECKPOINTING, GPT, PRESETS, preset
 
@@ -108,6 +112,12 @@ def main() -> None:
         "--recipe", default=None, help="a named fp8lm.Recipe of the FP8 layers (default: tensorwise-delayed)"
     )
     parser.add_argument(
+        "--cpu-quantization",
+        default="op",
+        help="comma-separated, each measured in turn: how a fine-grained recipe quantizes on the CPU under "
+        "compile: op (one torch.library op per operand, the default) or traced (its ATen ops, as on CUDA)",
+    )
+    parser.add_argument(
         "--no-autocast",
         dest="autocast",
         action="store_false",
@@ -124,7 +134,13 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, n_layer=args.layers)
     if not 1 <= args.seq <= cfg.block_size or args.steps < 2:
         raise SystemExit(f"--seq must be in [1, {cfg.block_size}] and --steps >= 2")
-    levels = [measure_level(cfg, level, args) for level in args.levels.split(",")]
+    modes = args.cpu_quantization.split(",")
+    if not set(modes) <= {"op", "traced"}:
+        raise SystemExit(f"--cpu-quantization takes op and/or traced, got {args.cpu_quantization!r}")
+    levels = []
+    for mode in modes:
+        finegrained.CPU_QUANTIZE_OP = mode == "op"
+        levels += [{**measure_level(cfg, level, args), "cpu_quantization": mode} for level in args.levels.split(",")]
     print(
         json.dumps(
             {
