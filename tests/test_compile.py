@@ -58,7 +58,9 @@ def test_fullgraph_compile_of_a_llama_at_o2():
 @pytest.mark.slow
 def test_fullgraph_compile_of_a_gpt_with_a_fine_grained_recipe():
     """blockwise (1 x 128 / 128 x 128 scales, emulated GEMMs) at O2: one graph over the steps, the
-    eager losses."""
-    result = compile_gpt("tiny", 3, "--recipe", "blockwise", levels="O2")
+    eager losses; with the CPU quantization as ops (the default) and traced op by op."""
+    result = compile_gpt("tiny", 3, "--recipe", "blockwise", "--cpu-quantization", "op,traced", levels="O2")
     assert result["recipe"] == "blockwise"
-    check_one_graph_and_eager_losses(result, steps=3, levels=("O2",))
+    assert [level["cpu_quantization"] for level in result["levels"]] == ["op", "traced"]
+    check_one_graph_and_eager_losses({"levels": result["levels"][:1]}, steps=3, levels=("O2",))
+    check_one_graph_and_eager_losses({"levels": result["levels"][1:]}, steps=3, levels=("O2",))
