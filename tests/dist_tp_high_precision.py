@@ -1,6 +1,7 @@
 """Worker for tests/test_tp_high_precision.py: a GPT block under FP8 tensor + sequence parallelism
 (gloo ranks) with its FP8 layers switched to high precision (as a fallback or precision annealing
-switches them), next to the same block in one process switched alike; then switched back. Saves
+switches them), next to the same block in one process switched alike; then switched back; then
+with only its column-wise layers switched. Saves
 each phase's outputs, input and weight gradients, and the collectives' bytes."""
 
 import copy
@@ -49,10 +50,11 @@ def model_order(block, name: str, t: torch.Tensor) -> torch.Tensor:
     return torch.cat([per_rank[r][c] for c in range(chunks) for r in range(world)])
 
 
-def switch(blocks, high: bool) -> None:
+def switch(blocks, high: bool, names: tuple[str, ...] | None = None) -> None:
+    """Every FP8 layer of ``blocks`` (or those whose names end with one of ``names``)."""
     for block in blocks:
-        for m in block.modules():
-            if hasattr(m, "high_precision"):
+        for name, m in block.named_modules():
+            if hasattr(m, "high_precision") and (names is None or name.endswith(names)):
                 m.high_precision = high
 
 
@@ -75,6 +77,10 @@ def checks(rank, world) -> dict:
         switch((block, reference), high)
         res[phase] = run(block, x, grad_y, rank, world)
         res[phase]["ref"] = run(reference, x, grad_y)
+    # the column-wise layers alone (c_attn, c_fc), the row-wise c_proj left in FP8
+    switch((block,), True, names=("c_attn", "c_fc"))
+    res["column_wise"] = run(block, x, grad_y, rank, world)
+    switch((block,), False)
     return res
 
 

@@ -55,3 +55,13 @@ def test_switched_activations_travel_in_their_own_dtype(rank0):
     assert rank0["high"]["bytes"]["all_gather"] == 4 * shard * 4
     assert rank0["high"]["bytes"]["all_to_all"] == 4 * WORLD * shard * 4
     assert rank0["fp8"]["bytes"]["all_to_all"] == 4 * WORLD * shard * 1  # E4M3
+
+
+def test_the_column_wise_layers_switched_gather_their_input_in_its_own_dtype(rank0):
+    """c_attn and c_fc switched, the row-wise c_proj not (a fallback may switch them apart): the
+    attention's and the MLP's gathered inputs and their gradients' reductions in FP32, as their
+    consumers, the c_proj outputs' reductions still in E4M3."""
+    shard = BATCH * SEQ // WORLD * EMBD
+    assert rank0["column_wise"]["bytes"]["all_to_all"] == 2 * WORLD * shard * 4 + 2 * WORLD * shard * 1
+    fp8_backward_gathers = rank0["fp8"]["bytes"]["all_gather"] // 2  # the forward's are E4M3 alike
+    assert rank0["column_wise"]["bytes"]["all_gather"] == 2 * shard * 4 + fp8_backward_gathers

@@ -26,7 +26,7 @@
 A layer switched to high precision (``high_precision``: a fallback, precision annealing) gets and
 gives its activations and gradients in their own dtype instead, the reductions summed in FP32
 (``fp8=False`` in `fp8lm.distributed.activation_comm`): a module input goes so when every FP8
-layer it feeds is switched.
+layer it feeds is switched (a replicated one: the column-wise layers that read it).
 
 They compose with torch's ``SequenceParallel`` for norms. Weights become ``nn.Parameter``
 DTensors whose local tensors keep fp8lm's storage (a `ScalingTensor` with its payload and scale);
@@ -255,8 +255,17 @@ def _column_wise_layers(module: nn.Module) -> tuple:
     """The FP8 layers of ``module`` whose weights are sharded by output rows (`FP8ColwiseParallel`):
     the consumers of an input it shares, whose precision the shared input's gradient sum follows
     (not an ``o_proj`` beside them); every FP8 layer of ``module`` where none is sharded so."""
-    layers = tuple(m for m in module.modules() if isinstance(m, FP8Linear))
-    column_wise = tuple(m for m in layers if isinstance(m.weight, DTensor) and m.weight.placements[-1] == Shard(0))
+    return _column_wise_or_all(tuple(m for m in module.modules() if isinstance(m, FP8Linear)))
+
+
+def _column_wise_or_all(layers: tuple) -> tuple:
+    """Those of ``layers`` that are `FP8Linear`\ s with weights sharded by output rows; all of
+    ``layers`` where none is. Read at each forward: the styles may be applied in any order."""
+    column_wise = tuple(
+        m
+        for m in layers
+        if isinstance(m, FP8Linear) and isinstance(m.weight, DTensor) and m.weight.placements[-1] == Shard(0)
+    )
     return column_wise or layers
 
 
@@ -291,8 +300,10 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
             return input
         x, current, was_dtensor = _local_input(input, input_layout)
         desired = desired_layout or current
-        # In the tensors' own dtype when every FP8 layer the input feeds is switched to high precision.
-        fp8 = not _switched(self.layers)
+        # In the tensors' own dtype when every FP8 layer the input feeds is switched to high
+        # precision: a replicated input feeds the column-wise layers (not a row-wise c_proj beside
+        # them), a sharded one the whole module.
+        fp8 = not _switched(_column_wise_or_all(self.layers) if isinstance(desired, Replicate) else self.layers)
         if isinstance(current, Replicate) and isinstance(desired, Replicate) and not self.use_local_output:
             # Handed on as a replicated DTensor, whose consumers leave its gradient to its producer
             # (`FP8ColwiseParallel`): this style is that producer unless the input already was one.
