@@ -42,12 +42,14 @@ def test_the_op_gives_the_eager_quantization(name, role, dim):
         assert torch.equal(got[2], expected[2])
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("tensor_amax", [False, True])
 @pytest.mark.parametrize("name", ["rowwise", "blockwise", "mxfp8", "nvfp4"])
-def test_opcheck(name, tensor_amax):
+def test_opcheck(name, tensor_amax, transposed):
     rule = finegrained._QuantizeRule.of(RECIPES[name], "input")
     amax = torch.tensor(50.0) if tensor_amax else None
-    args = (_sample(), rule.granularity, rule.dtype, rule.scale_rule, rule.nvfp4_scale_rule, 1, 16, amax)
+    x = _sample().t().contiguous().t() if transposed else _sample()  # the fake's strides: the eager ones
+    args = (x, rule.granularity, rule.dtype, rule.scale_rule, rule.nvfp4_scale_rule, 1, 16, amax)
     torch.library.opcheck(torch.ops.fp8lm.quantize_blocks.default, args)
     # the stochastic one draws anew on each call: its fake tensors and schema only
     checks = ("test_schema", "test_faketensor")

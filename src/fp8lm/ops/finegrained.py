@@ -888,13 +888,9 @@ def _quantize_op_impl(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows,
 
 
 def _quantize_op_fake(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax):
-    payload_dtype = torch.float8_e4m3fn if granularity == "nvfp4" else dtype
-    blocks = (-(-x.shape[0] // rows), -(-x.shape[1] // cols))
-    return (
-        x.new_empty(x.shape, dtype=payload_dtype),
-        x.new_empty(blocks, dtype=torch.float32),
-        x.new_empty((), dtype=torch.float32),
-    )
+    # the eager code itself on fake tensors (dynamo traces it where the op is not used): the
+    # outputs' strides are the eager ones for any input layout
+    return _quantize_op_impl(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax, False)
 
 
 @torch.library.custom_op("fp8lm::quantize_blocks", mutates_args=(), device_types="cpu")
