@@ -4,7 +4,7 @@
 # training step of a ~1B-parameter GPT (24 layers x 2048 wide, 8 x 1024 tokens) under
 # torch.compile for BF16 autocast, torchao float8 and fp8lm O1 / O2, with state and activation bytes;
 # the distributed CLI on one GPU with NCCL (nccl_world1.py); and each recipe's layer against its
-# emulation (recipe_layers.py).
+# emulation (recipe_layers.py); the compiled quantization against eager (compiled_quantize_check.py).
 #
 #   bash benchmarks/gpu.sh [OUT_DIR]          # JSON files in OUT_DIR (default benchmarks/results/gpu)
 #   FP8LM_GPU_SMOKE=1 bash benchmarks/gpu.sh  # the same scripts at toy sizes on CPU, to check them
@@ -23,6 +23,7 @@ if [ "${FP8LM_GPU_SMOKE:-0}" = 1 ]; then
   opt=(--device cpu --layers 1 --width 64 --steps 2 --warmup 1 --skip-eager)
   nccl=(--device cpu --steps 4)
   layers=(--device cpu --tokens 256 --width 128 --reps 2 --backend scaled_mm)
+  check=(--device cpu --recipes blockwise)
 else
   gemm=()
   quant=(--mb 1024)
@@ -31,6 +32,7 @@ else
   opt=(--layers 24 --width 2048 --steps 10 --skip-eager)
   nccl=(--device cuda --steps 20)
   layers=(--tokens 8192 --width 4096)
+  check=(--recipes blockwise,nvfp4)
 fi
 
 status=0
@@ -51,4 +53,7 @@ run train_step_1b 270 train_step.py "${train[@]}"
 run nccl_world1 120 nccl_world1.py "${nccl[@]}"
 # each recipe's layer against its emulation on the device (compiled quantization, real kernels)
 run recipe_layers 120 recipe_layers.py "${layers[@]}"
+# the compiled quantization and a compiled layer against eager, shapes the blocks do not divide
+# included (inductor's CPU code got those wrong)
+run compiled_quantize_check 120 compiled_quantize_check.py "${check[@]}"
 exit $status
