@@ -13,7 +13,8 @@ Per recipe and shape (some that the blocks divide, some that they do not):
   the same layer eager, one forward and backward: the largest difference relative to the largest
   value of the output and both gradients (0 where both run the same code; nvfp4's gradients
   differ where the compiled code draws its own noise for the output gradient's stochastic
-  rounding: 0.16 and 0.18 measured on the CPU, traced; a wrong read gives 1e17 and more, or NaN:
+  rounding: 0.16 and 0.18 measured on the CPU, traced; the CPU's wrong reads gave 1e17 to 4e33,
+  inf or NaN under blockwise and mxfp8, under nvfp4 0.02 to 6e5 or NaN, changing from run to run:
   ``--cpu-traced`` on the CPU).
 
     python benchmarks/compiled_quantize_check.py [--device cuda] [--recipes rowwise,blockwise,mxfp8,nvfp4]
