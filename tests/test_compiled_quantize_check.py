@@ -32,6 +32,6 @@ def test_the_check_passes_with_the_ops_and_finds_the_fault_traced():
         assert all(row["fused"].values()), row
         if divides:
             assert row["layer"] == {"out": 0.0, "grad_x": 0.0, "grad_w": 0.0}, row
-        else:  # garbage read: errors of 1e17 and more, inf or NaN (not > 1, for NaN)
-            fault_seen = not all(error <= 1.0 for error in row["layer"].values())
+        else:  # values read from wherever: measured 1e17 and more, inf or NaN; zeros would give 1
+            fault_seen = not all(error <= 1e-3 for error in row["layer"].values())  # NaN counts
             assert fault_seen, f"inductor's CPU fault no longer shows (a newer torch?): {row}"
