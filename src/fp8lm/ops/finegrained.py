@@ -881,53 +881,34 @@ def _opaque_quantize(
     return payload, d, (tensor_scale if rule.granularity == "nvfp4" else None)
 
 
-def _quantize_op_impl(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax, stochastic):
-    rule = _QuantizeRule(granularity, dtype, scale_rule, nvfp4_scale_rule, stochastic)
-    payload, d, tensor_scale = _quantize_as(x, rule, (rows, cols), None, tensor_amax)
-    return payload, d, (d.new_ones(()) if tensor_scale is None else tensor_scale)
+def _quantize_op(name: str, stochastic: bool, tags: tuple = ()):
+    """The op ``name`` of `_quantize_as`, its fake implementation the same code on fake tensors
+    (dynamo traces it where the op is not used): the outputs' strides are the eager ones for any
+    input layout."""
+
+    def quantize_blocks(
+        x: torch.Tensor,
+        granularity: str,
+        dtype: torch.dtype,
+        scale_rule: str,
+        nvfp4_scale_rule: str,
+        rows: int,
+        cols: int,
+        tensor_amax: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rule = _QuantizeRule(granularity, dtype, scale_rule, nvfp4_scale_rule, stochastic)
+        payload, d, tensor_scale = _quantize_as(x, rule, (rows, cols), None, tensor_amax)
+        return payload, d, (d.new_ones(()) if tensor_scale is None else tensor_scale)
+
+    op = torch.library.custom_op(name, quantize_blocks, mutates_args=(), device_types="cpu", tags=tags)
+    op.register_fake(quantize_blocks)
+    return op
 
 
-def _quantize_op_fake(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax):
-    # the eager code itself on fake tensors (dynamo traces it where the op is not used): the
-    # outputs' strides are the eager ones for any input layout
-    return _quantize_op_impl(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax, False)
-
-
-@torch.library.custom_op("fp8lm::quantize_blocks", mutates_args=(), device_types="cpu")
-def _quantize_blocks(
-    x: torch.Tensor,
-    granularity: str,
-    dtype: torch.dtype,
-    scale_rule: str,
-    nvfp4_scale_rule: str,
-    rows: int,
-    cols: int,
-    tensor_amax: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_op_impl(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax, False)
-
-
-@torch.library.custom_op(
-    "fp8lm::quantize_blocks_stochastic",
-    mutates_args=(),
-    device_types="cpu",
-    tags=(torch.Tag.nondeterministic_seeded,),
+_quantize_blocks = _quantize_op("fp8lm::quantize_blocks", stochastic=False)
+_quantize_blocks_stochastic = _quantize_op(
+    "fp8lm::quantize_blocks_stochastic", stochastic=True, tags=(torch.Tag.nondeterministic_seeded,)
 )
-def _quantize_blocks_stochastic(
-    x: torch.Tensor,
-    granularity: str,
-    dtype: torch.dtype,
-    scale_rule: str,
-    nvfp4_scale_rule: str,
-    rows: int,
-    cols: int,
-    tensor_amax: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_op_impl(x, granularity, dtype, scale_rule, nvfp4_scale_rule, rows, cols, tensor_amax, True)
-
-
-_quantize_blocks.register_fake(_quantize_op_fake)
-_quantize_blocks_stochastic.register_fake(_quantize_op_fake)
 
 
 @torch.library.custom_op("fp8lm::dequantize_blocks", mutates_args=(), device_types="cpu")
